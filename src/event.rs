@@ -1,0 +1,306 @@
+//! Outbox rows and the SQS entries made from them. Every rule SQS would
+//! enforce is checked here, before any send, so a row SQS would refuse
+//! becomes DEAD with its reason instead of failing a whole batch.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// A committed outbox row, as read from the slot or the table.
+#[derive(Debug, Clone)]
+pub struct OutboxEvent {
+    pub id: i64,
+    pub event_id: String,
+    pub destination: String,
+    pub body: String,
+    pub group_key: Option<String>,
+    /// The `attributes` column's JSON text, if not NULL.
+    pub attributes: Option<String>,
+    /// Commit time of the row's transaction, microseconds since the Unix epoch.
+    pub commit_time_us: i64,
+}
+
+/// What SQS needs to know about a queue to batch for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueInfo {
+    pub url: String,
+    pub fifo: bool,
+    /// `MaximumMessageSize`, bytes (body plus attributes).
+    pub max_message_size: usize,
+}
+
+/// A message attribute, in SQS's terms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attribute {
+    pub name: String,
+    pub data_type: String,
+    pub value: String,
+}
+
+/// An event validated for its queue: ready to go into a batch.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub event: Arc<OutboxEvent>,
+    pub attributes: Vec<Attribute>,
+    /// Bytes SQS counts against the message and batch limits.
+    pub size: usize,
+    /// FIFO only: `MessageGroupId`.
+    pub group_id: Option<String>,
+    /// FIFO only: `MessageDeduplicationId`.
+    pub dedup_id: Option<String>,
+}
+
+/// Why a row will never be sent. `code` is the metric label and the prefix of
+/// `last_error`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadReason {
+    pub code: &'static str,
+    pub detail: String,
+}
+
+impl DeadReason {
+    pub fn new(code: &'static str, detail: impl Into<String>) -> Self {
+        Self { code, detail: detail.into() }
+    }
+
+    /// The text stored in `outbox.last_error`.
+    pub fn last_error(&self) -> String {
+        format!("{}: {}", self.code, self.detail)
+    }
+}
+
+/// SQS's limit on attributes per message.
+pub const MAX_ATTRIBUTES: usize = 10;
+
+/// SQS accepts `#x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD | #x10000-#x10FFFF`.
+/// Rust strings hold no surrogates, so that leaves the C0 controls and
+/// U+FFFE/U+FFFF to refuse.
+pub fn first_invalid_char(s: &str) -> Option<(usize, char)> {
+    s.char_indices().find(|&(_, c)| {
+        let c = c as u32;
+        !(c == 0x9 || c == 0xA || c == 0xD || (0x20..=0xFFFD).contains(&c) || c >= 0x10000)
+    })
+}
+
+/// Deduplication and group ids: 1 to 128 of `[A-Za-z0-9]` and ASCII punctuation.
+fn is_sqs_token(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation())
+}
+
+/// `MessageDeduplicationId` for an event: its `event_id` when SQS accepts it
+/// as one, otherwise the hex SHA-256 of it (64 characters, deterministic, so a
+/// resend within SQS's 5-minute window is still absorbed).
+pub fn dedup_id(event_id: &str) -> String {
+    if is_sqs_token(event_id) {
+        event_id.to_string()
+    } else {
+        hex::encode(Sha256::digest(event_id.as_bytes()))
+    }
+}
+
+/// Parse the `attributes` JSON: an object of at most 10 entries, each a string
+/// (type String), a number (type Number), a boolean (type String), or
+/// `{"DataType": "String|Number[.label]", "StringValue": "..."}`.
+pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
+    let bad = |d: String| DeadReason::new("invalid_attributes", d);
+    let v: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let obj = match v {
+        serde_json::Value::Null => return Ok(Vec::new()),
+        serde_json::Value::Object(o) => o,
+        other => return Err(bad(format!("expected a JSON object, got {other}"))),
+    };
+    if obj.len() > MAX_ATTRIBUTES {
+        return Err(bad(format!("{} attributes; SQS allows at most {MAX_ATTRIBUTES}", obj.len())));
+    }
+    let mut out = Vec::with_capacity(obj.len());
+    for (name, value) in obj {
+        validate_attribute_name(&name).map_err(bad)?;
+        let (data_type, value) = match value {
+            serde_json::Value::String(s) => ("String".to_string(), s),
+            serde_json::Value::Number(n) => ("Number".to_string(), n.to_string()),
+            serde_json::Value::Bool(b) => ("String".to_string(), b.to_string()),
+            serde_json::Value::Object(mut o) => {
+                let t = o.remove("DataType").and_then(|t| t.as_str().map(str::to_owned));
+                let s = o.remove("StringValue").and_then(|t| t.as_str().map(str::to_owned));
+                match (t, s) {
+                    (Some(t), Some(s)) if o.is_empty() => (t, s),
+                    _ => {
+                        return Err(bad(format!(
+                            "attribute {name:?}: expected {{\"DataType\": ..., \"StringValue\": ...}}"
+                        )))
+                    }
+                }
+            }
+            other => return Err(bad(format!("attribute {name:?}: unsupported value {other}"))),
+        };
+        let base = data_type.split('.').next().unwrap_or_default();
+        if base != "String" && base != "Number" {
+            return Err(bad(format!(
+                "attribute {name:?}: DataType {data_type:?} is not String or Number (Binary is not supported)"
+            )));
+        }
+        if value.is_empty() {
+            return Err(bad(format!("attribute {name:?}: empty value")));
+        }
+        if let Some((i, c)) = first_invalid_char(&value) {
+            return Err(DeadReason::new(
+                "invalid_characters",
+                format!("attribute {name:?} has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
+            ));
+        }
+        out.push(Attribute { name, data_type, value });
+    }
+    Ok(out)
+}
+
+fn validate_attribute_name(name: &str) -> Result<(), String> {
+    let lower = name.to_ascii_lowercase();
+    let ok = !name.is_empty()
+        && name.len() <= 256
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && !lower.starts_with("aws.")
+        && !lower.starts_with("amazon.");
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("attribute name {name:?} is not allowed by SQS"))
+    }
+}
+
+/// Validate `event` for `queue` and build its entry, or say why it is DEAD.
+pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, DeadReason> {
+    if event.body.is_empty() {
+        return Err(DeadReason::new("empty_body", "SQS refuses an empty message body"));
+    }
+    if let Some((i, c)) = first_invalid_char(&event.body) {
+        return Err(DeadReason::new(
+            "invalid_characters",
+            format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
+        ));
+    }
+    let attributes = match &event.attributes {
+        Some(json) => parse_attributes(json)?,
+        None => Vec::new(),
+    };
+    let size = event.body.len()
+        + attributes
+            .iter()
+            .map(|a| a.name.len() + a.data_type.len() + a.value.len())
+            .sum::<usize>();
+    if size > queue.max_message_size {
+        return Err(DeadReason::new(
+            "too_large",
+            format!(
+                "message is {size} bytes with its attributes; the queue allows {}",
+                queue.max_message_size
+            ),
+        ));
+    }
+    let (group_id, dedup) = if queue.fifo {
+        let group = match &event.group_key {
+            None => {
+                return Err(DeadReason::new(
+                    "fifo_without_group",
+                    "the destination is a FIFO queue and the row has no group_key",
+                ))
+            }
+            Some(g) if !is_sqs_token(g) => {
+                return Err(DeadReason::new(
+                    "invalid_group_key",
+                    "group_key must be 1 to 128 letters, digits or ASCII punctuation",
+                ))
+            }
+            Some(g) => g.clone(),
+        };
+        (Some(group), Some(dedup_id(&event.event_id)))
+    } else {
+        (None, None)
+    };
+    Ok(Entry { event, attributes, size, group_id, dedup_id: dedup })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
+        Arc::new(OutboxEvent {
+            id,
+            event_id: format!("e:{id}:0"),
+            destination: "orders".into(),
+            body: body.into(),
+            group_key: None,
+            attributes: None,
+            commit_time_us: 0,
+        })
+    }
+
+    fn q(fifo: bool, max: usize) -> QueueInfo {
+        QueueInfo { url: "http://q".into(), fifo, max_message_size: max }
+    }
+
+    #[test]
+    fn characters_sqs_refuses() {
+        assert_eq!(first_invalid_char("héllo\t\n\r ✓ 😀"), None);
+        assert_eq!(first_invalid_char("a\u{0}b"), Some((1, '\u{0}')));
+        assert_eq!(first_invalid_char("\u{1f}"), Some((0, '\u{1f}')));
+        assert_eq!(first_invalid_char("x\u{FFFE}"), Some((1, '\u{FFFE}')));
+        let dead = prepare(ev(1, "bad\u{7}bell"), &q(false, 1000)).unwrap_err();
+        assert_eq!(dead.code, "invalid_characters");
+        assert!(dead.last_error().contains("U+0007"));
+    }
+
+    #[test]
+    fn size_counts_multibyte_body_and_attributes() {
+        let mut e = (*ev(1, "é")).clone(); // 2 bytes
+        e.attributes = Some(r#"{"k": "vv", "n": 12}"#.into());
+        let entry = prepare(Arc::new(e.clone()), &q(false, 1000)).unwrap();
+        // body 2 + ("k" 1 + "String" 6 + "vv" 2) + ("n" 1 + "Number" 6 + "12" 2)
+        assert_eq!(entry.size, 2 + 9 + 9);
+        let dead = prepare(Arc::new(e), &q(false, 19)).unwrap_err();
+        assert_eq!(dead.code, "too_large");
+    }
+
+    #[test]
+    fn attributes_rules() {
+        assert!(parse_attributes(r#"{"a": {"DataType": "Number.int", "StringValue": "3"}}"#).is_ok());
+        let eleven: String = format!(
+            "{{{}}}",
+            (0..11).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(",")
+        );
+        assert!(parse_attributes(&eleven).unwrap_err().detail.contains("at most 10"));
+        assert!(parse_attributes("[1]").is_err());
+        assert!(parse_attributes(r#"{"AWS.x": "v"}"#).is_err());
+        assert!(parse_attributes(r#"{"a": {"DataType": "Binary", "StringValue": "x"}}"#).is_err());
+        assert!(parse_attributes(r#"{"a": ""}"#).is_err());
+        assert!(parse_attributes(r#"{"a": null}"#).is_err());
+        assert_eq!(parse_attributes("null").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn fifo_needs_a_group_and_gets_a_dedup_id() {
+        let dead = prepare(ev(1, "x"), &q(true, 1000)).unwrap_err();
+        assert_eq!(dead.code, "fifo_without_group");
+        let mut e = (*ev(1, "x")).clone();
+        e.group_key = Some("customer-7".into());
+        let entry = prepare(Arc::new(e.clone()), &q(true, 1000)).unwrap();
+        assert_eq!(entry.group_id.as_deref(), Some("customer-7"));
+        assert_eq!(entry.dedup_id.as_deref(), Some("e:1:0"));
+        e.group_key = Some("has space".into());
+        assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, "invalid_group_key");
+    }
+
+    #[test]
+    fn long_or_odd_event_ids_are_hashed() {
+        assert_eq!(dedup_id("order.created:abc:0"), "order.created:abc:0");
+        let long = "x".repeat(129);
+        assert_eq!(dedup_id(&long).len(), 64);
+        assert_eq!(dedup_id(&long), dedup_id(&long));
+        assert_eq!(dedup_id("with space").len(), 64);
+        assert_eq!(dedup_id("ünïcode").len(), 64);
+    }
+}

@@ -1,0 +1,125 @@
+//! Prometheus metrics, registered once per relay in its own registry (so
+//! tests can run several relays in one process), served with `/healthz` and
+//! `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+pub const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
+pub const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
+pub const EVENTS_PUBLISHED_TOTAL: &str = "outbox_relay_events_published_total";
+pub const EVENTS_DEAD_TOTAL: &str = "outbox_relay_events_dead_total";
+pub const PUBLISH_SECONDS: &str = "outbox_relay_publish_seconds";
+pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outbox_relay_commit_to_publish_seconds";
+pub const BACKLOG_EVENTS: &str = "outbox_relay_backlog_events";
+pub const MODE: &str = "outbox_relay_mode";
+pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
+pub const SQS_ENTRY_FAILURES_TOTAL: &str = "outbox_relay_sqs_entry_failures_total";
+pub const REPLAYED_FILTERED_TOTAL: &str = "outbox_relay_replayed_events_filtered_total";
+pub const STREAM_RESTARTS_TOTAL: &str = "outbox_relay_stream_restarts_total";
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub slot_lag_bytes: IntGauge,
+    pub slot_retained_wal_bytes: IntGauge,
+    pub events_published: IntCounterVec,
+    pub events_dead: IntCounterVec,
+    pub publish_seconds: HistogramVec,
+    pub commit_to_publish_seconds: Histogram,
+    pub backlog_events: IntGaugeVec,
+    pub mode: IntGaugeVec,
+    pub confirmed_lsn: IntGauge,
+    pub sqs_entry_failures: IntCounterVec,
+    pub replayed_filtered: IntCounter,
+    pub stream_restarts: IntCounter,
+    pub ready: AtomicBool,
+}
+
+impl Metrics {
+    pub fn new() -> Arc<Self> {
+        let registry = Registry::new();
+        let lat = vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+        ];
+        let m = Metrics {
+            slot_lag_bytes: IntGauge::new(SLOT_LAG_BYTES, "Current WAL position minus the slot's confirmed flush LSN").unwrap(),
+            slot_retained_wal_bytes: IntGauge::new(SLOT_RETAINED_WAL_BYTES, "Current WAL position minus the slot's restart LSN").unwrap(),
+            events_published: IntCounterVec::new(Opts::new(EVENTS_PUBLISHED_TOTAL, "Events accepted by SQS and marked PUBLISHED"), &["destination"]).unwrap(),
+            events_dead: IntCounterVec::new(Opts::new(EVENTS_DEAD_TOTAL, "Events marked DEAD, by reason"), &["destination", "reason"]).unwrap(),
+            publish_seconds: HistogramVec::new(HistogramOpts::new(PUBLISH_SECONDS, "Duration of one SendMessageBatch call").buckets(lat.clone()), &["destination"]).unwrap(),
+            commit_to_publish_seconds: Histogram::with_opts(HistogramOpts::new(COMMIT_TO_PUBLISH_SECONDS, "From the row's commit time to SQS acceptance").buckets(lat)).unwrap(),
+            backlog_events: IntGaugeVec::new(Opts::new(BACKLOG_EVENTS, "Events read but not yet settled, per destination"), &["destination"]).unwrap(),
+            mode: IntGaugeVec::new(Opts::new(MODE, "1 for the mode the relay runs in"), &["mode"]).unwrap(),
+            confirmed_lsn: IntGauge::new(CONFIRMED_LSN, "The LSN last confirmed to the server, as a number").unwrap(),
+            sqs_entry_failures: IntCounterVec::new(Opts::new(SQS_ENTRY_FAILURES_TOTAL, "Failed SendMessageBatch entries and calls, by error code"), &["destination", "code"]).unwrap(),
+            replayed_filtered: IntCounter::new(REPLAYED_FILTERED_TOTAL, "Replayed events skipped after a restart because their rows were already settled").unwrap(),
+            stream_restarts: IntCounter::new(STREAM_RESTARTS_TOTAL, "Times the replication stream was restarted after an error").unwrap(),
+            ready: AtomicBool::new(false),
+            registry,
+        };
+        let r = &m.registry;
+        r.register(Box::new(m.slot_lag_bytes.clone())).unwrap();
+        r.register(Box::new(m.slot_retained_wal_bytes.clone())).unwrap();
+        r.register(Box::new(m.events_published.clone())).unwrap();
+        r.register(Box::new(m.events_dead.clone())).unwrap();
+        r.register(Box::new(m.publish_seconds.clone())).unwrap();
+        r.register(Box::new(m.commit_to_publish_seconds.clone())).unwrap();
+        r.register(Box::new(m.backlog_events.clone())).unwrap();
+        r.register(Box::new(m.mode.clone())).unwrap();
+        r.register(Box::new(m.confirmed_lsn.clone())).unwrap();
+        r.register(Box::new(m.sqs_entry_failures.clone())).unwrap();
+        r.register(Box::new(m.replayed_filtered.clone())).unwrap();
+        r.register(Box::new(m.stream_restarts.clone())).unwrap();
+        Arc::new(m)
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        use prometheus::Encoder;
+        let mut buf = Vec::new();
+        prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
+        String::from_utf8(buf).expect("utf-8")
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+}
+
+/// Serve `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::{extract::State, http::StatusCode, routing::get, Router};
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                ([("content-type", "text/plain; version=0.0.4")], m.render())
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                if m.ready.load(Ordering::Relaxed) {
+                    (StatusCode::OK, "ready\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                }
+            }),
+        )
+        .with_state(metrics);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

@@ -1,0 +1,141 @@
+//! An in-memory publisher for tests: records what was sent, and injects the
+//! faults queued for it (fail entry k, throttle, fail the call, hold sends at a
+//! gate), one fault action per call, like etl's `faults.rs`.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use tokio::sync::Semaphore;
+
+use super::{CallError, EntryResult, Publisher};
+use crate::event::{Entry, QueueInfo};
+
+/// What the next `send_batch` call does instead of succeeding.
+#[derive(Debug, Clone)]
+pub enum Fault {
+    /// These entry positions fail with `code`; the rest are sent.
+    FailEntries { positions: Vec<usize>, code: String, sender_fault: bool },
+    /// The whole call fails; nothing is sent.
+    FailCall(CallError),
+}
+
+/// A message as the queue received it.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub outbox_id: i64,
+    pub event_id: String,
+    pub body: String,
+    pub group_id: Option<String>,
+    pub dedup_id: Option<String>,
+    pub attributes: Vec<(String, String, String)>,
+}
+
+#[derive(Default)]
+struct Inner {
+    queues: HashMap<String, QueueInfo>,
+    sent: HashMap<String, Vec<Sent>>,
+    faults: VecDeque<Fault>,
+    calls: usize,
+    batch_sizes: Vec<usize>,
+}
+
+#[derive(Clone, Default)]
+pub struct MemoryPublisher {
+    inner: Arc<Mutex<Inner>>,
+    gate: Arc<Mutex<Option<Arc<Semaphore>>>>,
+}
+
+impl MemoryPublisher {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
+        self.inner.lock().unwrap().queues.insert(
+            url.to_string(),
+            QueueInfo { url: url.to_string(), fifo, max_message_size },
+        );
+    }
+
+    pub fn push_fault(&self, f: Fault) {
+        self.inner.lock().unwrap().faults.push_back(f);
+    }
+
+    /// Hold every send until [`open_gate`](Self::open_gate).
+    pub fn close_gate(&self) {
+        *self.gate.lock().unwrap() = Some(Arc::new(Semaphore::new(0)));
+    }
+
+    pub fn open_gate(&self) {
+        if let Some(s) = self.gate.lock().unwrap().take() {
+            s.add_permits(Semaphore::MAX_PERMITS / 2);
+        }
+    }
+
+    pub fn sent(&self, url: &str) -> Vec<Sent> {
+        self.inner.lock().unwrap().sent.get(url).cloned().unwrap_or_default()
+    }
+
+    pub fn calls(&self) -> usize {
+        self.inner.lock().unwrap().calls
+    }
+
+    pub fn batch_sizes(&self) -> Vec<usize> {
+        self.inner.lock().unwrap().batch_sizes.clone()
+    }
+}
+
+#[async_trait]
+impl Publisher for MemoryPublisher {
+    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+        self.inner.lock().unwrap().queues.get(queue_url).cloned().ok_or(CallError {
+            code: "AWS.SimpleQueueService.NonExistentQueue".into(),
+            message: format!("no queue {queue_url}"),
+            sender_fault: true,
+        })
+    }
+
+    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        let gate = self.gate.lock().unwrap().clone();
+        if let Some(g) = gate {
+            let _permit = g.acquire().await.map_err(|_| CallError::transport("gate closed"))?;
+        }
+        let mut inner = self.inner.lock().unwrap();
+        inner.calls += 1;
+        inner.batch_sizes.push(entries.len());
+        assert!(entries.len() <= crate::batch::MAX_BATCH_ENTRIES, "batch over 10 entries");
+        let fault = inner.faults.pop_front();
+        let failing: Vec<usize> = match &fault {
+            Some(Fault::FailCall(e)) => return Err(e.clone()),
+            Some(Fault::FailEntries { positions, .. }) => positions.clone(),
+            None => vec![],
+        };
+        let mut out = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            if failing.contains(&i) {
+                let Some(Fault::FailEntries { code, sender_fault, .. }) = &fault else { unreachable!() };
+                out.push(EntryResult::Failed {
+                    code: code.clone(),
+                    sender_fault: *sender_fault,
+                    message: "injected".into(),
+                });
+                continue;
+            }
+            inner.sent.entry(queue_url.to_string()).or_default().push(Sent {
+                outbox_id: e.event.id,
+                event_id: e.event.event_id.clone(),
+                body: e.event.body.clone(),
+                group_id: e.group_id.clone(),
+                dedup_id: e.dedup_id.clone(),
+                attributes: e
+                    .attributes
+                    .iter()
+                    .map(|a| (a.name.clone(), a.data_type.clone(), a.value.clone()))
+                    .collect(),
+            });
+            out.push(EntryResult::Sent);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,49 @@
+//! The network call: one `SendMessageBatch`, and `GetQueueAttributes` at
+//! start-up. [`sqs::SqsPublisher`] talks to SQS (its SDK retries are off:
+//! [`crate::retry`] is the only place that retries); [`memory::MemoryPublisher`]
+//! keeps messages in memory and injects faults, for tests.
+
+pub mod memory;
+pub mod sqs;
+
+use async_trait::async_trait;
+
+use crate::event::{Entry, QueueInfo};
+
+/// The outcome of one entry of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryResult {
+    Sent,
+    Failed {
+        code: String,
+        sender_fault: bool,
+        message: String,
+    },
+}
+
+/// A call that failed as a whole: nothing is known to have been accepted.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct CallError {
+    /// The service's error code, or `transport` / `timeout` when no answer came.
+    pub code: String,
+    pub message: String,
+    /// The service blamed the request (4xx), not itself or the network.
+    pub sender_fault: bool,
+}
+
+impl CallError {
+    pub fn transport(message: impl Into<String>) -> Self {
+        Self { code: "transport".into(), message: message.into(), sender_fault: false }
+    }
+}
+
+#[async_trait]
+pub trait Publisher: Send + Sync + 'static {
+    /// `MaximumMessageSize` and `FifoQueue` of a queue; fails when the queue
+    /// does not answer.
+    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError>;
+
+    /// Send up to 10 entries; one result per entry, in the same order.
+    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError>;
+}

@@ -1,0 +1,111 @@
+//! The one place that decides what is retried, what is DEAD, and how long to
+//! wait. Everything else asks here.
+
+use std::time::Duration;
+
+use crate::publisher::CallError;
+
+/// What to do with a failed entry or call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Send it again, alone, after a backoff.
+    Retry,
+    /// It will never be accepted: mark the row DEAD.
+    Dead,
+    /// The request as a whole was refused for a reason one entry may have
+    /// caused: send each entry alone to find out which.
+    Split,
+}
+
+/// Error codes that mean "slow down" even when SQS marks them as the sender's fault.
+const THROTTLING: &[&str] = &[
+    "Throttling",
+    "ThrottlingException",
+    "RequestThrottled",
+    "TooManyRequestsException",
+    "KmsThrottled",
+    "KMS.ThrottlingException",
+    "ServiceUnavailable",
+    "InternalError",
+    "InternalFailure",
+    "RequestTimeout",
+];
+
+/// Codes that mean the queue or the credentials are wrong: an operator must act,
+/// and retrying keeps the rows safe until they do.
+const OPERATOR_ACTION: &[&str] = &[
+    "AWS.SimpleQueueService.NonExistentQueue",
+    "QueueDoesNotExist",
+    "AccessDenied",
+    "AccessDeniedException",
+    "InvalidClientTokenId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "UnrecognizedClientException",
+    "KmsAccessDenied",
+    "KmsDisabled",
+    "KmsNotFound",
+    "KmsInvalidState",
+    "KmsInvalidKeyUsage",
+    "KmsOptInRequired",
+    "RequestCanceled",
+];
+
+/// A failed entry of a `SendMessageBatch` response.
+pub fn classify_entry(code: &str, sender_fault: bool) -> Disposition {
+    if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
+        Disposition::Retry
+    } else {
+        Disposition::Dead
+    }
+}
+
+/// A `SendMessageBatch` call that failed as a whole.
+pub fn classify_call(e: &CallError, entries: usize) -> Disposition {
+    if THROTTLING.contains(&e.code.as_str()) || OPERATOR_ACTION.contains(&e.code.as_str()) || !e.sender_fault {
+        Disposition::Retry
+    } else if entries > 1 {
+        Disposition::Split
+    } else {
+        Disposition::Dead
+    }
+}
+
+/// Exponential backoff for in-stream retries: `base * 2^attempt`, capped.
+pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
+    let factor = 1u32.checked_shl(attempt.min(20)).unwrap_or(u32::MAX);
+    base.saturating_mul(factor).min(cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries() {
+        assert_eq!(classify_entry("InvalidMessageContents", true), Disposition::Dead);
+        assert_eq!(classify_entry("MissingParameter", true), Disposition::Dead);
+        assert_eq!(classify_entry("RequestThrottled", true), Disposition::Retry);
+        assert_eq!(classify_entry("InternalError", false), Disposition::Retry);
+        assert_eq!(classify_entry("Anything", false), Disposition::Retry);
+        assert_eq!(classify_entry("AccessDenied", true), Disposition::Retry);
+    }
+
+    #[test]
+    fn calls() {
+        let e = |code: &str, sf| CallError { code: code.into(), message: String::new(), sender_fault: sf };
+        assert_eq!(classify_call(&CallError::transport("reset"), 10), Disposition::Retry);
+        assert_eq!(classify_call(&e("BatchRequestTooLong", true), 10), Disposition::Split);
+        assert_eq!(classify_call(&e("InvalidParameterValue", true), 1), Disposition::Dead);
+        assert_eq!(classify_call(&e("AWS.SimpleQueueService.NonExistentQueue", true), 3), Disposition::Retry);
+    }
+
+    #[test]
+    fn backoff_doubles_to_a_cap() {
+        let b = |n| backoff(n, Duration::from_millis(100), Duration::from_secs(5));
+        assert_eq!(b(0), Duration::from_millis(100));
+        assert_eq!(b(3), Duration::from_millis(800));
+        assert_eq!(b(10), Duration::from_secs(5));
+        assert_eq!(b(u32::MAX), Duration::from_secs(5));
+    }
+}
