@@ -1,0 +1,270 @@
+//! The integration-test harness: starts the local stack (scripts/dev-stack:
+//! PostgreSQL 15 with wal_level=logical and ministack) once, gives each test its
+//! own database, slot and queues, and removes them afterwards.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use outbox_relay::config::{Config, FileConfig, Overrides};
+use outbox_relay::metrics::Metrics;
+use outbox_relay::publisher::sqs::SqsPublisher;
+use outbox_relay::publisher::Publisher;
+use outbox_relay::{db, RelayHandle};
+use tokio::sync::oneshot;
+use tokio_postgres::Client;
+
+pub struct Stack {
+    pub pg_url: String,
+    pub sqs_url: String,
+}
+
+/// The shared stack, started by the project's own script on first use.
+pub fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+        let out = std::process::Command::new("bash").arg(script).arg("up").output().expect("run scripts/dev-stack");
+        assert!(
+            out.status.success(),
+            "scripts/dev-stack up failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let get = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .unwrap_or_else(|| panic!("{k} missing from dev-stack output: {text}"))
+                .to_string()
+        };
+        Stack { pg_url: get("OUTBOX_RELAY_TEST_PG_URL"), sqs_url: get("OUTBOX_RELAY_TEST_SQS_URL") }
+    })
+}
+
+fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    format!("{prefix}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos % 100_000)
+}
+
+/// A database of its own, migrated, dropped (with its slots) on drop.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub slot: String,
+}
+
+impl TestDb {
+    pub async fn new(test: &str) -> TestDb {
+        let s = stack();
+        let name = unique(&format!("t_{test}"));
+        let admin = db::connect(&s.pg_url).await.unwrap();
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+        let url = format!("{}/{name}", s.pg_url.rsplit_once('/').unwrap().0);
+        let mut c = db::connect(&url).await.unwrap();
+        db::migrate(&mut c).await.unwrap();
+        TestDb { slot: format!("s_{name}"), name, url }
+    }
+
+    pub async fn client(&self) -> Client {
+        db::connect(&self.url).await.unwrap()
+    }
+
+    pub async fn confirmed_flush_lsn(&self) -> u64 {
+        let c = self.client().await;
+        let r = c
+            .query_opt(
+                "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .unwrap();
+        r.map(|r| r.get::<_, i64>(0) as u64).unwrap_or(0)
+    }
+
+    /// The end of the WAL inserted so far: at or past the end of every
+    /// transaction committed before the call.
+    pub async fn current_lsn(&self) -> u64 {
+        let c = self.client().await;
+        c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64
+    }
+
+    pub async fn count(&self, where_clause: &str) -> i64 {
+        let c = self.client().await;
+        c.query_one(&format!("SELECT count(*) FROM outbox WHERE {where_clause}"), &[]).await.unwrap().get(0)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let (name, slot, pg) = (self.name.clone(), self.slot.clone(), stack().pg_url.clone());
+        // Replication slots are cluster-wide: drop them, and terminate the
+        // walsenders holding them, before the database.
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let Ok(c) = db::connect(&pg).await else { return };
+                for _ in 0..50 {
+                    let _ = c
+                        .execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active_pid IS NOT NULL", &[&name])
+                        .await;
+                    let _ = c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active", &[&name]).await;
+                    let left: i64 = c
+                        .query_one("SELECT count(*) FROM pg_replication_slots WHERE database = $1", &[&name])
+                        .await
+                        .map(|r| r.get(0))
+                        .unwrap_or(0);
+                    if left == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let _ = slot;
+                let _ = c.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
+            });
+        })
+        .join()
+        .ok();
+    }
+}
+
+/// An SQS client for the stack's ministack.
+pub async fn sqs() -> SqsPublisher {
+    SqsPublisher::new("us-east-1", Some(&stack().sqs_url)).await
+}
+
+/// Create a queue with a unique name; returns its URL.
+pub async fn create_queue(sqs: &SqsPublisher, base: &str, fifo: bool, max_size: Option<usize>) -> String {
+    use aws_sdk_sqs::types::QueueAttributeName as A;
+    let name = if fifo { format!("{}.fifo", unique(base)) } else { unique(base) };
+    let mut req = sqs.client().create_queue().queue_name(name);
+    if fifo {
+        req = req.attributes(A::FifoQueue, "true");
+    }
+    if let Some(m) = max_size {
+        req = req.attributes(A::MaximumMessageSize, m.to_string());
+    }
+    req.send().await.unwrap().queue_url.unwrap()
+}
+
+/// A received message: body and the outbox event id attribute is not used;
+/// bodies carry the event id in tests.
+pub async fn receive_all(sqs: &SqsPublisher, url: &str, expect: usize, deadline: Duration) -> Vec<(String, Option<String>)> {
+    let end = Instant::now() + deadline;
+    let mut out = Vec::new();
+    while out.len() < expect && Instant::now() < end {
+        let r = sqs
+            .client()
+            .receive_message()
+            .queue_url(url)
+            .max_number_of_messages(10)
+            .wait_time_seconds(1)
+            .message_system_attribute_names(aws_sdk_sqs::types::MessageSystemAttributeName::MessageGroupId)
+            .send()
+            .await
+            .unwrap();
+        let msgs = r.messages.unwrap_or_default();
+        if msgs.is_empty() {
+            continue;
+        }
+        let mut del = sqs.client().delete_message_batch().queue_url(url);
+        for (i, m) in msgs.iter().enumerate() {
+            let group = m
+                .attributes
+                .as_ref()
+                .and_then(|a| a.get(&aws_sdk_sqs::types::MessageSystemAttributeName::MessageGroupId).cloned());
+            out.push((m.body.clone().unwrap_or_default(), group));
+            del = del.entries(
+                aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .receipt_handle(m.receipt_handle.clone().unwrap())
+                    .build()
+                    .unwrap(),
+            );
+        }
+        del.send().await.unwrap();
+    }
+    out
+}
+
+pub fn config(db: &TestDb, destinations: &[(&str, &str)]) -> Config {
+    let mut file = FileConfig {
+        database_url: Some(db.url.clone()),
+        slot: Some(db.slot.clone()),
+        heartbeat_interval: Some("200ms".into()),
+        ..Default::default()
+    };
+    file.sqs.endpoint_url = Some(stack().sqs_url.clone());
+    file.destinations = destinations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap()
+}
+
+/// A relay running in this process.
+pub struct Running {
+    pub metrics: Arc<Metrics>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), outbox_relay::relay::RelayError>>,
+}
+
+impl Running {
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(15), &mut self.task)
+            .await
+            .expect("relay stops within 15 s")
+            .unwrap()
+            .unwrap();
+    }
+
+    /// Abandon the relay without a graceful stop.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_test_writer()
+        .try_init();
+    let metrics = Metrics::new();
+    let (tx, rx) = oneshot::channel();
+    let handle = RelayHandle { metrics: Arc::clone(&metrics) };
+    let task = tokio::spawn(outbox_relay::run(config, publisher, handle, async move {
+        let _ = rx.await;
+    }));
+    Running { metrics, stop: Some(tx), task }
+}
+
+/// Wait until `cond` holds, polling; panic with `what` at the deadline.
+pub async fn wait_for<F, Fut>(what: &str, deadline: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let end = Instant::now() + deadline;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(Instant::now() < end, "timed out after {deadline:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Insert `n` rows for `destination` in one transaction; bodies are the event ids.
+pub async fn insert_rows(c: &Client, prefix: &str, destination: &str, n: usize, group_mod: Option<usize>) {
+    c.execute(
+        "INSERT INTO outbox (event_id, destination, body, group_key)
+         SELECT $1 || ':' || i, $2, $1 || ':' || i,
+                CASE WHEN $4::int IS NULL THEN NULL ELSE 'g' || (i % $4::int) END
+           FROM generate_series(1, $3::int) i",
+        &[&prefix, &destination, &(n as i32), &group_mod.map(|g| g as i32)],
+    )
+    .await
+    .unwrap();
+}

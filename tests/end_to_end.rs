@@ -1,0 +1,211 @@
+//! The relay against the real PostgreSQL and ministack started by the harness.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {
+    let db = TestDb::new("e2e").await;
+    let sqs = sqs().await;
+    let orders = create_queue(&sqs, "orders", false, None).await;
+    let audit = create_queue(&sqs, "audit", false, Some(1024)).await;
+    let billing = create_queue(&sqs, "billing", true, None).await;
+    let c = db.client().await;
+    // Written before the relay (and its slot) exist: caught up from the table.
+    insert_rows(&c, "early", "orders", 200, None).await;
+
+    let cfg = config(&db, &[("orders", &orders), ("audit", &audit), ("billing", &billing)]);
+    let relay = start(cfg, Arc::new(sqs.clone()));
+    for round in 0..4 {
+        insert_rows(&c, &format!("o{round}"), "orders", 500, None).await;
+        insert_rows(&c, &format!("a{round}"), "audit", 300, None).await;
+        insert_rows(&c, &format!("b{round}"), "billing", 200, Some(7)).await;
+    }
+    // Rows SQS would refuse, among good ones in the same transaction.
+    c.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nowhere', 'nowhere', 'x');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:char', 'orders', E'bell\\007');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:big', 'audit', repeat('é', 600));
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nogroup', 'billing', 'x');
+         INSERT INTO outbox (event_id, destination, body, attributes)
+              VALUES ('bad:attrs', 'orders', 'x', (SELECT jsonb_object_agg('k' || i, 'v') FROM generate_series(1, 11) i));
+         INSERT INTO outbox (event_id, destination, body, attributes) VALUES ('good:attrs', 'orders', 'good:attrs', '{\"kind\": \"x\", \"n\": 5}');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('good:multibyte', 'audit', repeat('é', 500));
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+
+    let total_good = 200 + 4 * (500 + 300 + 200) + 2;
+    wait_for("every row settled", Duration::from_secs(120), || async {
+        db.count("status = 'NEW'").await == 0
+    })
+    .await;
+    assert_eq!(db.count("status = 'PUBLISHED'").await, total_good as i64);
+    let c2 = db.client().await;
+    let dead: HashMap<String, String> = c2
+        .query("SELECT event_id, last_error FROM outbox WHERE status = 'DEAD'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(dead.len(), 5, "{dead:?}");
+    assert!(dead["bad:nowhere"].starts_with("unknown_destination"));
+    assert!(dead["bad:char"].starts_with("invalid_characters"));
+    assert!(dead["bad:big"].starts_with("too_large"));
+    assert!(dead["bad:nogroup"].starts_with("fifo_without_group"));
+    assert!(dead["bad:attrs"].starts_with("invalid_attributes"));
+
+    // Every good row is in its queue.
+    let got_orders = receive_all(&sqs, &orders, 200 + 2000 + 1, Duration::from_secs(60)).await;
+    let ids: HashSet<&str> = got_orders.iter().map(|(b, _)| b.as_str()).collect();
+    assert_eq!(ids.len(), 200 + 2000 + 1);
+    assert!(ids.contains("early:1") && ids.contains("o3:500") && ids.contains("good:attrs"));
+    let got_audit = receive_all(&sqs, &audit, 1201, Duration::from_secs(60)).await;
+    assert_eq!(got_audit.iter().map(|(b, _)| b.as_str()).collect::<HashSet<_>>().len(), 1201);
+    // FIFO: every message, each group in commit order.
+    let got_billing = receive_all(&sqs, &billing, 800, Duration::from_secs(60)).await;
+    assert_eq!(got_billing.len(), 800);
+    let mut per_group: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
+    for (body, group) in &got_billing {
+        let (round, i) = body.trim_start_matches('b').split_once(':').unwrap();
+        per_group
+            .entry(group.clone().expect("group id"))
+            .or_default()
+            .push((round.parse().unwrap(), i.parse().unwrap()));
+    }
+    for (g, seq) in &per_group {
+        let mut sorted = seq.clone();
+        sorted.sort();
+        assert_eq!(seq, &sorted, "group {g} out of commit order");
+    }
+
+    let m = relay.metrics.render();
+    assert!(m.contains("outbox_relay_events_published_total{destination=\"orders\"} 2201"), "{m}");
+    assert!(m.contains("outbox_relay_events_dead_total{destination=\"audit\",reason=\"too_large\"} 1"));
+    // The slot moved past everything.
+    let after = db.current_lsn().await;
+    wait_for("slot confirmed past the last insert", Duration::from_secs(20), || async {
+        db.confirmed_flush_lsn().await >= after
+    })
+    .await;
+    relay.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_stream_then_restart_loses_nothing() {
+    let db = TestDb::new("kill").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "kill", false, None).await;
+    let toml = format!(
+        "database_url = \"{}\"\nslot = \"{}\"\nmetrics_addr = \"off\"\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\norders = \"{q}\"\n",
+        db.url,
+        db.slot,
+        stack().sqs_url
+    );
+    let dir = std::env::temp_dir().join(format!("kill-{}", db.name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("relay.toml");
+    std::fs::write(&path, toml).unwrap();
+    let spawn = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .args(["run", "--config", path.to_str().unwrap()])
+            .env("RUST_LOG", "warn")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut relay = spawn();
+    let c = db.client().await;
+    let total = 6_000usize;
+    let writer = {
+        let c = db.client().await;
+        tokio::spawn(async move {
+            for k in 0..60 {
+                insert_rows(&c, &format!("k{k}"), "orders", 100, None).await;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    wait_for("some rows published", Duration::from_secs(60), || async {
+        db.count("status = 'PUBLISHED'").await >= 1_000
+    })
+    .await;
+    relay.kill().unwrap(); // SIGKILL
+    relay.wait().unwrap();
+    let published_at_kill = db.count("status = 'PUBLISHED'").await;
+    writer.await.unwrap();
+    let mut relay = spawn();
+    wait_for("every row published after restart", Duration::from_secs(120), || async {
+        db.count("status = 'PUBLISHED'").await == total as i64
+    })
+    .await;
+    let got = receive_all(&sqs, &q, total, Duration::from_secs(90)).await;
+    // Drain stragglers (duplicates) for a moment.
+    let extra = receive_all(&sqs, &q, usize::MAX, Duration::from_secs(2)).await;
+    let all: Vec<&str> = got.iter().chain(extra.iter()).map(|(b, _)| b.as_str()).collect();
+    let unique: HashSet<&str> = all.iter().copied().collect();
+    eprintln!(
+        "kill -9 after {published_at_kill} of {total} published: {} messages received, {} unique, {} duplicates",
+        all.len(),
+        unique.len(),
+        all.len() - unique.len()
+    );
+    assert_eq!(unique.len(), total, "every committed row arrives");
+    let _ = c;
+
+    // Graceful shutdown: SIGTERM, exit 0 within a few seconds.
+    let pid = relay.id().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = relay.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "relay did not exit within 10 s of SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "exit status {status:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_refuses_with_a_fix() {
+    let db = TestDb::new("refuse").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "ok", false, None).await;
+    // A queue that does not exist.
+    let cfg = config(&db, &[("orders", &q), ("ghost", &format!("{}/000000000000/no-such-queue", stack().sqs_url))]);
+    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("destination \"ghost\"") && err.contains("GetQueueAttributes"), "{err}");
+    // A missing publication.
+    let mut cfg = config(&db, &[("orders", &q)]);
+    cfg.publication = "nope".into();
+    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("publication \"nope\" does not exist"), "{err}");
+    // A role that may not replicate.
+    let c = db.client().await;
+    let role = format!("r_{}", db.name);
+    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON outbox TO {role}")).await.unwrap();
+    let mut cfg = config(&db, &[("orders", &q)]);
+    cfg.database_url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("may not replicate") && err.contains("ALTER ROLE"), "{err}");
+    c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
+}
