@@ -85,7 +85,9 @@ async fn a_partially_failed_batch_resends_only_the_failed_entries() {
     p.push_fault(Fault::FailCall(outbox_relay::publisher::CallError::transport("connection reset")));
     // Third call (the same two again): the first is refused for good, the second sent.
     p.push_fault(Fault::FailEntries { positions: vec![0], code: "InvalidMessageContents".into(), sender_fault: true });
-    let relay = start(config(&db, &[("orders", Q)]), Arc::new(p.clone()));
+    let mut cfg = config(&db, &[("orders", Q)]);
+    cfg.linger = Duration::from_millis(500); // the ten rows go out as one batch
+    let relay = start(cfg, Arc::new(p.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let c = db.client().await;
     insert_rows(&c, "p", "orders", 10, None).await;
