@@ -140,3 +140,39 @@ async fn rows_settled_before_a_crash_are_not_sent_again() {
     assert!(relay.metrics.render().contains("outbox_relay_replayed_events_filtered_total 25"));
     relay.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_killed_mid_stream_reconnect_and_lose_nothing() {
+    let db = TestDb::new("reconnect").await;
+    let p = publisher();
+    let relay = start(config(&db, &[("orders", Q), ("billing", Q2)]), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let c = db.client().await;
+    for round in 0..5 {
+        insert_rows(&c, &format!("o{round}"), "orders", 400, None).await;
+        insert_rows(&c, &format!("b{round}"), "billing", 400, None).await;
+        // Every connection of the relay, walsender included, dies as in a
+        // PostgreSQL restart.
+        c.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap();
+    }
+    wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert_eq!(db.count("status = 'PUBLISHED'").await, 4_000);
+    let mut ids: Vec<i64> = p.sent(Q).iter().chain(p.sent(Q2).iter()).map(|s| s.outbox_id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 4_000, "every row reached its queue at least once");
+    let m = relay.metrics.render();
+    let restarts: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("outbox_relay_stream_restarts_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(restarts >= 1, "the relay noticed and restarted its session: {restarts}");
+    relay.stop().await;
+}
