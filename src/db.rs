@@ -107,7 +107,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if wal_level != "logical" {
         return Err(DbError::Check(format!(
-            "wal_level is '{wal_level}', CDC mode needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL (or run with --mode polling)"
+            "wal_level is '{wal_level}', CDC mode needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"
         )));
     }
     let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;
@@ -133,7 +133,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
     let (user, can): (String, bool) = (row.get(0), row.get(1));
     if !can {
         return Err(DbError::Check(format!(
-            "role {user:?} may not replicate: ALTER ROLE {user} REPLICATION (or run with --mode polling)"
+            "role {user:?} may not replicate: ALTER ROLE {user} REPLICATION"
         )));
     }
     Ok(())
