@@ -7,6 +7,7 @@
 //! rows already marked are filtered out of the replay.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,10 +20,10 @@ use tokio_postgres::Client;
 use crate::config::Config;
 use crate::db;
 use crate::event::{prepare, DeadReason, OutboxEvent, QueueInfo};
-use crate::lane::{run_lane, LaneConfig, LaneItem};
+use crate::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
 use crate::publisher::Publisher;
-use crate::settle::{run_settler, Outcome, Settlement};
+use crate::settle::{run_settler, Backoff, Outcome, Settlement};
 use crate::watermark::{TxnSeq, Watermark};
 
 /// Events of one transaction are checked against the table and dispatched in
@@ -56,6 +57,17 @@ pub struct StreamContext {
     pub queues: BTreeMap<String, QueueInfo>,
     pub publisher: Arc<dyn Publisher>,
     pub metrics: Arc<Metrics>,
+    /// Per destination, outliving sessions: streaming or spooling.
+    pub lanes: BTreeMap<String, Arc<LaneState>>,
+    /// This process has streamed from the slot: if it is missing now, it was
+    /// dropped under us.
+    pub slot_seen: AtomicBool,
+}
+
+impl StreamContext {
+    pub fn backoff(&self) -> Backoff {
+        Backoff { base: self.config.retry_base, max: self.config.retry_max }
+    }
 }
 
 /// Run one replication session until `shutdown` turns true (Ok) or an error.
@@ -64,6 +76,16 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     let sql = db::connect(&cfg.database_url).await?;
     let startup_lsn = current_wal_lsn(&sql).await?;
     let slot = prepare_slot(&sql, &cfg.slot).await?;
+    match slot {
+        SlotState::Lost => {
+            ctx.metrics.slot_recreated.inc();
+        }
+        SlotState::Missing if ctx.slot_seen.load(Ordering::Relaxed) => {
+            tracing::error!(slot = %cfg.slot, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
+            ctx.metrics.slot_recreated.inc();
+        }
+        _ => {}
+    }
 
     let parts = db::conn_parts(&cfg.database_url)?;
     let rcfg = ReplicationConfig::new(
@@ -84,7 +106,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     let mut catch_up: Option<(Client, Lsn)> = None;
     let start_lsn = match slot {
         SlotState::Exists { confirmed_flush } => confirmed_flush,
-        SlotState::Missing => {
+        SlotState::Missing | SlotState::Lost => {
             let rows = repl
                 .simple_query(&format!("CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export')", cfg.slot))
                 .await?;
@@ -111,6 +133,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     };
     repl.start().await?;
     repl.wait_started().await?;
+    ctx.slot_seen.store(true, Ordering::Relaxed);
     ctx.metrics.set_ready(true);
     tracing::info!(slot = %cfg.slot, start = %start_lsn, "streaming");
 
@@ -125,6 +148,27 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         Arc::clone(&watermark),
         Arc::clone(&confirm),
         Arc::clone(&ctx.metrics),
+        ctx.backoff(),
+    ));
+    // Lanes with rows in the table keep spooling until the drain empties it,
+    // so a FIFO group is not overtaken by its own newer events.
+    let spooled: Vec<String> = sql
+        .query("SELECT DISTINCT destination FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NOT NULL", &[])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for (name, state) in &ctx.lanes {
+        state.reset_deferred();
+        if spooled.contains(name) {
+            state.start_spooling("rows of this destination are waiting in the outbox table");
+        }
+    }
+    let wal_watch = tokio::spawn(watch_wal(
+        cfg.database_url.clone(),
+        cfg.slot.clone(),
+        cfg.max_retained_wal,
+        ctx.lanes.values().cloned().collect(),
     ));
     let mut lanes = JoinSet::new();
     let mut lane_tx = HashMap::new();
@@ -137,13 +181,17 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
             linger: cfg.linger,
             max_in_flight: cfg.max_in_flight_batches,
             retry_base: Duration::from_millis(200),
-            retry_cap: Duration::from_secs(30),
+            retry_cap: Duration::from_secs(10),
+            retry: RetryPolicy::InMemory,
+            stall_timeout: Some(cfg.lane_stall_timeout),
         };
-        lanes.spawn(run_lane(lane_cfg, Arc::clone(&ctx.publisher), rx, settle_tx.clone(), Arc::clone(&ctx.metrics)));
+        let state = Arc::clone(&ctx.lanes[name]);
+        lanes.spawn(run_lane(lane_cfg, Arc::clone(&ctx.publisher), rx, settle_tx.clone(), Arc::clone(&ctx.metrics), Some(state)));
     }
     let mut router = Router {
         queues: &ctx.queues,
         lanes: lane_tx,
+        states: &ctx.lanes,
         settle: settle_tx,
         budget,
         watermark: Arc::clone(&watermark),
@@ -254,6 +302,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     }
     lanes.abort_all();
     settler.abort();
+    wal_watch.abort();
     let _ = repl.shutdown().await;
     result
 }
@@ -279,6 +328,8 @@ struct OpenTxn {
 enum SlotState {
     Exists { confirmed_flush: Lsn },
     Missing,
+    /// It lost its WAL and was dropped.
+    Lost,
 }
 
 async fn current_wal_lsn(sql: &Client) -> Result<Lsn, CdcError> {
@@ -307,7 +358,7 @@ async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, CdcError> {
     if wal_status == "lost" {
         tracing::error!(slot, "replication slot lost its WAL (max_slot_wal_keep_size); dropping it and catching up from the outbox table");
         sql.execute("SELECT pg_drop_replication_slot($1)", &[&slot]).await?;
-        return Ok(SlotState::Missing);
+        return Ok(SlotState::Lost);
     }
     let confirmed_flush = flush.and_then(|s| s.parse().ok()).unwrap_or_default();
     Ok(SlotState::Exists { confirmed_flush })
@@ -346,6 +397,7 @@ fn row_from_tuple(rel: &Relation, t: &Tuple, commit_time_us: i64) -> Result<Outb
 pub(crate) struct Router<'a> {
     pub queues: &'a BTreeMap<String, QueueInfo>,
     pub lanes: HashMap<String, mpsc::Sender<LaneItem>>,
+    pub states: &'a BTreeMap<String, Arc<LaneState>>,
     pub settle: mpsc::UnboundedSender<Settlement>,
     pub budget: Arc<Semaphore>,
     pub watermark: Arc<Mutex<Watermark>>,
@@ -363,7 +415,10 @@ impl Router<'_> {
         if replayed {
             let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
             let done: std::collections::HashSet<i64> = sql
-                .query("SELECT id FROM outbox WHERE id = ANY($1) AND status <> 'NEW'", &[&ids])
+                .query(
+                    "SELECT id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)",
+                    &[&ids],
+                )
                 .await?
                 .iter()
                 .map(|r| r.get(0))
@@ -397,9 +452,25 @@ impl Router<'_> {
         };
         self.metrics.backlog_events.with_label_values(&[label]).inc();
         match verdict {
+            Ok(_) if self.states[&ev.destination].is_spooling() => {
+                // A spooling lane's new events go straight to the table.
+                let state = &self.states[&ev.destination];
+                state.deferring();
+                let last = state.last_error();
+                self.settle
+                    .send(Settlement {
+                        id: ev.id,
+                        txn: seq,
+                        destination: Arc::from(label),
+                        outcome: Outcome::Deferred(if last.is_empty() { "spooled".into() } else { format!("spooled: {last}") }),
+                        permit: Some(permit),
+                        lane: Some(Arc::clone(state)),
+                    })
+                    .map_err(|_| CdcError::Settler("settler stopped".into()))?;
+            }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                tx.send(LaneItem { entry, txn: seq, permit: Some(permit) })
+                tx.send(LaneItem::new(entry, seq, Some(permit)))
                     .await
                     .map_err(|_| CdcError::Settler("lane stopped".into()))?;
             }
@@ -411,6 +482,7 @@ impl Router<'_> {
                         destination: Arc::from(label),
                         outcome: Outcome::Dead(reason),
                         permit: Some(permit),
+                        lane: None,
                     })
                     .map_err(|_| CdcError::Settler("settler stopped".into()))?;
             }
@@ -425,7 +497,7 @@ impl Router<'_> {
                 "DECLARE outbox_catch_up NO SCROLL CURSOR FOR
                  SELECT id, event_id, destination, body, group_key, attributes::text,
                         (extract(epoch FROM created_at) * 1000000)::bigint
-                   FROM outbox WHERE status = 'NEW' ORDER BY id",
+                   FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL ORDER BY id",
             )
             .await?;
         let mut n = 0u64;
@@ -449,5 +521,52 @@ impl Router<'_> {
             }
         }
         Ok(n)
+    }
+}
+
+/// Every second: if the slot holds more WAL than `max_retained_wal` (current
+/// WAL minus confirmed flush: the part the relay controls), spool the lane
+/// whose oldest unsettled event is the oldest, as that is the one holding the
+/// watermark back. Events younger than a second are in normal flight, not
+/// holding anything, and are left alone.
+async fn watch_wal(url: String, slot: String, max_retained_wal: u64, lanes: Vec<Arc<LaneState>>) {
+    const MIN_AGE: Duration = Duration::from_secs(1);
+    let mut client: Option<Client> = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = db::connect(&url).await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        let held = match c
+            .query_opt(
+                "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await
+        {
+            Ok(Some(r)) => r.get::<_, Option<i64>>(0).unwrap_or(0).max(0) as u64,
+            Ok(None) => continue,
+            Err(_) => {
+                client = None;
+                continue;
+            }
+        };
+        if held <= max_retained_wal {
+            continue;
+        }
+        let worst = lanes
+            .iter()
+            .filter(|l| !l.is_spooling())
+            .filter_map(|l| l.oldest_unsettled_age().map(|a| (a, l)))
+            .filter(|(a, _)| *a >= MIN_AGE)
+            .max_by_key(|(a, _)| *a);
+        if let Some((age, lane)) = worst {
+            lane.start_spooling(&format!(
+                "slot holds {held} bytes of WAL, over max_retained_wal ({max_retained_wal}); this lane's oldest unsettled event is {:.1}s old",
+                age.as_secs_f64()
+            ));
+        }
     }
 }

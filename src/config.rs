@@ -69,6 +69,12 @@ pub struct FileConfig {
     pub linger: Option<String>,
     pub max_in_flight_batches: Option<usize>,
     pub max_unsettled_events: Option<usize>,
+    pub lane_stall_timeout: Option<String>,
+    pub max_retained_wal: Option<String>,
+    pub retry_base: Option<String>,
+    pub retry_max: Option<String>,
+    pub poll_interval: Option<String>,
+    pub retention: Option<String>,
     #[serde(default)]
     pub sqs: SqsFileConfig,
     #[serde(default)]
@@ -115,6 +121,18 @@ pub struct Config {
     /// Events read from the slot but not yet settled, across all lanes: the
     /// bound on the relay's memory.
     pub max_unsettled_events: usize,
+    /// A streaming lane whose oldest unsettled event is older than this spools.
+    pub lane_stall_timeout: Duration,
+    /// WAL the slot may hold (current WAL minus confirmed flush) before the
+    /// lane holding it back spools.
+    pub max_retained_wal: u64,
+    /// Backoff of rows handed to the table: `retry_base × 2^attempts`, capped.
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+    /// How often the table path looks for due rows when it found none.
+    pub poll_interval: Duration,
+    /// PUBLISHED rows older than this are deleted; `None` keeps them.
+    pub retention: Option<Duration>,
 }
 
 impl fmt::Debug for Config {
@@ -240,6 +258,20 @@ impl Config {
         let linger = duration("linger", get("LINGER").or(file.linger), "5ms")?;
         let max_in_flight_batches = number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches, 8)?;
         let max_unsettled_events = number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events, 20_000)?;
+        let lane_stall_timeout = duration("lane_stall_timeout", get("LANE_STALL_TIMEOUT").or(file.lane_stall_timeout), "30s")?;
+        let max_retained_wal = bytes("max_retained_wal", &get("MAX_RETAINED_WAL").or(file.max_retained_wal).unwrap_or_else(|| "256MB".into()))?;
+        let retry_base = duration("retry_base", get("RETRY_BASE").or(file.retry_base), "2s")?;
+        let retry_max = duration("retry_max", get("RETRY_MAX").or(file.retry_max), "300s")?;
+        if retry_base.is_zero() || retry_max < retry_base {
+            return Err(ConfigError::Invalid(format!(
+                "retry_base ({retry_base:?}) must be above zero and at most retry_max ({retry_max:?})"
+            )));
+        }
+        let poll_interval = duration("poll_interval", get("POLL_INTERVAL").or(file.poll_interval), "100ms")?;
+        let retention = match get("RETENTION").or(file.retention) {
+            Some(s) if s == "off" || s == "0" => None,
+            v => Some(duration("retention", v, "7d")?),
+        };
         Ok(Config {
             database_url,
             mode,
@@ -253,6 +285,12 @@ impl Config {
             linger,
             max_in_flight_batches,
             max_unsettled_events,
+            lane_stall_timeout,
+            max_retained_wal,
+            retry_base,
+            retry_max,
+            poll_interval,
+            retention,
         })
     }
 }
@@ -261,6 +299,26 @@ fn duration(key: &str, v: Option<String>, default: &str) -> Result<Duration, Con
     let s = v.unwrap_or_else(|| default.to_string());
     humantime::parse_duration(&s)
         .map_err(|e| ConfigError::Invalid(format!("{key} = {s:?} is not a duration such as 10s or 5ms: {e}")))
+}
+
+/// `256MB`, `1GB`, `512kB` or a plain number of bytes; units are powers of
+/// 1024, as in PostgreSQL's settings.
+pub fn bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1 << 10,
+        "mb" => 1 << 20,
+        "gb" => 1 << 30,
+        "tb" => 1 << 40,
+        _ => 0,
+    };
+    match num.parse::<u64>() {
+        Ok(n) if mult > 0 && n > 0 => n.checked_mul(mult).ok_or_else(|| ConfigError::Invalid(format!("{key} = {s:?} is too large"))),
+        _ => Err(ConfigError::Invalid(format!("{key} = {s:?} is not a size such as 256MB or 1GB"))),
+    }
 }
 
 fn number(key: &str, env: Option<String>, file: Option<usize>, default: usize) -> Result<usize, ConfigError> {
@@ -342,6 +400,24 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         );
         assert!(bad_mode.unwrap_err().to_string().contains("not one of cdc, polling, auto"));
         assert!(toml::from_str::<FileConfig>("unknown_key = 1").is_err());
+    }
+
+    #[test]
+    fn sizes_and_spool_settings() {
+        assert_eq!(bytes("k", "256MB").unwrap(), 256 << 20);
+        assert_eq!(bytes("k", "1 GB").unwrap(), 1 << 30);
+        assert_eq!(bytes("k", "4096").unwrap(), 4096);
+        assert!(bytes("k", "lots").unwrap_err().to_string().contains("not a size"));
+        assert!(bytes("k", "0MB").is_err());
+        let c = Config::resolve(file(BASE), &BTreeMap::new(), &Overrides::default()).unwrap();
+        assert_eq!(c.lane_stall_timeout, Duration::from_secs(30));
+        assert_eq!(c.max_retained_wal, 256 << 20);
+        assert_eq!((c.retry_base, c.retry_max), (Duration::from_secs(2), Duration::from_secs(300)));
+        assert_eq!(c.retention, Some(Duration::from_secs(7 * 86_400)));
+        let env: BTreeMap<String, String> = [("OUTBOX_RELAY_RETENTION".to_string(), "off".to_string())].into();
+        assert_eq!(Config::resolve(file(BASE), &env, &Overrides::default()).unwrap().retention, None);
+        let e = Config::resolve(file(&format!("retry_base = \"10s\"\nretry_max = \"1s\"\n{BASE}")), &BTreeMap::new(), &Overrides::default());
+        assert!(e.unwrap_err().to_string().contains("at most retry_max"));
     }
 
     #[test]

@@ -33,6 +33,7 @@ pub async fn connect(url: &str) -> Result<Client, DbError> {
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
     (2, "publication", include_str!("../migrations/0002_publication.sql")),
+    (3, "spool", include_str!("../migrations/0003_spool.sql")),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent
@@ -102,6 +103,17 @@ pub fn conn_parts(url: &str) -> Result<ConnParts, DbError> {
     Ok(ConnParts { host, port, user, password, dbname })
 }
 
+/// The outbox table exists (every mode needs it).
+pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
+    let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;
+    if outbox.and_then(|r| r.get::<_, Option<String>>(0)).is_none() {
+        return Err(DbError::Check(
+            "the outbox table does not exist in this database: run `outbox-relay migrate --database-url ...` first".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Start-up checks for CDC mode; each failure says how to fix it.
 pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Result<(), DbError> {
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
@@ -110,12 +122,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
             "wal_level is '{wal_level}', CDC mode needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"
         )));
     }
-    let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;
-    if outbox.and_then(|r| r.get::<_, Option<String>>(0)).is_none() {
-        return Err(DbError::Check(
-            "the outbox table does not exist in this database: run `outbox-relay migrate --database-url ...` first".into(),
-        ));
-    }
+    check_outbox_table(client).await?;
     let publ = client
         .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication])
         .await?;

@@ -1,14 +1,24 @@
 //! A lane: one destination's queue. It batches entries (at most 10, at most
 //! 1 MiB, a short linger), keeps several batches in flight, reconciles each
 //! `SendMessageBatch` result entry by entry, and hands every event's outcome to
-//! the settler. Successful entries are never resent; retryable failures are
-//! resent without them, after a backoff; permanent failures are DEAD.
+//! its settler. Successful entries are never resent; permanent failures are
+//! DEAD; retryable failures are either resent from memory after a backoff (the
+//! stream) or handed back to the table with a time-based backoff (the table
+//! path: polling and spool drains).
+//!
+//! A streaming lane whose oldest unsettled event is older than its stall
+//! timeout, or that is told to by the session (retained WAL over budget),
+//! **spools**: everything it holds, and everything routed to it afterwards, is
+//! deferred to the table (`next_attempt_at`) and counts as settled, so the
+//! slot moves on. The spool drain ([`crate::table`]) sends those rows and
+//! returns the lane to streaming when its spool is empty and sends succeed.
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
 use tokio::task::JoinSet;
 
 use crate::batch::{full_batch_ready, take_batch, Batchable};
@@ -24,6 +34,13 @@ pub struct LaneItem {
     pub entry: Entry,
     pub txn: Option<TxnSeq>,
     pub permit: Option<OwnedSemaphorePermit>,
+    pub arrived: Instant,
+}
+
+impl LaneItem {
+    pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<OwnedSemaphorePermit>) -> Self {
+        Self { entry, txn, permit, arrived: Instant::now() }
+    }
 }
 
 impl Batchable for LaneItem {
@@ -35,6 +52,15 @@ impl Batchable for LaneItem {
     }
 }
 
+/// What a lane does with an entry SQS did not take but may take later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryPolicy {
+    /// Keep it and resend it after a backoff (the stream).
+    InMemory,
+    /// Defer it to the table with a time-based backoff (the table path).
+    ToTable,
+}
+
 pub struct LaneConfig {
     pub name: Arc<str>,
     pub queue: QueueInfo,
@@ -42,6 +68,111 @@ pub struct LaneConfig {
     pub max_in_flight: usize,
     pub retry_base: Duration,
     pub retry_cap: Duration,
+    pub retry: RetryPolicy,
+    /// Spool when the oldest unsettled event is older than this (stream only).
+    pub stall_timeout: Option<Duration>,
+}
+
+/// A destination's streaming state, shared by its lane (one per replication
+/// session), the session's WAL watch, and its spool drain. It outlives
+/// sessions, so a spooling lane stays spooling across a reconnect.
+pub struct LaneState {
+    pub name: Arc<str>,
+    spool: watch::Sender<bool>,
+    /// Unix milliseconds of the lane's oldest unsettled event; 0 when none.
+    oldest_unsettled_ms: AtomicU64,
+    /// The last error SQS gave this lane, for the spooled rows' `last_error`.
+    last_error: Mutex<String>,
+    /// Deferred rows handed to the settler and not marked yet; the drain does
+    /// not return the lane to streaming while any are on their way.
+    deferred_unmarked: AtomicUsize,
+    metrics: Arc<Metrics>,
+}
+
+impl LaneState {
+    pub fn new(name: &str, metrics: Arc<Metrics>) -> Arc<Self> {
+        metrics.lane_spooled.with_label_values(&[name]).set(0);
+        Arc::new(Self {
+            name: Arc::from(name),
+            spool: watch::channel(false).0,
+            oldest_unsettled_ms: AtomicU64::new(0),
+            last_error: Mutex::new(String::new()),
+            deferred_unmarked: AtomicUsize::new(0),
+            metrics,
+        })
+    }
+
+    pub fn is_spooling(&self) -> bool {
+        *self.spool.borrow()
+    }
+
+    /// Spool from now on; logged once per switch.
+    pub fn start_spooling(&self, why: &str) {
+        if !self.spool.send_replace(true) {
+            self.metrics.lane_spooled.with_label_values(&[&self.name]).set(1);
+            self.metrics.lane_spool_switches.with_label_values(&[&self.name]).inc();
+            tracing::warn!(destination = %self.name, reason = why, last_error = %self.last_error(), "lane spooling: its events go to the outbox table and the slot moves on");
+        }
+    }
+
+    /// Stream again; logged once per switch.
+    pub fn stop_spooling(&self) {
+        if self.spool.send_replace(false) {
+            self.metrics.lane_spooled.with_label_values(&[&self.name]).set(0);
+            tracing::info!(destination = %self.name, "lane streaming again: its spool is drained and sends succeed");
+        }
+    }
+
+    fn subscribe(&self) -> watch::Receiver<bool> {
+        self.spool.subscribe()
+    }
+
+    /// Age of the oldest unsettled event, if any.
+    pub fn oldest_unsettled_age(&self) -> Option<Duration> {
+        match self.oldest_unsettled_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(now_unix_ms().saturating_sub(ms))),
+        }
+    }
+
+    fn set_oldest(&self, at: Option<Instant>) {
+        let ms = at.map(|t| now_unix_ms().saturating_sub(t.elapsed().as_millis() as u64).max(1)).unwrap_or(0);
+        self.oldest_unsettled_ms.store(ms, Ordering::Relaxed);
+    }
+
+    pub fn last_error(&self) -> String {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    fn set_last_error(&self, e: String) {
+        *self.last_error.lock().unwrap() = e;
+    }
+
+    /// Deferred rows not marked in the table yet.
+    pub fn deferred_unmarked(&self) -> usize {
+        self.deferred_unmarked.load(Ordering::Acquire)
+    }
+
+    /// A new session starts with no settler holding anything of this lane.
+    pub fn reset_deferred(&self) {
+        self.deferred_unmarked.store(0, Ordering::Release);
+    }
+
+    /// A deferred row of this lane is on its way to the settler.
+    pub fn deferring(&self) {
+        self.deferred_unmarked.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The settler marked a deferred row.
+    pub fn deferred_marked(&self) {
+        self.deferred_unmarked.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl std::fmt::Debug for LaneState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneState").field("name", &self.name).field("spooling", &self.is_spooling()).finish()
+    }
 }
 
 struct Ctx {
@@ -49,6 +180,15 @@ struct Ctx {
     publisher: Arc<dyn Publisher>,
     settle: mpsc::UnboundedSender<Settlement>,
     metrics: Arc<Metrics>,
+    state: Option<Arc<LaneState>>,
+}
+
+/// What a finished send task reports back to its lane.
+struct Done {
+    groups: Vec<String>,
+    /// FIFO groups with an entry deferred to the table: their later entries
+    /// must follow it there.
+    deferred_groups: Vec<String>,
 }
 
 /// Run a lane until its input closes and everything in it is settled (or the
@@ -59,15 +199,38 @@ pub async fn run_lane(
     mut rx: mpsc::Receiver<LaneItem>,
     settle: mpsc::UnboundedSender<Settlement>,
     metrics: Arc<Metrics>,
+    state: Option<Arc<LaneState>>,
 ) {
     let fifo = cfg.queue.fifo;
-    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics });
+    let stall_timeout = cfg.stall_timeout;
+    let mut spool_rx = state.as_ref().map(|s| s.subscribe());
+    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state });
     let mut pending: VecDeque<LaneItem> = VecDeque::new();
-    let mut in_flight: JoinSet<Vec<String>> = JoinSet::new();
+    let mut in_flight: JoinSet<Done> = JoinSet::new();
+    let mut in_flight_since: HashMap<tokio::task::Id, Instant> = HashMap::new();
     let mut busy: HashSet<String> = HashSet::new();
+    let mut held: HashSet<String> = HashSet::new();
     let mut oldest: Option<Instant> = None;
     let mut closed = false;
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let spooling = spool_rx.as_ref().is_some_and(|r| *r.borrow());
+        if spooling && !pending.is_empty() {
+            for item in pending.drain(..) {
+                defer(&ctx, item, "spooled");
+            }
+            oldest = None;
+        }
+        if !held.is_empty() && !pending.is_empty() {
+            // A group's earlier entry went back to the table: so do its later ones.
+            let (keep, follow): (VecDeque<_>, VecDeque<_>) =
+                pending.drain(..).partition(|i| i.entry.group_id.as_ref().is_none_or(|g| !held.contains(g)));
+            pending = keep;
+            for item in follow {
+                defer(&ctx, item, "held behind an earlier entry of its group");
+            }
+        }
         while in_flight.len() < ctx.cfg.max_in_flight && !pending.is_empty() {
             let due = oldest.is_some_and(|t| t.elapsed() >= ctx.cfg.linger);
             if !(closed || due || full_batch_ready(&pending, fifo)) {
@@ -79,14 +242,20 @@ pub async fn run_lane(
             }
             let groups: Vec<String> = batch.iter().filter_map(|i| i.entry.group_id.clone()).collect();
             busy.extend(groups.iter().cloned());
+            let since = batch.iter().map(|i| i.arrived).min().unwrap_or_else(Instant::now);
             let ctx = Arc::clone(&ctx);
-            in_flight.spawn(async move {
-                send_until_settled(&ctx, batch).await;
-                groups
+            let spool = spool_rx.clone();
+            let handle = in_flight.spawn(async move {
+                let deferred_groups = send_until_settled(&ctx, batch, spool).await;
+                Done { groups, deferred_groups }
             });
-            oldest = if pending.is_empty() { None } else { Some(Instant::now()) };
+            in_flight_since.insert(handle.id(), since);
+            oldest = pending.front().map(|_| Instant::now());
         }
         if closed && pending.is_empty() && in_flight.is_empty() {
+            if let Some(s) = &ctx.state {
+                s.set_oldest(None);
+            }
             return;
         }
         let linger_at = oldest
@@ -108,10 +277,32 @@ pub async fn run_lane(
                 }
                 None => closed = true,
             },
-            Some(done) = in_flight.join_next() => {
-                if let Ok(groups) = done {
-                    for g in groups {
+            Some(done) = in_flight.join_next_with_id() => {
+                let id = match &done {
+                    Ok((id, _)) => *id,
+                    Err(e) => e.id(),
+                };
+                in_flight_since.remove(&id);
+                if let Ok((_, done)) = done {
+                    for g in done.groups {
                         busy.remove(&g);
+                    }
+                    held.extend(done.deferred_groups);
+                }
+            }
+            _ = async { spool_rx.as_mut().unwrap().changed().await }, if spool_rx.is_some() => {}
+            _ = tick.tick(), if ctx.state.is_some() => {
+                let oldest_unsettled = pending
+                    .iter()
+                    .map(|i| i.arrived)
+                    .take(1)
+                    .chain(in_flight_since.values().copied())
+                    .min();
+                let state = ctx.state.as_ref().unwrap();
+                state.set_oldest(oldest_unsettled);
+                if let (Some(limit), Some(t)) = (stall_timeout, oldest_unsettled) {
+                    if t.elapsed() >= limit && !state.is_spooling() {
+                        state.start_spooling(&format!("oldest unsettled event is {:.1}s old (lane_stall_timeout {limit:?})", t.elapsed().as_secs_f64()));
                     }
                 }
             }
@@ -124,45 +315,91 @@ fn now_unix_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
 }
 
+fn now_unix_ms() -> u64 {
+    (now_unix_us() / 1000).max(0) as u64
+}
+
 fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
     if matches!(outcome, Outcome::Published) {
         let lag = (now_unix_us() - item.entry.event.commit_time_us).max(0) as f64 / 1e6;
         ctx.metrics.commit_to_publish_seconds.observe(lag);
     }
+    let lane = match (&outcome, &ctx.state) {
+        (Outcome::Deferred(_), Some(s)) => {
+            s.deferring();
+            Some(Arc::clone(s))
+        }
+        _ => None,
+    };
     // The settler outlives the lanes; if it is gone the pipeline is stopping
     // and the row stays NEW, to be read again.
-    let _ = ctx.settle.send(Settlement {
+    let sent = ctx.settle.send(Settlement {
         id: item.entry.event.id,
         txn: item.txn,
         destination: Arc::clone(&ctx.cfg.name),
         outcome,
         permit: item.permit,
+        lane,
     });
+    if let Err(mpsc::error::SendError(s)) = sent {
+        if let Some(l) = s.lane {
+            l.deferred_marked();
+        }
+    }
 }
 
-/// Send `batch` until every entry is published or DEAD.
-async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>) {
+fn defer(ctx: &Ctx, item: LaneItem, why: &str) {
+    let last = ctx.state.as_ref().map(|s| s.last_error()).unwrap_or_default();
+    let text = if last.is_empty() { why.to_string() } else { format!("{why}: {last}") };
+    settle(ctx, item, Outcome::Deferred(text));
+}
+
+fn spooling(spool: &Option<watch::Receiver<bool>>) -> bool {
+    spool.as_ref().is_some_and(|r| *r.borrow())
+}
+
+/// Send `batch` until every entry is published, DEAD or deferred. Returns the
+/// FIFO groups of deferred entries.
+async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch::Receiver<bool>>) -> Vec<String> {
     let mut todo = batch;
     let mut attempt = 0u32;
     let mut split = false;
+    let mut deferred_groups = Vec::new();
     while !todo.is_empty() {
+        if spooling(&spool) {
+            for item in todo.drain(..) {
+                deferred_groups.extend(item.entry.group_id.clone());
+                defer(ctx, item, "spooled");
+            }
+            break;
+        }
         if split && todo.len() > 1 {
             // Find the entry the service objects to: each alone.
             for item in todo.drain(..) {
-                Box::pin(send_until_settled(ctx, vec![item])).await;
+                let d = Box::pin(send_until_settled(ctx, vec![item], spool.clone())).await;
+                deferred_groups.extend(d);
             }
-            return;
+            break;
         }
         let entries: Vec<Entry> = todo.iter().map(|i| i.entry.clone()).collect();
         let started = Instant::now();
-        let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
+        let call = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries);
+        let result = match spool.as_mut() {
+            // A spool request abandons the call: whatever it did, the rows go
+            // to the table and are sent again from there (at-least-once).
+            Some(rx) => tokio::select! {
+                r = call => r,
+                _ = rx.wait_for(|s| *s) => continue,
+            },
+            None => call.await,
+        };
         ctx.metrics
             .publish_seconds
             .with_label_values(&[&ctx.cfg.name])
             .observe(started.elapsed().as_secs_f64());
+        let mut retry = Vec::new();
         match result {
             Ok(results) => {
-                let mut retry = Vec::new();
                 for (item, r) in todo.drain(..).zip(results) {
                     match r {
                         EntryResult::Sent => settle(ctx, item, Outcome::Published),
@@ -176,19 +413,25 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>) {
                                 ),
                                 _ => {
                                     tracing::debug!(id = item.entry.event.id, %code, "entry failed, will retry");
-                                    retry.push(item);
+                                    if let Some(s) = &ctx.state {
+                                        s.set_last_error(format!("{code}: {message}"));
+                                    }
+                                    retry.push((item, format!("{code}: {message}")));
                                 }
                             }
                         }
                     }
                 }
-                todo = retry;
             }
             Err(e) => {
                 ctx.metrics.sqs_entry_failures.with_label_values(&[&*ctx.cfg.name, e.code.as_str()]).inc();
                 match classify_call(&e, todo.len()) {
                     Disposition::Retry => {
                         tracing::warn!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");
+                        if let Some(s) = &ctx.state {
+                            s.set_last_error(e.to_string());
+                        }
+                        retry.extend(todo.drain(..).map(|i| (i, e.to_string())));
                     }
                     Disposition::Split => {
                         split = true;
@@ -203,9 +446,26 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>) {
                 }
             }
         }
-        if !todo.is_empty() {
-            tokio::time::sleep(backoff(attempt, ctx.cfg.retry_base, ctx.cfg.retry_cap)).await;
-            attempt = attempt.saturating_add(1);
+        if retry.is_empty() {
+            break;
         }
+        if ctx.cfg.retry == RetryPolicy::ToTable {
+            for (item, err) in retry {
+                deferred_groups.extend(item.entry.group_id.clone());
+                settle(ctx, item, Outcome::Deferred(err));
+            }
+            break;
+        }
+        todo = retry.into_iter().map(|(i, _)| i).collect();
+        let wait = tokio::time::sleep(backoff(attempt, ctx.cfg.retry_base, ctx.cfg.retry_cap));
+        match spool.as_mut() {
+            Some(rx) => tokio::select! {
+                _ = wait => {}
+                _ = rx.wait_for(|s| *s) => {}
+            },
+            None => wait.await,
+        }
+        attempt = attempt.saturating_add(1);
     }
+    deferred_groups
 }

@@ -20,6 +20,7 @@ pub mod publisher;
 pub mod relay;
 pub mod retry;
 pub mod settle;
+pub mod table;
 pub mod watermark;
 
 pub use config::Config;

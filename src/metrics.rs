@@ -22,6 +22,12 @@ pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
 pub const SQS_ENTRY_FAILURES_TOTAL: &str = "outbox_relay_sqs_entry_failures_total";
 pub const REPLAYED_FILTERED_TOTAL: &str = "outbox_relay_replayed_events_filtered_total";
 pub const STREAM_RESTARTS_TOTAL: &str = "outbox_relay_stream_restarts_total";
+pub const LANE_SPOOLED: &str = "outbox_relay_lane_spooled";
+pub const LANE_SPOOL_SWITCHES_TOTAL: &str = "outbox_relay_lane_spool_switches_total";
+pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
+pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
+pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
+pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
 
 pub struct Metrics {
     pub registry: Registry,
@@ -37,6 +43,12 @@ pub struct Metrics {
     pub sqs_entry_failures: IntCounterVec,
     pub replayed_filtered: IntCounter,
     pub stream_restarts: IntCounter,
+    pub lane_spooled: IntGaugeVec,
+    pub lane_spool_switches: IntCounterVec,
+    pub events_deferred: IntCounterVec,
+    pub slot_recreated: IntCounter,
+    pub slot_active: IntGauge,
+    pub retention_deleted: IntCounter,
     pub ready: AtomicBool,
 }
 
@@ -59,6 +71,12 @@ impl Metrics {
             sqs_entry_failures: IntCounterVec::new(Opts::new(SQS_ENTRY_FAILURES_TOTAL, "Failed SendMessageBatch entries and calls, by error code"), &["destination", "code"]).unwrap(),
             replayed_filtered: IntCounter::new(REPLAYED_FILTERED_TOTAL, "Replayed events skipped after a restart because their rows were already settled").unwrap(),
             stream_restarts: IntCounter::new(STREAM_RESTARTS_TOTAL, "Times the replication stream was restarted after an error").unwrap(),
+            lane_spooled: IntGaugeVec::new(Opts::new(LANE_SPOOLED, "1 while the destination's lane spools to the outbox table instead of streaming"), &["destination"]).unwrap(),
+            lane_spool_switches: IntCounterVec::new(Opts::new(LANE_SPOOL_SWITCHES_TOTAL, "Times the lane switched from streaming to spooling"), &["destination"]).unwrap(),
+            events_deferred: IntCounterVec::new(Opts::new(EVENTS_DEFERRED_TOTAL, "Events handed to the table path with a next_attempt_at (spooled or retried later)"), &["destination"]).unwrap(),
+            slot_recreated: IntCounter::new(SLOT_RECREATED_TOTAL, "Times the replication slot was found dropped or lost and created again (with a catch-up from the table)").unwrap(),
+            slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
+            retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
             ready: AtomicBool::new(false),
             registry,
         };
@@ -75,6 +93,12 @@ impl Metrics {
         r.register(Box::new(m.sqs_entry_failures.clone())).unwrap();
         r.register(Box::new(m.replayed_filtered.clone())).unwrap();
         r.register(Box::new(m.stream_restarts.clone())).unwrap();
+        r.register(Box::new(m.lane_spooled.clone())).unwrap();
+        r.register(Box::new(m.lane_spool_switches.clone())).unwrap();
+        r.register(Box::new(m.events_deferred.clone())).unwrap();
+        r.register(Box::new(m.slot_recreated.clone())).unwrap();
+        r.register(Box::new(m.slot_active.clone())).unwrap();
+        r.register(Box::new(m.retention_deleted.clone())).unwrap();
         Arc::new(m)
     }
 

@@ -9,7 +9,12 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use std::sync::atomic::AtomicBool;
+
 use crate::cdc::{run_stream, StreamContext, HEARTBEAT_PREFIX};
+use crate::lane::LaneState;
+use crate::settle::Backoff;
+use crate::table::{run_table_lane, Source, TableLaneConfig};
 use crate::config::{Config, Mode};
 use crate::db;
 use crate::metrics::Metrics;
@@ -44,19 +49,10 @@ pub async fn run(
     });
 
     let sql = db::connect(&config.database_url).await.map_err(|e| RelayError::Startup(e.to_string()))?;
-    let mode = match config.mode {
-        Mode::Cdc => Mode::Cdc,
-        Mode::Polling => {
-            return Err(RelayError::Startup(
-                "polling mode is not implemented in this build; run with --mode cdc against a server with wal_level=logical".into(),
-            ))
-        }
-        Mode::Auto => Mode::Cdc,
-    };
-    db::check_cdc_prerequisites(&sql, &config.publication)
-        .await
-        .map_err(|e| RelayError::Startup(e.to_string()))?;
-    metrics.mode.with_label_values(&[&mode.to_string()]).set(1);
+    let mode = resolve_mode(&sql, &config).await?;
+    for m in [Mode::Cdc, Mode::Polling] {
+        metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
+    }
 
     let mut queues = BTreeMap::new();
     for (name, url) in &config.destinations {
@@ -82,79 +78,256 @@ pub async fn run(
         }
         None => None,
     };
-    let monitor = tokio::spawn(monitor(config.clone(), Arc::clone(&metrics), stop_rx.clone()));
+    if mode == Mode::Polling {
+        warn_if_slot_retains_wal(&sql, &config.slot).await;
+    }
+    drop(sql);
+    let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
+    let sweeper = config
+        .retention
+        .map(|r| tokio::spawn(sweep_retention(config.database_url.clone(), r, Arc::clone(&metrics), stop_rx.clone())));
 
-    let ctx = StreamContext { config, queues, publisher, metrics: Arc::clone(&metrics) };
-    let mut failures = 0u32;
-    loop {
-        if *stop_rx.borrow() {
-            break;
-        }
-        match run_stream(&ctx, &mut stop_rx).await {
-            Ok(()) => break,
-            Err(e) => {
-                failures += 1;
-                metrics.stream_restarts.inc();
-                let wait = crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10));
-                tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = stop_rx.wait_for(|s| *s) => break,
+    // The table path: every destination in polling mode; the spool drain of
+    // every destination in CDC mode.
+    let lanes: BTreeMap<String, Arc<LaneState>> =
+        queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
+    let mut table_lanes = tokio::task::JoinSet::new();
+    for (name, queue) in &queues {
+        let (source, state, poll_interval) = match mode {
+            Mode::Polling => (Source::Poll, None, config.poll_interval),
+            _ => (Source::Spool, Some(Arc::clone(&lanes[name])), config.poll_interval.max(Duration::from_millis(500))),
+        };
+        let cfg = TableLaneConfig {
+            name: Arc::from(name.as_str()),
+            queue: queue.clone(),
+            source,
+            claim_limit: TABLE_CLAIM_LIMIT,
+            poll_interval,
+            linger: config.linger,
+            max_in_flight: config.max_in_flight_batches,
+            backoff: Backoff { base: config.retry_base, max: config.retry_max },
+        };
+        table_lanes.spawn(run_table_lane(
+            cfg,
+            config.database_url.clone(),
+            Arc::clone(&publisher),
+            Arc::clone(&metrics),
+            state,
+            stop_rx.clone(),
+        ));
+    }
+
+    if mode == Mode::Polling {
+        metrics.set_ready(true);
+        tracing::info!(destinations = queues.len(), "polling the outbox table");
+        let _ = stop_rx.wait_for(|s| *s).await;
+        metrics.set_ready(false);
+    } else {
+        let ctx = StreamContext {
+            config: config.clone(),
+            queues,
+            publisher,
+            metrics: Arc::clone(&metrics),
+            lanes,
+            slot_seen: AtomicBool::new(false),
+        };
+        let mut failures = 0u32;
+        loop {
+            if *stop_rx.borrow() {
+                break;
+            }
+            match run_stream(&ctx, &mut stop_rx).await {
+                Ok(()) => break,
+                Err(e) => {
+                    failures += 1;
+                    metrics.stream_restarts.inc();
+                    let wait = crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10));
+                    tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = stop_rx.wait_for(|s| *s) => break,
+                    }
                 }
             }
         }
     }
+    // Table lanes finish the claim they are in (its rows are marked and
+    // committed) or, past the grace, are abandoned (their rows stay NEW).
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async { while table_lanes.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("table claims abandoned at shutdown; their rows stay NEW and are sent again");
+        table_lanes.abort_all();
+    }
     monitor.abort();
+    if let Some(s) = sweeper {
+        s.abort();
+    }
     if let Some(s) = metrics_server {
         let _ = s.await;
     }
     Ok(())
 }
 
-/// Every few seconds: slot lag and retained WAL into the metrics; every
-/// `heartbeat_interval`: a transactional logical message, so the slot moves
-/// even when nothing is written to this database while others are busy.
-async fn monitor(config: Config, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+/// Rows one table-path transaction claims.
+const TABLE_CLAIM_LIMIT: usize = 500;
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
+/// CDC when the server and role allow it, polling otherwise, and says why.
+async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<Mode, RelayError> {
+    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    match config.mode {
+        Mode::Cdc => {
+            db::check_cdc_prerequisites(sql, &config.publication).await.map_err(startup)?;
+            Ok(Mode::Cdc)
+        }
+        Mode::Polling => {
+            db::check_outbox_table(sql).await.map_err(startup)?;
+            Ok(Mode::Polling)
+        }
+        Mode::Auto => {
+            db::check_outbox_table(sql).await.map_err(startup)?;
+            match db::check_cdc_prerequisites(sql, &config.publication).await {
+                Ok(()) => {
+                    tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
+                    Ok(Mode::Cdc)
+                }
+                Err(db::DbError::Check(why)) => {
+                    tracing::warn!(reason = %why, "mode auto: polling, because CDC is not possible here");
+                    Ok(Mode::Polling)
+                }
+                Err(e) => Err(startup(e)),
+            }
+        }
+    }
+}
+
+/// Polling mode does not read the slot: if it exists, it only holds WAL.
+async fn warn_if_slot_retains_wal(sql: &tokio_postgres::Client, slot: &str) {
+    let row = sql
+        .query_opt(
+            "SELECT active, (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await;
+    if let Ok(Some(r)) = row {
+        let (active, retained): (bool, Option<i64>) = (r.get(0), r.get(1));
+        if !active {
+            tracing::warn!(
+                slot,
+                retained_wal_bytes = retained.unwrap_or(0),
+                "replication slot exists but nothing reads it while the relay polls: it retains WAL; remove it with `outbox-relay slot drop` if CDC will not resume"
+            );
+        }
+    }
+}
+
+/// Every few seconds: slot lag, retained WAL and activity into the metrics
+/// (a polling relay warns each minute about an inactive slot); in CDC mode,
+/// every `heartbeat_interval`: a transactional logical message, so the slot
+/// moves even when nothing is written to this database while others are busy.
+async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
     let mut client = None;
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
+    let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
     heartbeat.tick().await;
+    warn_tick.tick().await;
     loop {
-        let beat = tokio::select! {
-            _ = lag_tick.tick() => false,
-            _ = heartbeat.tick() => true,
+        let what = tokio::select! {
+            _ = lag_tick.tick() => 0,
+            _ = heartbeat.tick(), if mode == Mode::Cdc => 1,
+            _ = warn_tick.tick(), if mode == Mode::Polling => 2,
             _ = stop.wait_for(|s| *s) => return,
         };
-        if client.is_none() {
+        if client.as_ref().is_none_or(|c: &tokio_postgres::Client| c.is_closed()) {
             client = db::connect(&config.database_url).await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
-        let res = if beat {
-            c.execute(
-                "SELECT pg_logical_emit_message(true, $1, now()::text)",
-                &[&HEARTBEAT_PREFIX],
-            )
-            .await
-            .map(|_| ())
-        } else {
-            c.query_opt(
-                "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                        (pg_current_wal_lsn() - restart_lsn)::bigint
-                   FROM pg_replication_slots WHERE slot_name = $1",
-                &[&config.slot],
-            )
-            .await
-            .map(|row| {
-                if let Some(r) = row {
-                    metrics.slot_lag_bytes.set(r.get::<_, Option<i64>>(0).unwrap_or(0));
-                    metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
-                }
-            })
+        let res = match what {
+            1 => c
+                .execute("SELECT pg_logical_emit_message(true, $1, now()::text)", &[&HEARTBEAT_PREFIX])
+                .await
+                .map(|_| ()),
+            2 => {
+                warn_if_slot_retains_wal(c, &config.slot).await;
+                Ok(())
+            }
+            _ => c
+                .query_opt(
+                    "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                            (pg_current_wal_lsn() - restart_lsn)::bigint, active
+                       FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&config.slot],
+                )
+                .await
+                .map(|row| match row {
+                    Some(r) => {
+                        metrics.slot_lag_bytes.set(r.get::<_, Option<i64>>(0).unwrap_or(0));
+                        metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
+                        metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
+                    }
+                    None => {
+                        metrics.slot_lag_bytes.set(0);
+                        metrics.slot_retained_wal_bytes.set(0);
+                        metrics.slot_active.set(-1);
+                    }
+                }),
         };
         if let Err(e) = res {
             tracing::debug!(error = %e, "monitor query failed; reconnecting");
             client = None;
         }
+    }
+}
+
+/// Delete PUBLISHED rows older than `retention`, a thousand at a time, once a
+/// minute (DELETEs are not in the publication: nothing is streamed).
+async fn sweep_retention(url: String, retention: Duration, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
+    let mut client: Option<tokio_postgres::Client> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = db::connect(&url).await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        match sweep_once(c, retention).await {
+            Ok(0) => {}
+            Ok(n) => {
+                metrics.retention_deleted.inc_by(n);
+                tracing::info!(deleted = n, ?retention, "retention: deleted PUBLISHED rows");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "retention sweep failed; retrying next minute");
+                client = None;
+            }
+        }
+    }
+}
+
+/// One sweep: batches of 1,000 until none is left. Returns rows deleted.
+pub async fn sweep_once(c: &tokio_postgres::Client, retention: Duration) -> Result<u64, tokio_postgres::Error> {
+    let secs = retention.as_secs_f64();
+    let mut total = 0;
+    loop {
+        let n = c
+            .execute(
+                "DELETE FROM outbox WHERE id IN (
+                     SELECT id FROM outbox
+                      WHERE status = 'PUBLISHED' AND published_at < now() - make_interval(secs => $1)
+                      LIMIT 1000)",
+                &[&secs],
+            )
+            .await?;
+        total += n;
+        if n < 1000 {
+            return Ok(total);
+        }
+        tokio::task::yield_now().await;
     }
 }
 

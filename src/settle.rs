@@ -1,20 +1,26 @@
-//! Settlement: published and DEAD rows are marked in PostgreSQL in bulk, one
-//! statement per flush, and only then does the watermark move.
+//! Settlement: published, DEAD and deferred rows are marked in PostgreSQL in
+//! bulk, one statement per flush, and only then does the watermark move.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit};
-use tokio_postgres::Client;
+use tokio_postgres::GenericClient;
 
 use crate::event::DeadReason;
+use crate::lane::LaneState;
 use crate::metrics::Metrics;
 use crate::watermark::{TxnSeq, Watermark};
 
-/// How one event ended.
+/// How one event ended, as far as this relay is concerned.
 #[derive(Debug, Clone)]
 pub enum Outcome {
     Published,
     Dead(DeadReason),
+    /// Not sent now: the row stays NEW with `next_attempt_at` set (time-based
+    /// backoff on its attempts) and the table path sends it later. The text
+    /// becomes `last_error`.
+    Deferred(String),
 }
 
 /// One event's settlement, on its way to the settler.
@@ -27,6 +33,15 @@ pub struct Settlement {
     pub outcome: Outcome,
     /// Returned to the pipeline's budget of unsettled events when dropped.
     pub permit: Option<OwnedSemaphorePermit>,
+    /// A deferred event of a streaming lane: told once it is marked.
+    pub lane: Option<Arc<LaneState>>,
+}
+
+/// The backoff of deferred rows: `base * 2^attempts`, capped, as time.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    pub base: Duration,
+    pub max: Duration,
 }
 
 /// Most settlements marked by one statement.
@@ -36,41 +51,72 @@ const MARK_SQL: &str = "
 UPDATE outbox o
    SET status = u.status,
        published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
+       next_attempt_at = CASE WHEN u.defer
+                              THEN now() + make_interval(secs => least($5::float8, $4::float8 * power(2, least(o.attempts, 40))))
+                              ELSE o.next_attempt_at END,
        last_error = u.err,
        attempts = o.attempts + 1
-  FROM unnest($1::bigint[], $2::text[], $3::text[]) AS u(id, status, err)
+  FROM unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)
  WHERE o.id = u.id AND o.status = 'NEW'";
 
 /// Mark a set of settlements in one statement.
-pub async fn mark(client: &Client, batch: &[Settlement]) -> Result<u64, tokio_postgres::Error> {
+pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<u64, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
+    let mut defer = Vec::with_capacity(batch.len());
     for s in batch {
         ids.push(s.id);
         match &s.outcome {
             Outcome::Published => {
                 statuses.push("PUBLISHED");
                 errors.push(None);
+                defer.push(false);
             }
             Outcome::Dead(r) => {
                 statuses.push("DEAD");
                 errors.push(Some(r.last_error()));
+                defer.push(false);
+            }
+            Outcome::Deferred(e) => {
+                statuses.push("NEW");
+                errors.push(Some(e.clone()));
+                defer.push(true);
             }
         }
     }
-    client.execute(MARK_SQL, &[&ids, &statuses, &errors]).await
+    let base = backoff.base.as_secs_f64();
+    let max = backoff.max.as_secs_f64();
+    client.execute(MARK_SQL, &[&ids, &statuses, &errors, &base, &max, &defer]).await
+}
+
+/// Count a flushed batch in the metrics, and log each DEAD row once.
+pub fn record(metrics: &Metrics, batch: &[Settlement]) {
+    for s in batch {
+        match &s.outcome {
+            Outcome::Published => metrics.events_published.with_label_values(&[&s.destination]).inc(),
+            Outcome::Dead(r) => {
+                tracing::warn!(id = s.id, destination = %s.destination, reason = r.code, detail = %r.detail, "outbox row marked DEAD");
+                metrics.events_dead.with_label_values(&[&s.destination, r.code]).inc();
+            }
+            Outcome::Deferred(e) => {
+                tracing::debug!(id = s.id, destination = %s.destination, error = %e, "outbox row deferred to the table");
+                metrics.events_deferred.with_label_values(&[&s.destination]).inc();
+            }
+        }
+    }
 }
 
 /// Receive settlements, mark them, then settle them in the watermark and wake
 /// the confirmer. Returns when the channel closes, or with the database error
 /// that stopped it (nothing unmarked is settled, so nothing is lost).
 pub async fn run_settler(
-    client: Client,
+    client: tokio_postgres::Client,
     mut rx: mpsc::UnboundedReceiver<Settlement>,
     watermark: Arc<Mutex<Watermark>>,
     confirm: Arc<Notify>,
     metrics: Arc<Metrics>,
+    backoff: Backoff,
 ) -> Result<(), tokio_postgres::Error> {
     let mut batch = Vec::with_capacity(MAX_FLUSH);
     while let Some(first) = rx.recv().await {
@@ -81,7 +127,7 @@ pub async fn run_settler(
                 Err(_) => break,
             }
         }
-        mark(&client, &batch).await?;
+        mark(&client, &batch, backoff).await?;
         {
             let mut wm = watermark.lock().unwrap();
             for s in &batch {
@@ -90,14 +136,11 @@ pub async fn run_settler(
                 }
             }
         }
+        record(&metrics, &batch);
         for s in batch.drain(..) {
             metrics.backlog_events.with_label_values(&[&s.destination]).dec();
-            match &s.outcome {
-                Outcome::Published => metrics.events_published.with_label_values(&[&s.destination]).inc(),
-                Outcome::Dead(r) => {
-                    tracing::warn!(id = s.id, destination = %s.destination, reason = r.code, detail = %r.detail, "outbox row marked DEAD");
-                    metrics.events_dead.with_label_values(&[&s.destination, r.code]).inc();
-                }
+            if let Some(l) = &s.lane {
+                l.deferred_marked();
             }
         }
         confirm.notify_one();

@@ -1,0 +1,267 @@
+//! The table path: outbox rows read from the table rather than the slot.
+//! One loop per destination claims due rows in id order with
+//! `FOR UPDATE SKIP LOCKED`, sends them through a lane (the same batching,
+//! reconciliation and DEAD rules as the stream), marks every outcome in the
+//! claiming transaction and commits. Retryable failures go back to the table
+//! with `next_attempt_at` = now + `retry_base × 2^attempts` (capped at
+//! `retry_max`), never to DEAD.
+//!
+//! It serves two sources:
+//! - [`Source::Poll`]: polling mode, every NEW row that is due.
+//! - [`Source::Spool`]: CDC mode, the rows a spooling lane (or `dead redrive`)
+//!   handed to the table (`next_attempt_at` set). When a spooling lane's spool
+//!   is empty and its sends succeed, the lane streams again.
+//!
+//! Several relays may run this at once: `SKIP LOCKED` keeps them off each
+//! other's rows. A FIFO destination is drained by one relay at a time (a
+//! transaction-scoped advisory lock) so its groups stay in order, and a group
+//! whose earliest row is not due holds its later rows back.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_postgres::Client;
+
+use crate::db;
+use crate::event::{prepare, OutboxEvent, QueueInfo};
+use crate::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
+use crate::metrics::Metrics;
+use crate::publisher::Publisher;
+use crate::settle::{mark, record, Backoff, Outcome, Settlement};
+
+/// Which rows a table lane claims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// Polling mode: NEW rows whose `next_attempt_at` is unset or past.
+    Poll,
+    /// CDC mode: NEW rows handed to the table (`next_attempt_at` set) and due.
+    Spool,
+}
+
+pub struct TableLaneConfig {
+    pub name: Arc<str>,
+    pub queue: QueueInfo,
+    pub source: Source,
+    /// Rows claimed per transaction.
+    pub claim_limit: usize,
+    /// Sleep between claims when the last one was not full.
+    pub poll_interval: Duration,
+    pub linger: Duration,
+    pub max_in_flight: usize,
+    pub backoff: Backoff,
+}
+
+/// What one claim did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Round {
+    /// Rows locked by the claim.
+    pub claimed: usize,
+    /// Rows handed to SQS (or found DEAD before sending).
+    pub handled: usize,
+    pub published: usize,
+    pub deferred: usize,
+    pub dead: usize,
+}
+
+/// Claim, send, mark, commit until `stop` turns true. Database errors are
+/// logged and retried on a new connection; nothing claimed is lost, since an
+/// aborted claim leaves its rows NEW.
+pub async fn run_table_lane(
+    cfg: TableLaneConfig,
+    database_url: String,
+    publisher: Arc<dyn Publisher>,
+    metrics: Arc<Metrics>,
+    state: Option<Arc<LaneState>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut client: Option<Client> = None;
+    let mut failures = 0u32;
+    // The outcome of the last round that sent anything: "sends succeed".
+    let mut sends_ok = true;
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            match db::connect(&database_url).await {
+                Ok(c) => client = Some(c),
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(destination = %cfg.name, error = %e, "table path cannot connect; retrying");
+                    if sleep_or_stop(crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10)), &mut stop).await {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        let c = client.as_mut().expect("connected above");
+        let round = match claim_round(c, &cfg, &publisher, &metrics).await {
+            Ok(r) => r,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(destination = %cfg.name, error = %e, "table path round failed; its rows stay NEW and are claimed again");
+                client = None;
+                if sleep_or_stop(crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10)), &mut stop).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        failures = 0;
+        if round.handled > 0 && round.handled > round.dead {
+            sends_ok = round.deferred == 0;
+        }
+        if let Some(state) = &state {
+            if state.is_spooling() && round.claimed == 0 && sends_ok && state.deferred_unmarked() == 0 {
+                match spool_is_empty(c, &cfg.name).await {
+                    Ok(true) => state.stop_spooling(),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
+                        client = None;
+                    }
+                }
+            }
+        }
+        if round.claimed < cfg.claim_limit && sleep_or_stop(cfg.poll_interval, &mut stop).await {
+            return;
+        }
+    }
+}
+
+/// Sleep; true if `stop` turned true meanwhile.
+async fn sleep_or_stop(d: Duration, stop: &mut watch::Receiver<bool>) -> bool {
+    let slept = tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = stop.wait_for(|s| *s) => true,
+    };
+    slept || *stop.borrow()
+}
+
+/// No NEW row of this destination waits in the table (due or not).
+pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio_postgres::Error> {
+    let row = c
+        .query_opt(
+            "SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' AND next_attempt_at IS NOT NULL LIMIT 1",
+            &[&destination],
+        )
+        .await?;
+    Ok(row.is_none())
+}
+
+fn claim_sql(source: Source, fifo: bool) -> String {
+    let mut sql = String::from(
+        "SELECT id, event_id, destination, body, group_key, attributes::text,
+                (extract(epoch FROM created_at) * 1000000)::bigint,
+                next_attempt_at IS NULL OR next_attempt_at <= now()
+           FROM outbox
+          WHERE destination = $1 AND status = 'NEW'",
+    );
+    if source == Source::Spool {
+        sql += " AND next_attempt_at IS NOT NULL";
+    }
+    if !fifo {
+        // FIFO claims a window whether due or not, so a group whose earliest
+        // row waits holds its later rows back.
+        sql += " AND (next_attempt_at IS NULL OR next_attempt_at <= now())";
+    }
+    sql += " ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
+    sql
+}
+
+/// One claim: lock due rows, send them, mark every outcome, commit.
+pub async fn claim_round(
+    client: &mut Client,
+    cfg: &TableLaneConfig,
+    publisher: &Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+) -> Result<Round, tokio_postgres::Error> {
+    let fifo = cfg.queue.fifo;
+    let tx = client.transaction().await?;
+    if fifo {
+        let key = format!("outbox_relay:{}", cfg.name);
+        let got: bool = tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&key]).await?.get(0);
+        if !got {
+            tx.commit().await?;
+            return Ok(Round::default());
+        }
+    }
+    let rows = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
+    let mut round = Round { claimed: rows.len(), ..Default::default() };
+    let mut settled: Vec<Settlement> = Vec::new();
+    let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
+    let mut waiting_groups: HashSet<String> = HashSet::new();
+    for r in &rows {
+        let ev = OutboxEvent {
+            id: r.get(0),
+            event_id: r.get(1),
+            destination: r.get(2),
+            body: r.get(3),
+            group_key: r.get(4),
+            attributes: r.get(5),
+            commit_time_us: r.get(6),
+        };
+        let due: bool = r.get(7);
+        if fifo {
+            let g = ev.group_key.clone().unwrap_or_default();
+            if !due || waiting_groups.contains(&g) {
+                waiting_groups.insert(g);
+                continue;
+            }
+        } else if !due {
+            continue;
+        }
+        match prepare(Arc::new(ev), &cfg.queue) {
+            Ok(entry) => items.push(LaneItem::new(entry, None, None)),
+            Err(reason) => settled.push(Settlement {
+                id: r.get(0),
+                txn: None,
+                destination: Arc::clone(&cfg.name),
+                outcome: Outcome::Dead(reason),
+                permit: None,
+                lane: None,
+            }),
+        }
+    }
+    round.handled = items.len() + settled.len();
+    if !items.is_empty() {
+        let (item_tx, item_rx) = mpsc::channel(items.len());
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane_cfg = LaneConfig {
+            name: Arc::clone(&cfg.name),
+            queue: cfg.queue.clone(),
+            linger: cfg.linger,
+            max_in_flight: cfg.max_in_flight,
+            retry_base: cfg.backoff.base,
+            retry_cap: cfg.backoff.max,
+            retry: RetryPolicy::ToTable,
+            stall_timeout: None,
+        };
+        let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
+        for item in items {
+            // Capacity is the number of items: never waits.
+            let _ = item_tx.send(item).await;
+        }
+        drop(item_tx);
+        while let Some(s) = settle_rx.recv().await {
+            settled.push(s);
+        }
+        let _ = lane.await;
+    }
+    for s in &settled {
+        match s.outcome {
+            Outcome::Published => round.published += 1,
+            Outcome::Dead(_) => round.dead += 1,
+            Outcome::Deferred(_) => round.deferred += 1,
+        }
+    }
+    if !settled.is_empty() {
+        mark(&tx, &settled, cfg.backoff).await?;
+    }
+    tx.commit().await?;
+    record(metrics, &settled);
+    Ok(round)
+}
