@@ -87,45 +87,16 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         _ => {}
     }
 
-    let parts = db::conn_parts(&cfg.database_url)?;
-    let rcfg = ReplicationConfig::new(
-        parts.host.clone(),
-        parts.user.clone(),
-        parts.password.clone(),
-        parts.dbname.clone(),
-        cfg.slot.clone(),
-        cfg.publication.clone(),
-    )
-    .with_port(parts.port)
-    .with_status_interval(STATUS_INTERVAL)
-    .with_wakeup_interval(Duration::from_secs(5))
-    .with_application_name(format!("outbox-relay:{}", cfg.slot));
-    let mut repl = ReplicationClient::connect_gated(rcfg).await?;
+    let mut repl = ReplicationClient::connect_gated(replication_config(cfg)?).await?;
 
     // A new slot comes with a snapshot: the rows it will not stream.
     let mut catch_up: Option<(Client, Lsn)> = None;
     let start_lsn = match slot {
         SlotState::Exists { confirmed_flush } => confirmed_flush,
         SlotState::Missing | SlotState::Lost => {
-            let rows = repl
-                .simple_query(&format!("CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export')", cfg.slot))
-                .await?;
-            let row = rows.first().ok_or_else(|| CdcError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
-            let text = |i: usize| {
-                row.get(i)
-                    .and_then(|v| v.as_ref())
-                    .map(|b| String::from_utf8_lossy(b).into_owned())
-                    .ok_or_else(|| CdcError::Protocol(format!("CREATE_REPLICATION_SLOT: column {i} missing")))
-            };
-            let consistent: Lsn = text(1)?.parse().map_err(|e| CdcError::Protocol(format!("{e}")))?;
-            let snapshot = text(2)?;
+            let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot).await?;
             let snap_client = db::connect(&cfg.database_url).await?;
-            snap_client
-                .batch_execute(&format!(
-                    "BEGIN ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{}'",
-                    snapshot.replace('\'', "")
-                ))
-                .await?;
+            import_snapshot(&snap_client, &snapshot).await?;
             tracing::info!(slot = %cfg.slot, consistent_point = %consistent, "created replication slot; publishing NEW rows written before it from the table");
             catch_up = Some((snap_client, consistent));
             consistent
@@ -305,6 +276,45 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     wal_watch.abort();
     let _ = repl.shutdown().await;
     result
+}
+
+/// The replication connection's settings, from the relay's configuration.
+pub(crate) fn replication_config(cfg: &Config) -> Result<ReplicationConfig, CdcError> {
+    let parts = db::conn_parts(&cfg.database_url)?;
+    Ok(ReplicationConfig::new(parts.host, parts.user, parts.password, parts.dbname, cfg.slot.clone(), cfg.publication.clone())
+        .with_port(parts.port)
+        .with_status_interval(STATUS_INTERVAL)
+        .with_wakeup_interval(Duration::from_secs(5))
+        .with_application_name(format!("outbox-relay:{}", cfg.slot)))
+}
+
+/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')` on a gated session:
+/// the slot's consistent point and the exported snapshot's name, valid until
+/// the session runs another command.
+pub(crate) async fn create_slot_exporting(repl: &mut ReplicationClient, slot: &str) -> Result<(Lsn, String), CdcError> {
+    let rows = repl
+        .simple_query(&format!("CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export')"))
+        .await?;
+    let row = rows.first().ok_or_else(|| CdcError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
+    let text = |i: usize| {
+        row.get(i)
+            .and_then(|v| v.as_ref())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .ok_or_else(|| CdcError::Protocol(format!("CREATE_REPLICATION_SLOT: column {i} missing")))
+    };
+    let consistent: Lsn = text(1)?.parse().map_err(|e| CdcError::Protocol(format!("{e}")))?;
+    Ok((consistent, text(2)?))
+}
+
+/// Open a transaction on `client` that sees exactly the exported snapshot.
+pub(crate) async fn import_snapshot(client: &Client, snapshot: &str) -> Result<(), CdcError> {
+    client
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT '{}'",
+            snapshot.replace('\'', "")
+        ))
+        .await?;
+    Ok(())
 }
 
 fn confirm_if_advanced(repl: &ReplicationClient, wm: &Mutex<Watermark>, sent: Lsn, metrics: &Metrics) -> Lsn {

@@ -16,6 +16,7 @@ pub mod db;
 pub mod event;
 pub mod lane;
 pub mod metrics;
+pub mod ops;
 pub mod publisher;
 pub mod relay;
 pub mod retry;

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use outbox_relay::config::{Config, Mode, Overrides};
 use outbox_relay::metrics::Metrics;
 use outbox_relay::publisher::sqs::SqsPublisher;
-use outbox_relay::{db, RelayHandle};
+use outbox_relay::{db, ops, RelayHandle};
 
 #[derive(Parser)]
 #[command(name = "outbox-relay", version, about = "Transactional outbox relay: PostgreSQL logical replication in, Amazon SQS out")]
@@ -54,12 +54,72 @@ enum Command {
         #[arg(long)]
         metrics_addr: Option<String>,
     },
-    /// Slot, lag and per-destination counts.
+    /// Mode, slot, lag and per-destination counts (NEW, spooled, DEAD, oldest).
+    Status {
+        #[command(flatten)]
+        common: CommonArgs,
+        /// Machine-readable output (its "format" field is the schema version).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The replication slot: status, create (with catch-up of older rows), drop.
+    Slot {
+        #[command(subcommand)]
+        action: SlotAction,
+    },
+    /// DEAD rows: list them, or send them again.
+    Dead {
+        #[command(subcommand)]
+        action: DeadAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum SlotAction {
+    /// Whether the slot exists, is read, how much WAL it holds.
     Status {
         #[command(flatten)]
         common: CommonArgs,
         #[arg(long)]
         json: bool,
+    },
+    /// Create the slot; NEW rows written before it are handed to the table path.
+    Create {
+        #[command(flatten)]
+        common: CommonArgs,
+    },
+    /// Drop the slot (refused while a relay reads it). Nothing is lost: NEW
+    /// rows stay NEW and the next slot's catch-up publishes them.
+    Drop {
+        #[command(flatten)]
+        common: CommonArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeadAction {
+    /// DEAD rows with their reasons, oldest first.
+    List {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[arg(long)]
+        destination: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// DEAD → NEW with attempts reset: the relay sends them again.
+    Redrive {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[arg(long)]
+        destination: Option<String>,
+        #[arg(long)]
+        id: Option<i64>,
+        /// Redrive every DEAD row (required when neither --destination nor --id is given).
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -123,14 +183,65 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Command::Status { common, json } => {
             let config = Config::load(common.config.as_deref(), &overrides(&common))?;
             let client = db::connect(&config.database_url).await?;
-            let status = outbox_relay::relay::status(&client, &config).await.context("reading status")?;
+            let status = ops::status(&client, &config).await.context("reading status")?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
-                print!("{}", outbox_relay::relay::format_status(&status));
+                print!("{}", ops::format_status(&status));
             }
             Ok(())
         }
+        Command::Slot { action } => match action {
+            SlotAction::Status { common, json } => {
+                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                let client = db::connect(&config.database_url).await?;
+                let s = ops::slot_status(&client, &config.slot).await?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&s)?);
+                } else {
+                    print!("{}", ops::format_slot(&s));
+                }
+                Ok(())
+            }
+            SlotAction::Create { common } => {
+                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                let c = ops::slot_create(&config).await?;
+                println!(
+                    "slot {} created at {}; {} NEW rows written before it handed to the table path",
+                    c.slot, c.consistent_point, c.handed_to_table
+                );
+                Ok(())
+            }
+            SlotAction::Drop { common } => {
+                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                ops::slot_drop(&config).await?;
+                println!("slot {} dropped; NEW rows stay NEW and the next slot's catch-up publishes them", config.slot);
+                Ok(())
+            }
+        },
+        Command::Dead { action } => match action {
+            DeadAction::List { common, destination, limit, json } => {
+                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                let client = db::connect(&config.database_url).await?;
+                let rows = ops::dead_list(&client, destination.as_deref(), limit).await?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&rows)?);
+                } else {
+                    print!("{}", ops::format_dead(&rows));
+                }
+                Ok(())
+            }
+            DeadAction::Redrive { common, destination, id, all } => {
+                if destination.is_none() && id.is_none() && !all {
+                    anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
+                }
+                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                let client = db::connect(&config.database_url).await?;
+                let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
+                println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
+                Ok(())
+            }
+        },
     }
 }
 

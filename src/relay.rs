@@ -14,7 +14,7 @@ use std::sync::atomic::AtomicBool;
 use crate::cdc::{run_stream, StreamContext, HEARTBEAT_PREFIX};
 use crate::lane::LaneState;
 use crate::settle::Backoff;
-use crate::table::{run_table_lane, Source, TableLaneConfig};
+use crate::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
 use crate::config::{Config, Mode};
 use crate::db;
 use crate::metrics::Metrics;
@@ -117,6 +117,13 @@ pub async fn run(
         ));
     }
 
+    table_lanes.spawn(run_unknown_destination_sweeper(
+        config.database_url.clone(),
+        queues.keys().cloned().collect(),
+        if mode == Mode::Polling { Source::Poll } else { Source::Spool },
+        Arc::clone(&metrics),
+        stop_rx.clone(),
+    ));
     if mode == Mode::Polling {
         metrics.set_ready(true);
         tracing::info!(destinations = queues.len(), "polling the outbox table");
@@ -329,105 +336,4 @@ pub async fn sweep_once(c: &tokio_postgres::Client, retention: Duration) -> Resu
         }
         tokio::task::yield_now().await;
     }
-}
-
-/// What `outbox-relay status` reports.
-#[derive(Debug, serde::Serialize)]
-pub struct Status {
-    pub slot: String,
-    pub slot_exists: bool,
-    pub slot_active: Option<bool>,
-    pub slot_wal_status: Option<String>,
-    pub slot_lag_bytes: Option<i64>,
-    pub slot_retained_wal_bytes: Option<i64>,
-    pub destinations: Vec<DestinationStatus>,
-}
-
-#[derive(Debug, serde::Serialize)]
-pub struct DestinationStatus {
-    pub destination: String,
-    pub configured: bool,
-    pub new: i64,
-    pub dead: i64,
-    pub oldest_new_age_seconds: Option<f64>,
-}
-
-pub async fn status(client: &tokio_postgres::Client, config: &Config) -> Result<Status, tokio_postgres::Error> {
-    let slot = client
-        .query_opt(
-            "SELECT active, wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                    (pg_current_wal_lsn() - restart_lsn)::bigint
-               FROM pg_replication_slots WHERE slot_name = $1",
-            &[&config.slot],
-        )
-        .await?;
-    let rows = client
-        .query(
-            "SELECT destination,
-                    count(*) FILTER (WHERE status = 'NEW'),
-                    count(*) FILTER (WHERE status = 'DEAD'),
-                    extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'NEW'))::float8
-               FROM outbox WHERE status IN ('NEW', 'DEAD') GROUP BY destination ORDER BY destination",
-            &[],
-        )
-        .await?;
-    let mut destinations: Vec<DestinationStatus> = rows
-        .iter()
-        .map(|r| DestinationStatus {
-            destination: r.get(0),
-            configured: config.destinations.contains_key(r.get::<_, &str>(0)),
-            new: r.get(1),
-            dead: r.get(2),
-            oldest_new_age_seconds: r.get(3),
-        })
-        .collect();
-    for name in config.destinations.keys() {
-        if !destinations.iter().any(|d| &d.destination == name) {
-            destinations.push(DestinationStatus {
-                destination: name.clone(),
-                configured: true,
-                new: 0,
-                dead: 0,
-                oldest_new_age_seconds: None,
-            });
-        }
-    }
-    destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
-    Ok(Status {
-        slot: config.slot.clone(),
-        slot_exists: slot.is_some(),
-        slot_active: slot.as_ref().map(|r| r.get(0)),
-        slot_wal_status: slot.as_ref().and_then(|r| r.get(1)),
-        slot_lag_bytes: slot.as_ref().and_then(|r| r.get(2)),
-        slot_retained_wal_bytes: slot.as_ref().and_then(|r| r.get(3)),
-        destinations,
-    })
-}
-
-pub fn format_status(s: &Status) -> String {
-    let mut out = String::new();
-    if s.slot_exists {
-        out += &format!(
-            "slot {}: {} wal_status={} lag={} bytes retained={} bytes\n",
-            s.slot,
-            if s.slot_active == Some(true) { "active" } else { "INACTIVE" },
-            s.slot_wal_status.as_deref().unwrap_or("?"),
-            s.slot_lag_bytes.unwrap_or(0),
-            s.slot_retained_wal_bytes.unwrap_or(0),
-        );
-    } else {
-        out += &format!("slot {}: does not exist (the relay creates it at start)\n", s.slot);
-    }
-    out += &format!("{:<24} {:>10} {:>10} {:>14}\n", "destination", "NEW", "DEAD", "oldest NEW (s)");
-    for d in &s.destinations {
-        out += &format!(
-            "{:<24} {:>10} {:>10} {:>14}{}\n",
-            d.destination,
-            d.new,
-            d.dead,
-            d.oldest_new_age_seconds.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into()),
-            if d.configured { "" } else { "  (not configured)" }
-        );
-    }
-    out
 }

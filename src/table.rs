@@ -265,3 +265,76 @@ pub async fn claim_round(
     record(metrics, &settled);
     Ok(round)
 }
+
+/// The destinations that have NEW rows, found with a loose index scan over
+/// `outbox_new_by_destination` (one probe per destination, not per row).
+const NEW_DESTINATIONS_SQL: &str = "
+WITH RECURSIVE d AS (
+    (SELECT destination FROM outbox WHERE status = 'NEW' ORDER BY destination LIMIT 1)
+    UNION ALL
+    SELECT (SELECT o.destination FROM outbox o
+             WHERE o.status = 'NEW' AND o.destination > d.destination
+             ORDER BY o.destination LIMIT 1)
+      FROM d WHERE d.destination IS NOT NULL
+)
+SELECT destination FROM d WHERE destination IS NOT NULL";
+
+/// Rows for destinations this relay does not know reach no lane of the table
+/// path: mark them DEAD (`unknown_destination`), as the stream does. In CDC
+/// mode only rows handed to the table are this sweeper's (the stream judges
+/// the rest itself). Runs every few seconds until `stop`.
+pub async fn run_unknown_destination_sweeper(
+    database_url: String,
+    configured: Vec<String>,
+    source: Source,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut client: Option<Client> = None;
+    loop {
+        if sleep_or_stop(Duration::from_secs(5), &mut stop).await {
+            return;
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = db::connect(&database_url).await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        if let Err(e) = sweep_unknown_destinations(c, &configured, source, &metrics).await {
+            tracing::warn!(error = %e, "unknown-destination sweep failed; retrying");
+            client = None;
+        }
+    }
+}
+
+/// One sweep; returns the rows marked DEAD.
+pub async fn sweep_unknown_destinations(
+    c: &Client,
+    configured: &[String],
+    source: Source,
+    metrics: &Metrics,
+) -> Result<u64, tokio_postgres::Error> {
+    let mut total = 0;
+    for row in c.query(NEW_DESTINATIONS_SQL, &[]).await? {
+        let destination: String = row.get(0);
+        if configured.contains(&destination) {
+            continue;
+        }
+        let error = format!("unknown_destination: destination {destination:?} is not configured in [destinations]");
+        let n = c
+            .execute(
+                &format!(
+                    "UPDATE outbox SET status = 'DEAD', last_error = $2, attempts = attempts + 1
+                      WHERE status = 'NEW' AND destination = $1{}",
+                    if source == Source::Spool { " AND next_attempt_at IS NOT NULL" } else { "" }
+                ),
+                &[&destination, &error],
+            )
+            .await?;
+        if n > 0 {
+            tracing::warn!(destination = %destination, rows = n, "outbox rows marked DEAD: unknown_destination");
+            metrics.events_dead.with_label_values(&["unknown", "unknown_destination"]).inc_by(n);
+            total += n;
+        }
+    }
+    Ok(total)
+}

@@ -1,4 +1,5 @@
 //! The relay against the real PostgreSQL and ministack started by the harness.
+//! The suite runs in both modes: CDC (the slot) and polling (the table).
 
 mod common;
 
@@ -7,10 +8,30 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use outbox_relay::config::Mode;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {
-    let db = TestDb::new("e2e").await;
+async fn cdc_thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {
+    thousands_of_rows(Mode::Cdc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {
+    thousands_of_rows(Mode::Polling).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cdc_kill_9_mid_stream_then_restart_loses_nothing() {
+    kill_9_mid_stream(Mode::Cdc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_kill_9_mid_stream_then_restart_loses_nothing() {
+    kill_9_mid_stream(Mode::Polling).await;
+}
+
+async fn thousands_of_rows(mode: Mode) {
+    let db = TestDb::new(&format!("e2e_{mode}")).await;
     let sqs = sqs().await;
     let orders = create_queue(&sqs, "orders", false, None).await;
     let audit = create_queue(&sqs, "audit", false, Some(1024)).await;
@@ -19,7 +40,8 @@ async fn thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead
     // Written before the relay (and its slot) exist: caught up from the table.
     insert_rows(&c, "early", "orders", 200, None).await;
 
-    let cfg = config(&db, &[("orders", &orders), ("audit", &audit), ("billing", &billing)]);
+    let mut cfg = config(&db, &[("orders", &orders), ("audit", &audit), ("billing", &billing)]);
+    cfg.mode = mode;
     let relay = start(cfg, Arc::new(sqs.clone()));
     for round in 0..4 {
         insert_rows(&c, &format!("o{round}"), "orders", 500, None).await;
@@ -90,6 +112,13 @@ async fn thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead
     let m = relay.metrics.render();
     assert!(m.contains("outbox_relay_events_published_total{destination=\"orders\"} 2201"), "{m}");
     assert!(m.contains("outbox_relay_events_dead_total{destination=\"audit\",reason=\"too_large\"} 1"));
+    assert!(m.contains(&format!("outbox_relay_mode{{mode=\"{mode}\"}} 1")), "{m}");
+    if mode == Mode::Polling {
+        // Polling never creates or reads a slot.
+        assert_eq!(db.confirmed_flush_lsn().await, 0);
+        relay.stop().await;
+        return;
+    }
     // The slot moved past everything.
     let after = db.current_lsn().await;
     wait_for("slot confirmed past the last insert", Duration::from_secs(20), || async {
@@ -99,13 +128,12 @@ async fn thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead
     relay.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill_9_mid_stream_then_restart_loses_nothing() {
-    let db = TestDb::new("kill").await;
+async fn kill_9_mid_stream(mode: Mode) {
+    let db = TestDb::new(&format!("kill_{mode}")).await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "kill", false, None).await;
     let toml = format!(
-        "database_url = \"{}\"\nslot = \"{}\"\nmetrics_addr = \"off\"\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\norders = \"{q}\"\n",
+        "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nmetrics_addr = \"off\"\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\norders = \"{q}\"\n",
         db.url,
         db.slot,
         stack().sqs_url
@@ -153,7 +181,7 @@ async fn kill_9_mid_stream_then_restart_loses_nothing() {
     let all: Vec<&str> = got.iter().chain(extra.iter()).map(|(b, _)| b.as_str()).collect();
     let unique: HashSet<&str> = all.iter().copied().collect();
     eprintln!(
-        "kill -9 after {published_at_kill} of {total} published: {} messages received, {} unique, {} duplicates",
+        "{mode}: kill -9 after {published_at_kill} of {total} published: {} messages received, {} unique, {} duplicates",
         all.len(),
         unique.len(),
         all.len() - unique.len()

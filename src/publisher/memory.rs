@@ -36,6 +36,8 @@ struct Inner {
     queues: HashMap<String, QueueInfo>,
     sent: HashMap<String, Vec<Sent>>,
     faults: VecDeque<Fault>,
+    /// Queues that fail every call with this error until fixed.
+    broken: HashMap<String, CallError>,
     calls: usize,
     batch_sizes: Vec<usize>,
 }
@@ -60,6 +62,15 @@ impl MemoryPublisher {
 
     pub fn push_fault(&self, f: Fault) {
         self.inner.lock().unwrap().faults.push_back(f);
+    }
+
+    /// Fail every call to `url` with `error` until [`fix_queue`](Self::fix_queue).
+    pub fn break_queue(&self, url: &str, error: CallError) {
+        self.inner.lock().unwrap().broken.insert(url.to_string(), error);
+    }
+
+    pub fn fix_queue(&self, url: &str) {
+        self.inner.lock().unwrap().broken.remove(url);
     }
 
     /// Hold every send until [`open_gate`](Self::open_gate).
@@ -103,6 +114,9 @@ impl Publisher for MemoryPublisher {
         }
         let mut inner = self.inner.lock().unwrap();
         inner.calls += 1;
+        if let Some(e) = inner.broken.get(queue_url) {
+            return Err(e.clone());
+        }
         inner.batch_sizes.push(entries.len());
         assert!(entries.len() <= crate::batch::MAX_BATCH_ENTRIES, "batch over 10 entries");
         let fault = inner.faults.pop_front();
