@@ -534,15 +534,18 @@ impl Router<'_> {
     }
 }
 
-/// Every second: if the slot holds more WAL than `max_retained_wal` (current
-/// WAL minus confirmed flush: the part the relay controls), spool the lane
-/// whose oldest unsettled event is the oldest, as that is the one holding the
-/// watermark back. Events younger than a second are in normal flight, not
-/// holding anything, and are left alone.
+/// Four times a second: if the slot holds more than half of
+/// `max_retained_wal` (current WAL minus confirmed flush: the part the relay
+/// controls), spool the lane whose oldest unsettled event is the oldest, as
+/// that is the one holding the watermark back. Acting at half the budget
+/// leaves room for the WAL written while the spool takes effect, so the slot
+/// stays under the budget itself. Events younger than a second are in normal
+/// flight, not holding anything, and are left alone.
 async fn watch_wal(url: String, slot: String, max_retained_wal: u64, lanes: Vec<Arc<LaneState>>) {
     const MIN_AGE: Duration = Duration::from_secs(1);
+    let threshold = max_retained_wal / 2;
     let mut client: Option<Client> = None;
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tick.tick().await;
         if client.as_ref().is_none_or(|c| c.is_closed()) {
@@ -563,7 +566,7 @@ async fn watch_wal(url: String, slot: String, max_retained_wal: u64, lanes: Vec<
                 continue;
             }
         };
-        if held <= max_retained_wal {
+        if held <= threshold {
             continue;
         }
         let worst = lanes
@@ -574,7 +577,7 @@ async fn watch_wal(url: String, slot: String, max_retained_wal: u64, lanes: Vec<
             .max_by_key(|(a, _)| *a);
         if let Some((age, lane)) = worst {
             lane.start_spooling(&format!(
-                "slot holds {held} bytes of WAL, over max_retained_wal ({max_retained_wal}); this lane's oldest unsettled event is {:.1}s old",
+                "slot holds {held} bytes of WAL, over half of max_retained_wal ({max_retained_wal}); this lane's oldest unsettled event is {:.1}s old",
                 age.as_secs_f64()
             ));
         }

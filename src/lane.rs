@@ -427,7 +427,11 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
                 ctx.metrics.sqs_entry_failures.with_label_values(&[&*ctx.cfg.name, e.code.as_str()]).inc();
                 match classify_call(&e, todo.len()) {
                     Disposition::Retry => {
-                        tracing::warn!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");
+                        if ctx.cfg.retry == RetryPolicy::InMemory && (attempt == 0 || attempt.is_power_of_two()) {
+                            tracing::warn!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");
+                        } else {
+                            tracing::debug!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");
+                        }
                         if let Some(s) = &ctx.state {
                             s.set_last_error(e.to_string());
                         }

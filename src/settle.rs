@@ -1,6 +1,7 @@
 //! Settlement: published, DEAD and deferred rows are marked in PostgreSQL in
 //! bulk, one statement per flush, and only then does the watermark move.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -57,10 +58,73 @@ UPDATE outbox o
        last_error = u.err,
        attempts = o.attempts + 1
   FROM unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)
- WHERE o.id = u.id AND o.status = 'NEW'";
+ WHERE o.id = u.id AND o.status = 'NEW'
+RETURNING o.id";
 
-/// Mark a set of settlements in one statement.
+/// How long [`mark`] waits for rows it was told about to become visible.
+const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Mark a set of settlements in one statement, and make sure it took.
+///
+/// A row the statement did not update is either settled already (a replay, or
+/// the table path got there first), or it belongs to a transaction whose
+/// commit record the stream has decoded but which is not yet visible to new
+/// snapshots: PostgreSQL writes the commit to WAL before it leaves the proc
+/// array, and a deferred row can reach the settler inside that window. Such
+/// rows are marked again, after a short wait, until they are visible.
 pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<u64, tokio_postgres::Error> {
+    let mut marked = mark_once(client, batch, backoff).await?;
+    if marked.len() == batch.len() {
+        return Ok(marked.len() as u64);
+    }
+    let started = std::time::Instant::now();
+    let mut wait = Duration::from_millis(1);
+    let mut rest: Vec<&Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).collect();
+    loop {
+        let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
+        let visible: HashSet<i64> = client
+            .query("SELECT id FROM outbox WHERE id = ANY($1)", &[&ids])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        // Visible and not updated: settled before; nothing to do.
+        rest.retain(|s| !visible.contains(&s.id));
+        if rest.is_empty() {
+            return Ok(marked.len() as u64);
+        }
+        if started.elapsed() > VISIBILITY_DEADLINE {
+            let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
+            tracing::warn!(?ids, "outbox rows to be marked are not in the table (deleted?); nothing left to mark");
+            return Ok(marked.len() as u64);
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_millis(100));
+        let retry: Vec<Settlement> = rest.iter().map(|s| s.shallow()).collect();
+        let now = mark_once(client, &retry, backoff).await?;
+        rest.retain(|s| !now.contains(&s.id));
+        marked.extend(now);
+        if rest.is_empty() {
+            return Ok(marked.len() as u64);
+        }
+    }
+}
+
+impl Settlement {
+    /// The same row and outcome, without the permit and lane (for a re-mark).
+    fn shallow(&self) -> Settlement {
+        Settlement {
+            id: self.id,
+            txn: None,
+            destination: Arc::clone(&self.destination),
+            outcome: self.outcome.clone(),
+            permit: None,
+            lane: None,
+        }
+    }
+}
+
+async fn mark_once<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<HashSet<i64>, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
@@ -87,7 +151,12 @@ pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: B
     }
     let base = backoff.base.as_secs_f64();
     let max = backoff.max.as_secs_f64();
-    client.execute(MARK_SQL, &[&ids, &statuses, &errors, &base, &max, &defer]).await
+    Ok(client
+        .query(MARK_SQL, &[&ids, &statuses, &errors, &base, &max, &defer])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
 }
 
 /// Count a flushed batch in the metrics, and log each DEAD row once.

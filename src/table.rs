@@ -112,7 +112,15 @@ pub async fn run_table_lane(
         };
         failures = 0;
         if round.handled > 0 && round.handled > round.dead {
-            sends_ok = round.deferred == 0;
+            let ok = round.deferred == 0;
+            if ok != sends_ok {
+                if ok {
+                    tracing::info!(destination = %cfg.name, published = round.published, "table path: sends succeed again");
+                } else {
+                    tracing::warn!(destination = %cfg.name, deferred = round.deferred, "table path: sends fail; rows wait in the table with a backoff (retry_base doubling to retry_max)");
+                }
+            }
+            sends_ok = ok;
         }
         if let Some(state) = &state {
             if state.is_spooling() && round.claimed == 0 && sends_ok && state.deferred_unmarked() == 0 {

@@ -18,6 +18,8 @@ use outbox_relay::{db, RelayHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
+pub mod outage;
+
 pub struct Stack {
     pub pg_url: String,
     pub sqs_url: String,
