@@ -181,6 +181,19 @@ struct Ctx {
     settle: mpsc::UnboundedSender<Settlement>,
     metrics: Arc<Metrics>,
     state: Option<Arc<LaneState>>,
+    /// When a failed send was last logged as a warning (at most every 5 s).
+    last_warn: Mutex<Option<Instant>>,
+}
+
+impl Ctx {
+    fn warn_due(&self) -> bool {
+        let mut last = self.last_warn.lock().unwrap();
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(5)) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
 }
 
 /// What a finished send task reports back to its lane.
@@ -204,7 +217,7 @@ pub async fn run_lane(
     let fifo = cfg.queue.fifo;
     let stall_timeout = cfg.stall_timeout;
     let mut spool_rx = state.as_ref().map(|s| s.subscribe());
-    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state });
+    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state, last_warn: Mutex::new(None) });
     let mut pending: VecDeque<LaneItem> = VecDeque::new();
     let mut in_flight: JoinSet<Done> = JoinSet::new();
     let mut in_flight_since: HashMap<tokio::task::Id, Instant> = HashMap::new();
@@ -427,7 +440,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
                 ctx.metrics.sqs_entry_failures.with_label_values(&[&*ctx.cfg.name, e.code.as_str()]).inc();
                 match classify_call(&e, todo.len()) {
                     Disposition::Retry => {
-                        if ctx.cfg.retry == RetryPolicy::InMemory && (attempt == 0 || attempt.is_power_of_two()) {
+                        if ctx.cfg.retry == RetryPolicy::InMemory && ctx.warn_due() {
                             tracing::warn!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");
                         } else {
                             tracing::debug!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");

@@ -73,39 +73,42 @@ const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
 /// array, and a deferred row can reach the settler inside that window. Such
 /// rows are marked again, after a short wait, until they are visible.
 pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<u64, tokio_postgres::Error> {
-    let mut marked = mark_once(client, batch, backoff).await?;
-    if marked.len() == batch.len() {
-        return Ok(marked.len() as u64);
+    let marked = mark_once(client, batch, backoff).await?;
+    let mut count = marked.len();
+    if count == batch.len() {
+        return Ok(count as u64);
     }
     let started = std::time::Instant::now();
     let mut wait = Duration::from_millis(1);
-    let mut rest: Vec<&Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).collect();
+    let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
     loop {
+        // Rows no longer NEW were settled before (a replay, or the table
+        // path got there first): nothing to do for them.
         let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-        let visible: HashSet<i64> = client
-            .query("SELECT id FROM outbox WHERE id = ANY($1)", &[&ids])
+        let settled: HashSet<i64> = client
+            .query("SELECT id FROM outbox WHERE id = ANY($1) AND status <> 'NEW'", &[&ids])
             .await?
             .iter()
             .map(|r| r.get(0))
             .collect();
-        // Visible and not updated: settled before; nothing to do.
-        rest.retain(|s| !visible.contains(&s.id));
+        rest.retain(|s| !settled.contains(&s.id));
         if rest.is_empty() {
-            return Ok(marked.len() as u64);
+            return Ok(count as u64);
         }
         if started.elapsed() > VISIBILITY_DEADLINE {
             let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
             tracing::warn!(?ids, "outbox rows to be marked are not in the table (deleted?); nothing left to mark");
-            return Ok(marked.len() as u64);
+            return Ok(count as u64);
         }
+        // Not visible yet (or visible only since the UPDATE's snapshot):
+        // mark them again.
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_millis(100));
-        let retry: Vec<Settlement> = rest.iter().map(|s| s.shallow()).collect();
-        let now = mark_once(client, &retry, backoff).await?;
+        let now = mark_once(client, &rest, backoff).await?;
+        count += now.len();
         rest.retain(|s| !now.contains(&s.id));
-        marked.extend(now);
         if rest.is_empty() {
-            return Ok(marked.len() as u64);
+            return Ok(count as u64);
         }
     }
 }

@@ -289,3 +289,62 @@ async fn retention_deletes_only_old_published_rows() {
     assert_eq!(db.count("status = 'PUBLISHED' AND published_at < now() - interval '7 days'").await, 0);
     assert!(db.count("status = 'PUBLISHED'").await > 0, "recent PUBLISHED rows stay");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may() {
+    let db = TestDb::new("auto").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(A, false, 262_144);
+    let c = db.client().await;
+    let role = format!("r_{}", db.name);
+    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON outbox TO {role}")).await.unwrap();
+    insert_rows(&c, "x", "a", 100, None).await;
+
+    let mut cfg = config(&db, &[("a", A)]);
+    cfg.mode = Mode::Auto;
+    cfg.database_url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("published by polling", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let m = relay.metrics.render();
+    assert!(m.contains("outbox_relay_mode{mode=\"polling\"} 1"), "{m}");
+    assert_eq!(db.confirmed_flush_lsn().await, 0, "no slot was created");
+    relay.stop().await;
+
+    let mut cfg = config(&db, &[("a", A)]);
+    cfg.mode = Mode::Auto;
+    let relay = start(cfg, Arc::new(p.clone()));
+    insert_rows(&c, "y", "a", 100, None).await;
+    wait_for("published by the stream", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let m = relay.metrics.render();
+    assert!(m.contains("outbox_relay_mode{mode=\"cdc\"} 1"), "{m}");
+    assert!(db.confirmed_flush_lsn().await > 0);
+    assert_eq!(p.sent(A).len(), 200);
+    relay.stop().await;
+    c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
+}
+
+/// The stream can hand over a row whose commit it decoded before the commit
+/// is visible to other sessions; marking must wait for it, not skip it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marking_a_row_not_yet_visible_waits_for_it() {
+    use outbox_relay::settle::{mark, Backoff, Outcome, Settlement};
+    let db = TestDb::new("visible").await;
+    let writer = db.client().await;
+    writer.batch_execute("BEGIN; INSERT INTO outbox (event_id, destination, body) VALUES ('late', 'a', 'x')").await.unwrap();
+    let id: i64 = writer.query_one("SELECT id FROM outbox WHERE event_id = 'late'", &[]).await.unwrap().get(0);
+    let marker = db.client().await;
+    let task = tokio::spawn(async move {
+        let s = Settlement { id, txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None };
+        mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    writer.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(task.await.unwrap(), 1, "the row was marked once it became visible");
+    assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
+
+    // A row settled before (a replay) is left as it is.
+    let c = db.client().await;
+    let s = Settlement { id, txn: None, destination: Arc::from("a"), outcome: Outcome::Dead(outbox_relay::event::DeadReason::new("x", "y")), permit: None, lane: None };
+    assert_eq!(mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap(), 0);
+    assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
+}
