@@ -12,6 +12,7 @@
 pub mod batch;
 pub mod cdc;
 pub mod config;
+pub mod consumer;
 pub mod db;
 pub mod event;
 pub mod lane;

@@ -191,8 +191,15 @@ pub async fn run(p: Params) -> Report {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    let got = receive_all(&sqs, &qb, usize::MAX, Duration::from_secs(1) + Duration::from_millis(expect.len() as u64)).await;
-    let got: HashSet<String> = got.into_iter().map(|(b, _)| b).collect();
+    let mut got: HashSet<String> = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while expect.iter().any(|b| !got.contains(b)) && Instant::now() < deadline {
+        let batch = receive_all(&sqs, &qb, 1_000, Duration::from_secs(5)).await;
+        if batch.is_empty() {
+            break;
+        }
+        got.extend(batch.into_iter().map(|(b, _)| b));
+    }
     let lost = expect.iter().filter(|b| !got.contains(*b)).count();
     let (p50b, p99b) = percentiles(&db, "'a', 'c'", 0.0, t_delete).await;
     let (p50d, p99d) = percentiles(&db, "'a', 'c'", t_delete, t_recreate).await;
