@@ -436,3 +436,29 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     let (_, attempts, _, _) = job_state(&db, &id).await;
     assert_eq!(attempts, 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
+    let db = setup("cancel").await;
+    let c = db.client().await;
+    let queue = MemoryQueue::new(Duration::from_secs(30));
+    let p = serde_json::json!({"n": 1});
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let b = body(&db, &id, 0).await;
+    // A worker claims and dies mid-handler.
+    queue.send(&b);
+    let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
+    let dying = consumer(&db, "dying", Duration::from_secs(1)).handle("effect", HangFirst);
+    assert!(tokio::time::timeout(Duration::from_millis(300), dying.process(&queue, &m)).await.is_err());
+    assert_eq!(job_state(&db, &id).await.0, "CLAIMED");
+    // Cancellation is requested while it is claimed; then the lease expires.
+    assert!(outbox_relay::consumer::request_cancel(&c, &id).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    queue.send(&b);
+    let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
+    let rescuer = consumer(&db, "rescuer", Duration::from_secs(1)).handle("effect", Effect);
+    assert_eq!(rescuer.process(&queue, &m).await.unwrap(), Disposition::Dead { reason: "CANCELLED".into() });
+    let (status, attempts, _, reason) = job_state(&db, &id).await;
+    assert_eq!((status.as_str(), attempts, reason.as_deref()), ("DEAD", 2, Some("CANCELLED")));
+    assert_eq!(effects(&db, "true").await, 0, "the cancelled job never ran to completion");
+}
