@@ -280,9 +280,22 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 
 /// The replication connection's settings, from the relay's configuration.
 pub(crate) fn replication_config(cfg: &Config) -> Result<ReplicationConfig, CdcError> {
-    let parts = db::conn_parts(&cfg.database_url)?;
-    Ok(ReplicationConfig::new(parts.host, parts.user, parts.password, parts.dbname, cfg.slot.clone(), cfg.publication.clone())
-        .with_port(parts.port)
+    let t = crate::pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+    let mode = match t.ssl {
+        crate::pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
+        crate::pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
+        crate::pgconn::SslMode::Require if t.root_cert.is_some() => pgwire_replication::SslMode::VerifyCa,
+        crate::pgconn::SslMode::Require => pgwire_replication::SslMode::Require,
+        crate::pgconn::SslMode::VerifyCa => pgwire_replication::SslMode::VerifyCa,
+        crate::pgconn::SslMode::VerifyFull => pgwire_replication::SslMode::VerifyFull,
+    };
+    let mut tls = pgwire_replication::TlsConfig { mode, ca_pem_path: t.root_cert.clone(), ..Default::default() };
+    if let Some((c, k)) = &t.client_cert {
+        tls = tls.with_client_cert(c.clone(), k.clone());
+    }
+    Ok(ReplicationConfig::new(t.host, t.user, t.password.unwrap_or_default(), t.dbname, cfg.slot.clone(), cfg.publication.clone())
+        .with_port(t.port)
+        .with_tls(tls)
         .with_status_interval(STATUS_INTERVAL)
         .with_wakeup_interval(Duration::from_secs(5))
         .with_application_name(format!("outbox-relay:{}", cfg.slot)))
@@ -546,6 +559,7 @@ async fn watch_wal(url: String, slot: String, max_retained_wal: u64, lanes: Vec<
     let threshold = max_retained_wal / 2;
     let mut client: Option<Client> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         if client.as_ref().is_none_or(|c| c.is_closed()) {

@@ -86,6 +86,8 @@ pub struct FileConfig {
 pub struct SqsFileConfig {
     pub region: Option<String>,
     pub endpoint_url: Option<String>,
+    /// Assume this IAM role (STS) on top of the standard credential chain.
+    pub assume_role_arn: Option<String>,
 }
 
 /// Values given on the command line; they win over the file and environment.
@@ -109,6 +111,7 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     pub sqs_region: String,
     pub sqs_endpoint_url: Option<String>,
+    pub sqs_assume_role_arn: Option<String>,
     /// Lane name → queue URL.
     pub destinations: BTreeMap<String, String>,
     /// How often a transactional logical message is written so the slot moves
@@ -207,12 +210,7 @@ impl Config {
                 "database_url is not set: put it in the config file, set OUTBOX_RELAY_DATABASE_URL, or pass --database-url".into(),
             )
         })?;
-        tokio_postgres::Config::from_str(&database_url).map_err(|e| {
-            ConfigError::Invalid(format!(
-                "database_url {} is not a valid PostgreSQL URL: {e}",
-                redact_url(&database_url)
-            ))
-        })?;
+        crate::pgconn::parse(&database_url).map_err(ConfigError::Invalid)?;
         let mode = match (o.mode, get("MODE")) {
             (Some(m), _) => m,
             (None, Some(m)) => m.parse()?,
@@ -236,6 +234,12 @@ impl Config {
             .unwrap_or_else(|| "us-east-1".into());
         let sqs_endpoint_url = pick(&o.sqs_endpoint_url, "SQS_ENDPOINT_URL", file.sqs.endpoint_url)
             .filter(|s| !s.is_empty());
+        let sqs_assume_role_arn = get("SQS_ASSUME_ROLE_ARN").or(file.sqs.assume_role_arn).filter(|s| !s.is_empty());
+        if let Some(arn) = &sqs_assume_role_arn {
+            if !arn.starts_with("arn:") {
+                return Err(ConfigError::Invalid(format!("sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay")));
+            }
+        }
         if file.destinations.is_empty() {
             return Err(ConfigError::Invalid(
                 "no destinations configured: add a [destinations] table mapping each lane name to its queue URL, e.g. orders = \"https://sqs.us-east-1.amazonaws.com/123456789012/orders\"".into(),
@@ -280,6 +284,7 @@ impl Config {
             metrics_addr,
             sqs_region,
             sqs_endpoint_url,
+            sqs_assume_role_arn,
             destinations: file.destinations,
             heartbeat_interval,
             linger,

@@ -1,26 +1,31 @@
 //! PostgreSQL connections, migrations and the start-up checks.
 
-use std::str::FromStr;
-
-use tokio_postgres::{Client, NoTls};
-
-use crate::config::redact_url;
+use tokio_postgres::Client;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("cannot connect to PostgreSQL at {url}: {source}")]
-    Connect { url: String, source: tokio_postgres::Error },
+    #[error("cannot connect to PostgreSQL at {url}: {message}")]
+    Connect { url: String, message: String },
     #[error(transparent)]
     Query(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Check(String),
 }
 
-/// Open a connection; its driver runs on a spawned task.
+/// Open a connection (TLS per the URL's sslmode); its driver runs on a
+/// spawned task.
 pub async fn connect(url: &str) -> Result<Client, DbError> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls)
+    let target = crate::pgconn::parse(url).map_err(DbError::Check)?;
+    connect_target(&target).await
+}
+
+pub async fn connect_target(target: &crate::pgconn::Target) -> Result<Client, DbError> {
+    let tls = crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
+    let (client, conn) = target
+        .pg
+        .connect(tls)
         .await
-        .map_err(|source| DbError::Connect { url: redact_url(url), source })?;
+        .map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "postgres connection closed");
@@ -71,39 +76,6 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, DbError> {
     Ok(applied)
 }
 
-/// What the replication session needs from the URL.
-pub struct ConnParts {
-    pub host: String,
-    pub port: u16,
-    pub user: String,
-    pub password: String,
-    pub dbname: String,
-}
-
-pub fn conn_parts(url: &str) -> Result<ConnParts, DbError> {
-    let c = tokio_postgres::Config::from_str(url)
-        .map_err(|e| DbError::Check(format!("database_url {} is invalid: {e}", redact_url(url))))?;
-    let host = match c.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        #[cfg(unix)]
-        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
-        None => "localhost".into(),
-    };
-    let port = c.get_ports().first().copied().unwrap_or(5432);
-    let user = c
-        .get_user()
-        .map(str::to_owned)
-        .or_else(|| std::env::var("PGUSER").ok())
-        .ok_or_else(|| DbError::Check("database_url has no user name".into()))?;
-    let password = c
-        .get_password()
-        .map(|p| String::from_utf8_lossy(p).into_owned())
-        .or_else(|| std::env::var("PGPASSWORD").ok())
-        .unwrap_or_default();
-    let dbname = c.get_dbname().map(str::to_owned).unwrap_or_else(|| user.clone());
-    Ok(ConnParts { host, port, user, password, dbname })
-}
-
 /// The outbox table exists (every mode needs it).
 pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
     let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;
@@ -112,7 +84,27 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
             "the outbox table does not exist in this database: run `outbox-relay migrate --database-url ...` first".into(),
         ));
     }
+    let row = client
+        .query_one(
+            "SELECT current_user::text, has_table_privilege('outbox', 'SELECT'), has_table_privilege('outbox', 'UPDATE')",
+            &[],
+        )
+        .await?;
+    let (user, select, update): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    let missing: Vec<&str> = [("SELECT", select), ("UPDATE", update)].iter().filter(|(_, ok)| !ok).map(|(p, _)| *p).collect();
+    if !missing.is_empty() {
+        return Err(DbError::Check(format!(
+            "role {user:?} lacks {} on the outbox table: GRANT {} ON outbox TO {user}",
+            missing.join(" and "),
+            missing.join(", ")
+        )));
+    }
     Ok(())
+}
+
+/// Whether the current role may DELETE from the outbox (the retention sweeper).
+pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
+    Ok(client.query_one("SELECT has_table_privilege('outbox', 'DELETE')", &[]).await?.get(0))
 }
 
 /// Start-up checks for CDC mode; each failure says how to fix it.

@@ -18,6 +18,7 @@ pub mod event;
 pub mod lane;
 pub mod metrics;
 pub mod ops;
+pub mod pgconn;
 pub mod publisher;
 pub mod relay;
 pub mod retry;

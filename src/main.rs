@@ -175,7 +175,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             o.metrics_addr = metrics_addr;
             let config = Config::load(common.config.as_deref(), &o)?;
             tracing::info!(?config, "starting");
-            let publisher = SqsPublisher::new(&config.sqs_region, config.sqs_endpoint_url.as_deref()).await;
+            let publisher =
+                SqsPublisher::with_role(&config.sqs_region, config.sqs_endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
             let handle = RelayHandle { metrics: Metrics::new() };
             outbox_relay::run(config, Arc::new(publisher), handle, shutdown_signal()).await?;
             Ok(())

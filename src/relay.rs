@@ -81,10 +81,14 @@ pub async fn run(
     if mode == Mode::Polling {
         warn_if_slot_retains_wal(&sql, &config.slot).await;
     }
+    let mut retention = config.retention;
+    if retention.is_some() && !db::can_delete_outbox(&sql).await.map_err(|e| RelayError::Startup(e.to_string()))? {
+        tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
+        retention = None;
+    }
     drop(sql);
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper = config
-        .retention
+    let sweeper = retention
         .map(|r| tokio::spawn(sweep_retention(config.database_url.clone(), r, Arc::clone(&metrics), stop_rx.clone())));
 
     // The table path: every destination in polling mode; the spool drain of
@@ -238,6 +242,9 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
     let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
+    for t in [&mut lag_tick, &mut heartbeat, &mut warn_tick] {
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
     heartbeat.tick().await;
     warn_tick.tick().await;
     loop {

@@ -245,10 +245,11 @@ impl Consumer {
 
     /// A pool over `database_url` of `size` connections.
     pub fn pool(database_url: &str, size: usize) -> Result<deadpool_postgres::Pool, ConsumerError> {
-        let pg: tokio_postgres::Config = database_url.parse().map_err(|e: tokio_postgres::Error| ConsumerError::Pool(e.to_string()))?;
+        let t = crate::pgconn::parse(database_url).map_err(ConsumerError::Pool)?;
+        let tls = crate::pgconn::connector(&t).map_err(ConsumerError::Pool)?;
         let mgr = deadpool_postgres::Manager::from_config(
-            pg,
-            tokio_postgres::NoTls,
+            t.pg,
+            tls,
             deadpool_postgres::ManagerConfig { recycling_method: deadpool_postgres::RecyclingMethod::Fast },
         );
         deadpool_postgres::Pool::builder(mgr).max_size(size).build().map_err(|e| ConsumerError::Pool(e.to_string()))

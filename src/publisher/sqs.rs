@@ -44,6 +44,35 @@ impl SqsPublisher {
         Self { client: aws_sdk_sqs::Client::new(&shared) }
     }
 
+    /// As [`new`](Self::new), then assume `role_arn` through STS with the
+    /// chain's credentials (refreshed before they expire).
+    pub async fn with_role(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> Self {
+        let Some(arn) = role_arn else { return Self::new(region, endpoint_url).await };
+        let base = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new(region.to_string()))
+            .load()
+            .await;
+        let provider = aws_config::sts::AssumeRoleProvider::builder(arn)
+            .session_name("outbox-relay")
+            .configure(&base)
+            .build()
+            .await;
+        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new(region.to_string()))
+            .credentials_provider(provider)
+            .retry_config(aws_config::retry::RetryConfig::disabled())
+            .timeout_config(
+                aws_config::timeout::TimeoutConfig::builder()
+                    .operation_attempt_timeout(Duration::from_secs(20))
+                    .connect_timeout(Duration::from_secs(5))
+                    .build(),
+            );
+        if let Some(url) = endpoint_url {
+            loader = loader.endpoint_url(url);
+        }
+        Self { client: aws_sdk_sqs::Client::new(&loader.load().await) }
+    }
+
     pub fn client(&self) -> &aws_sdk_sqs::Client {
         &self.client
     }

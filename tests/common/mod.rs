@@ -23,6 +23,9 @@ pub mod outage;
 pub struct Stack {
     pub pg_url: String,
     pub sqs_url: String,
+    /// The throwaway CA (ca.crt), the unrelated CA (other-ca.crt); the server
+    /// certificate names "localhost" only.
+    pub tls_dir: String,
 }
 
 /// The shared stack, started by the project's own script on first use.
@@ -43,7 +46,11 @@ pub fn stack() -> &'static Stack {
                 .unwrap_or_else(|| panic!("{k} missing from dev-stack output: {text}"))
                 .to_string()
         };
-        Stack { pg_url: get("OUTBOX_RELAY_TEST_PG_URL"), sqs_url: get("OUTBOX_RELAY_TEST_SQS_URL") }
+        Stack {
+            pg_url: get("OUTBOX_RELAY_TEST_PG_URL"),
+            sqs_url: get("OUTBOX_RELAY_TEST_SQS_URL"),
+            tls_dir: get("OUTBOX_RELAY_TEST_TLS_DIR"),
+        }
     })
 }
 
