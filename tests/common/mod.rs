@@ -92,7 +92,8 @@ impl TestDb {
             )
             .await
             .unwrap();
-        r.map(|r| r.get::<_, i64>(0) as u64).unwrap_or(0)
+        // NULL while the slot is being created.
+        r.and_then(|r| r.get::<_, Option<i64>>(0)).map(|v| v as u64).unwrap_or(0)
     }
 
     /// The end of the WAL inserted so far: at or past the end of every
