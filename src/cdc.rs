@@ -230,7 +230,19 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
                             watermark.lock().unwrap().observe_idle(Lsn(wal_end.0));
                         }
                     }
-                    ReplicationEvent::Message { .. } => {} // heartbeats: their transaction settles empty
+                    ReplicationEvent::Message { prefix, content, .. } => {
+                        // Heartbeats: their transaction settles empty; the
+                        // content is the time they were written.
+                        if prefix == HEARTBEAT_PREFIX {
+                            if let Some(sent_us) = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok()) {
+                                let now_us = std::time::SystemTime::now()
+                                    .duration_since(std::time::UNIX_EPOCH)
+                                    .map(|d| d.as_micros() as i64)
+                                    .unwrap_or(0);
+                                ctx.metrics.heartbeat_rtt_seconds.set((now_us - sent_us).max(0) as f64 / 1e6);
+                            }
+                        }
+                    }
                     ReplicationEvent::StoppedAt { .. } => break Ok(()),
                 }
             }
@@ -473,7 +485,7 @@ impl Router<'_> {
             ),
             Some(q) => (ev.destination.as_str(), prepare(Arc::clone(&ev), q)),
         };
-        self.metrics.backlog_events.with_label_values(&[label]).inc();
+        self.metrics.in_flight_events.with_label_values(&[label]).inc();
         match verdict {
             Ok(_) if self.states[&ev.destination].is_spooling() => {
                 // A spooling lane's new events go straight to the table.

@@ -75,6 +75,8 @@ pub struct FileConfig {
     pub retry_max: Option<String>,
     pub poll_interval: Option<String>,
     pub retention: Option<String>,
+    pub readiness_stall: Option<String>,
+    pub takeover_timeout: Option<String>,
     #[serde(default)]
     pub sqs: SqsFileConfig,
     #[serde(default)]
@@ -136,6 +138,10 @@ pub struct Config {
     pub poll_interval: Duration,
     /// PUBLISHED rows older than this are deleted; `None` keeps them.
     pub retention: Option<Duration>,
+    /// `/readyz` fails when the confirmed LSN has not moved this long while the slot has lag.
+    pub readiness_stall: Duration,
+    /// A standby takes over within this of the leader's death.
+    pub takeover_timeout: Duration,
 }
 
 impl fmt::Debug for Config {
@@ -276,6 +282,11 @@ impl Config {
             Some(s) if s == "off" || s == "0" => None,
             v => Some(duration("retention", v, "7d")?),
         };
+        let readiness_stall = duration("readiness_stall", get("READINESS_STALL").or(file.readiness_stall), "5m")?;
+        let takeover_timeout = duration("takeover_timeout", get("TAKEOVER_TIMEOUT").or(file.takeover_timeout), "10s")?;
+        if takeover_timeout < Duration::from_secs(1) {
+            return Err(ConfigError::Invalid(format!("takeover_timeout {takeover_timeout:?} must be at least 1s")));
+        }
         Ok(Config {
             database_url,
             mode,
@@ -296,6 +307,8 @@ impl Config {
             retry_max,
             poll_interval,
             retention,
+            readiness_stall,
+            takeover_timeout,
         })
     }
 }

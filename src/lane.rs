@@ -395,6 +395,11 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
             break;
         }
         let entries: Vec<Entry> = todo.iter().map(|i| i.entry.clone()).collect();
+        ctx.metrics.batch_entries.with_label_values(&[&ctx.cfg.name]).observe(entries.len() as f64);
+        ctx.metrics
+            .batch_bytes
+            .with_label_values(&[&ctx.cfg.name])
+            .observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
         let started = Instant::now();
         let call = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries);
         let result = match spool.as_mut() {

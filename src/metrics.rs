@@ -17,6 +17,14 @@ pub const EVENTS_DEAD_TOTAL: &str = "outbox_relay_events_dead_total";
 pub const PUBLISH_SECONDS: &str = "outbox_relay_publish_seconds";
 pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outbox_relay_commit_to_publish_seconds";
 pub const BACKLOG_EVENTS: &str = "outbox_relay_backlog_events";
+pub const IN_FLIGHT_EVENTS: &str = "outbox_relay_in_flight_events";
+pub const OLDEST_UNPUBLISHED_SECONDS: &str = "outbox_relay_oldest_unpublished_seconds";
+pub const SLOT_WAL_STATUS: &str = "outbox_relay_slot_wal_status";
+pub const BATCH_ENTRIES: &str = "outbox_relay_batch_entries";
+pub const BATCH_BYTES: &str = "outbox_relay_batch_bytes";
+pub const HEARTBEAT_RTT_SECONDS: &str = "outbox_relay_heartbeat_rtt_seconds";
+pub const IS_LEADER: &str = "outbox_relay_is_leader";
+pub const LEADER_CHANGES_TOTAL: &str = "outbox_relay_leader_changes_total";
 pub const MODE: &str = "outbox_relay_mode";
 pub const CONFIRMED_LSN: &str = "outbox_relay_confirmed_lsn";
 pub const SQS_ENTRY_FAILURES_TOTAL: &str = "outbox_relay_sqs_entry_failures_total";
@@ -37,7 +45,17 @@ pub struct Metrics {
     pub events_dead: IntCounterVec,
     pub publish_seconds: HistogramVec,
     pub commit_to_publish_seconds: Histogram,
+    /// NEW rows in the table per destination (a capped count, refreshed every 10 s).
     pub backlog_events: IntGaugeVec,
+    /// Events read from the slot and not yet settled, per destination.
+    pub in_flight_events: IntGaugeVec,
+    pub oldest_unpublished_seconds: prometheus::GaugeVec,
+    pub slot_wal_status: IntGaugeVec,
+    pub batch_entries: HistogramVec,
+    pub batch_bytes: HistogramVec,
+    pub heartbeat_rtt_seconds: prometheus::Gauge,
+    pub is_leader: IntGauge,
+    pub leader_changes: IntCounter,
     pub mode: IntGaugeVec,
     pub confirmed_lsn: IntGauge,
     pub sqs_entry_failures: IntCounterVec,
@@ -50,6 +68,8 @@ pub struct Metrics {
     pub slot_active: IntGauge,
     pub retention_deleted: IntCounter,
     pub ready: AtomicBool,
+    /// The slot's confirmed LSN has not moved for `readiness_stall` while it has lag.
+    pub stalled: AtomicBool,
 }
 
 impl Metrics {
@@ -65,7 +85,15 @@ impl Metrics {
             events_dead: IntCounterVec::new(Opts::new(EVENTS_DEAD_TOTAL, "Events marked DEAD, by reason"), &["destination", "reason"]).unwrap(),
             publish_seconds: HistogramVec::new(HistogramOpts::new(PUBLISH_SECONDS, "Duration of one SendMessageBatch call").buckets(lat.clone()), &["destination"]).unwrap(),
             commit_to_publish_seconds: Histogram::with_opts(HistogramOpts::new(COMMIT_TO_PUBLISH_SECONDS, "From the row's commit time to SQS acceptance").buckets(lat)).unwrap(),
-            backlog_events: IntGaugeVec::new(Opts::new(BACKLOG_EVENTS, "Events read but not yet settled, per destination"), &["destination"]).unwrap(),
+            backlog_events: IntGaugeVec::new(Opts::new(BACKLOG_EVENTS, "NEW outbox rows per destination (counted up to 1,000,000, every 10 s)"), &["destination"]).unwrap(),
+            in_flight_events: IntGaugeVec::new(Opts::new(IN_FLIGHT_EVENTS, "Events read from the slot but not yet settled, per destination"), &["destination"]).unwrap(),
+            oldest_unpublished_seconds: prometheus::GaugeVec::new(Opts::new(OLDEST_UNPUBLISHED_SECONDS, "Age of the oldest NEW outbox row per destination (0 when none)"), &["destination"]).unwrap(),
+            slot_wal_status: IntGaugeVec::new(Opts::new(SLOT_WAL_STATUS, "1 for the slot's wal_status (reserved, extended, unreserved, lost), 0 for the others"), &["status"]).unwrap(),
+            batch_entries: HistogramVec::new(HistogramOpts::new(BATCH_ENTRIES, "Entries per SendMessageBatch").buckets(vec![1.0, 2.0, 3.0, 5.0, 8.0, 10.0]), &["destination"]).unwrap(),
+            batch_bytes: HistogramVec::new(HistogramOpts::new(BATCH_BYTES, "Bytes per SendMessageBatch (bodies and attributes)").buckets(prometheus::exponential_buckets(256.0, 4.0, 8).unwrap()), &["destination"]).unwrap(),
+            heartbeat_rtt_seconds: prometheus::Gauge::new(HEARTBEAT_RTT_SECONDS, "From writing the last heartbeat message to reading it back from the slot").unwrap(),
+            is_leader: IntGauge::new(IS_LEADER, "1 while this relay holds the slot's leader lock and streams").unwrap(),
+            leader_changes: IntCounter::new(LEADER_CHANGES_TOTAL, "Times this relay became or stopped being the leader").unwrap(),
             mode: IntGaugeVec::new(Opts::new(MODE, "1 for the mode the relay runs in"), &["mode"]).unwrap(),
             confirmed_lsn: IntGauge::new(CONFIRMED_LSN, "The LSN last confirmed to the server, as a number").unwrap(),
             sqs_entry_failures: IntCounterVec::new(Opts::new(SQS_ENTRY_FAILURES_TOTAL, "Failed SendMessageBatch entries and calls, by error code"), &["destination", "code"]).unwrap(),
@@ -78,6 +106,7 @@ impl Metrics {
             slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
             ready: AtomicBool::new(false),
+            stalled: AtomicBool::new(false),
             registry,
         };
         let r = &m.registry;
@@ -88,6 +117,16 @@ impl Metrics {
         r.register(Box::new(m.publish_seconds.clone())).unwrap();
         r.register(Box::new(m.commit_to_publish_seconds.clone())).unwrap();
         r.register(Box::new(m.backlog_events.clone())).unwrap();
+        r.register(Box::new(m.in_flight_events.clone())).unwrap();
+        r.register(Box::new(m.oldest_unpublished_seconds.clone())).unwrap();
+        r.register(Box::new(m.slot_wal_status.clone())).unwrap();
+        r.register(Box::new(m.batch_entries.clone())).unwrap();
+        r.register(Box::new(m.batch_bytes.clone())).unwrap();
+        r.register(Box::new(m.heartbeat_rtt_seconds.clone())).unwrap();
+        r.register(Box::new(m.is_leader.clone())).unwrap();
+        r.register(Box::new(m.leader_changes.clone())).unwrap();
+        #[cfg(target_os = "linux")]
+        r.register(Box::new(prometheus::process_collector::ProcessCollector::for_self())).unwrap();
         r.register(Box::new(m.mode.clone())).unwrap();
         r.register(Box::new(m.confirmed_lsn.clone())).unwrap();
         r.register(Box::new(m.sqs_entry_failures.clone())).unwrap();
@@ -100,6 +139,22 @@ impl Metrics {
         r.register(Box::new(m.slot_active.clone())).unwrap();
         r.register(Box::new(m.retention_deleted.clone())).unwrap();
         Arc::new(m)
+    }
+
+    /// The name of every metric this relay exports (labelled ones included
+    /// before they have a sample), process metrics aside.
+    pub fn names(&self) -> Vec<String> {
+        use prometheus::core::Collector;
+        let collectors: Vec<&dyn Collector> = vec![
+            &self.slot_lag_bytes, &self.slot_retained_wal_bytes, &self.events_published, &self.events_dead,
+            &self.publish_seconds, &self.commit_to_publish_seconds, &self.backlog_events, &self.in_flight_events,
+            &self.oldest_unpublished_seconds, &self.slot_wal_status, &self.batch_entries, &self.batch_bytes,
+            &self.heartbeat_rtt_seconds, &self.is_leader, &self.leader_changes, &self.mode, &self.confirmed_lsn,
+            &self.sqs_entry_failures, &self.replayed_filtered, &self.stream_restarts, &self.lane_spooled,
+            &self.lane_spool_switches, &self.events_deferred, &self.slot_recreated, &self.slot_active,
+            &self.retention_deleted,
+        ];
+        collectors.iter().flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone())).collect()
     }
 
     /// The Prometheus text exposition of every metric.
@@ -133,7 +188,7 @@ pub async fn serve(
         .route(
             "/readyz",
             get(|State(m): State<Arc<Metrics>>| async move {
-                if m.ready.load(Ordering::Relaxed) {
+                if m.ready.load(Ordering::Relaxed) && !m.stalled.load(Ordering::Relaxed) {
                     (StatusCode::OK, "ready\n")
                 } else {
                     (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")

@@ -92,82 +92,98 @@ pub async fn run(
         .map(|r| tokio::spawn(sweep_retention(config.database_url.clone(), r, Arc::clone(&metrics), stop_rx.clone())));
 
     // The table path: every destination in polling mode; the spool drain of
-    // every destination in CDC mode.
+    // every destination in CDC mode (while this relay leads).
     let lanes: BTreeMap<String, Arc<LaneState>> =
         queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
-    let mut table_lanes = tokio::task::JoinSet::new();
-    for (name, queue) in &queues {
-        let (source, state, poll_interval) = match mode {
-            Mode::Polling => (Source::Poll, None, config.poll_interval),
-            _ => (Source::Spool, Some(Arc::clone(&lanes[name])), config.poll_interval.max(Duration::from_millis(500))),
-        };
-        let cfg = TableLaneConfig {
-            name: Arc::from(name.as_str()),
-            queue: queue.clone(),
-            source,
-            claim_limit: TABLE_CLAIM_LIMIT,
-            poll_interval,
-            linger: config.linger,
-            max_in_flight: config.max_in_flight_batches,
-            backoff: Backoff { base: config.retry_base, max: config.retry_max },
-        };
-        table_lanes.spawn(run_table_lane(
-            cfg,
+    let spawn_table = |stop: watch::Receiver<bool>| {
+        let mut set = tokio::task::JoinSet::new();
+        for (name, queue) in &queues {
+            let (source, state, poll_interval) = match mode {
+                Mode::Polling => (Source::Poll, None, config.poll_interval),
+                _ => (Source::Spool, Some(Arc::clone(&lanes[name])), config.poll_interval.max(Duration::from_millis(500))),
+            };
+            let cfg = TableLaneConfig {
+                name: Arc::from(name.as_str()),
+                queue: queue.clone(),
+                source,
+                claim_limit: TABLE_CLAIM_LIMIT,
+                poll_interval,
+                linger: config.linger,
+                max_in_flight: config.max_in_flight_batches,
+                backoff: Backoff { base: config.retry_base, max: config.retry_max },
+            };
+            set.spawn(run_table_lane(cfg, config.database_url.clone(), Arc::clone(&publisher), Arc::clone(&metrics), state, stop.clone()));
+        }
+        set.spawn(run_unknown_destination_sweeper(
             config.database_url.clone(),
-            Arc::clone(&publisher),
+            queues.keys().cloned().collect(),
+            if mode == Mode::Polling { Source::Poll } else { Source::Spool },
             Arc::clone(&metrics),
-            state,
-            stop_rx.clone(),
+            stop,
         ));
-    }
+        set
+    };
 
-    table_lanes.spawn(run_unknown_destination_sweeper(
-        config.database_url.clone(),
-        queues.keys().cloned().collect(),
-        if mode == Mode::Polling { Source::Poll } else { Source::Spool },
-        Arc::clone(&metrics),
-        stop_rx.clone(),
-    ));
     if mode == Mode::Polling {
+        // Polling relays are all active: SKIP LOCKED keeps them apart.
+        let mut table_lanes = spawn_table(stop_rx.clone());
         metrics.set_ready(true);
         tracing::info!(destinations = queues.len(), "polling the outbox table");
         let _ = stop_rx.wait_for(|s| *s).await;
         metrics.set_ready(false);
+        drain_table(&mut table_lanes).await;
     } else {
         let ctx = StreamContext {
             config: config.clone(),
-            queues,
-            publisher,
+            queues: queues.clone(),
+            publisher: Arc::clone(&publisher),
             metrics: Arc::clone(&metrics),
-            lanes,
+            lanes: lanes.clone(),
             slot_seen: AtomicBool::new(false),
         };
-        let mut failures = 0u32;
-        loop {
-            if *stop_rx.borrow() {
-                break;
-            }
-            match run_stream(&ctx, &mut stop_rx).await {
-                Ok(()) => break,
-                Err(e) => {
-                    failures += 1;
-                    metrics.stream_restarts.inc();
-                    let wait = crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10));
-                    tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = stop_rx.wait_for(|s| *s) => break,
+        // One relay per slot streams: the leader holds an advisory lock on a
+        // connection of its own; the others wait for it to go.
+        while let Some(lock) = acquire_leadership(&config, &metrics, &mut stop_rx).await {
+            // Polled here, not spawned: if this task goes, the lock goes with it.
+            let watchdog = watch_lock(lock, config.takeover_timeout);
+            tokio::pin!(watchdog);
+            let mut table_lanes = spawn_table(stop_rx.clone());
+            let mut failures = 0u32;
+            let lost = loop {
+                if *stop_rx.borrow() {
+                    break false;
+                }
+                let r = tokio::select! {
+                    r = run_stream(&ctx, &mut stop_rx) => r,
+                    // Lock gone: stop publishing at once, no draining.
+                    _ = &mut watchdog => break true,
+                };
+                match r {
+                    Ok(()) => break false,
+                    Err(e) => {
+                        failures += 1;
+                        metrics.stream_restarts.inc();
+                        let wait = crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10));
+                        tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
+                        tokio::select! {
+                            _ = tokio::time::sleep(wait) => {}
+                            _ = stop_rx.wait_for(|s| *s) => break false,
+                            _ = &mut watchdog => break true,
+                        }
                     }
                 }
+            };
+            metrics.set_ready(false);
+            metrics.is_leader.set(0);
+            metrics.leader_changes.inc();
+            if lost {
+                table_lanes.abort_all();
+                tracing::error!(slot = %config.slot, "lost the leader lock's connection: stopped publishing; trying to lead again");
+                continue;
             }
+            drain_table(&mut table_lanes).await;
+            break;
         }
-    }
-    // Table lanes finish the claim they are in (its rows are marked and
-    // committed) or, past the grace, are abandoned (their rows stay NEW).
-    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async { while table_lanes.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!("table claims abandoned at shutdown; their rows stay NEW and are sent again");
-        table_lanes.abort_all();
     }
     monitor.abort();
     if let Some(s) = sweeper {
@@ -177,6 +193,76 @@ pub async fn run(
         let _ = s.await;
     }
     Ok(())
+}
+
+/// Table lanes finish the claim they are in (its rows are marked and
+/// committed) or, past the grace, are abandoned (their rows stay NEW).
+async fn drain_table(set: &mut tokio::task::JoinSet<()>) {
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async { while set.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("table claims abandoned at shutdown; their rows stay NEW and are sent again");
+        set.abort_all();
+    }
+}
+
+/// Wait until this relay holds the slot's leader lock (a session advisory
+/// lock on a connection of its own); `None` when asked to stop first.
+async fn acquire_leadership(config: &Config, metrics: &Metrics, stop: &mut watch::Receiver<bool>) -> Option<tokio_postgres::Client> {
+    let key = format!("outbox_relay_leader:{}", config.slot);
+    let poll = (config.takeover_timeout / 10).max(Duration::from_millis(100));
+    let mut waiting = false;
+    loop {
+        if *stop.borrow() {
+            return None;
+        }
+        match db::connect(&config.database_url).await {
+            Ok(c) => loop {
+                match c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]).await {
+                    Ok(r) if r.get::<_, bool>(0) => {
+                        tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
+                        metrics.is_leader.set(1);
+                        metrics.leader_changes.inc();
+                        return Some(c);
+                    }
+                    Ok(_) => {
+                        if !waiting {
+                            tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
+                            waiting = true;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "leader lock query failed; reconnecting");
+                        break;
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(poll) => {}
+                    _ = stop.wait_for(|s| *s) => return None,
+                }
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot connect for the leader lock; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(poll.max(Duration::from_secs(1))) => {}
+                    _ = stop.wait_for(|s| *s) => return None,
+                }
+            }
+        }
+    }
+}
+
+/// Check the lock's connection every `takeover_timeout / 5`; return when it
+/// is lost (an error, or no answer within that time). The lock is held as
+/// long as the client lives: it is released when this future is dropped.
+async fn watch_lock(client: tokio_postgres::Client, takeover_timeout: Duration) {
+    let every = (takeover_timeout / 5).max(Duration::from_millis(100));
+    loop {
+        tokio::time::sleep(every).await;
+        let ok = matches!(tokio::time::timeout(every, client.simple_query("SELECT 1")).await, Ok(Ok(_)));
+        if !ok || client.is_closed() {
+            return;
+        }
+    }
 }
 
 /// Rows one table-path transaction claims.
@@ -242,7 +328,9 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
     let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
-    for t in [&mut lag_tick, &mut heartbeat, &mut warn_tick] {
+    let mut backlog_tick = tokio::time::interval(Duration::from_secs(10));
+    let mut last_confirmed: (i64, std::time::Instant) = (-1, std::time::Instant::now());
+    for t in [&mut lag_tick, &mut heartbeat, &mut warn_tick, &mut backlog_tick] {
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     }
     heartbeat.tick().await;
@@ -252,6 +340,7 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
             _ = lag_tick.tick() => 0,
             _ = heartbeat.tick(), if mode == Mode::Cdc => 1,
             _ = warn_tick.tick(), if mode == Mode::Polling => 2,
+            _ = backlog_tick.tick() => 3,
             _ = stop.wait_for(|s| *s) => return,
         };
         if client.as_ref().is_none_or(|c: &tokio_postgres::Client| c.is_closed()) {
@@ -260,31 +349,57 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
         let Some(c) = client.as_ref() else { continue };
         let res = match what {
             1 => c
-                .execute("SELECT pg_logical_emit_message(true, $1, now()::text)", &[&HEARTBEAT_PREFIX])
+                .execute(
+                    "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",
+                    &[&HEARTBEAT_PREFIX],
+                )
                 .await
                 .map(|_| ()),
             2 => {
                 warn_if_slot_retains_wal(c, &config.slot).await;
                 Ok(())
             }
+            3 => backlog(c, &config, &metrics).await,
             _ => c
                 .query_opt(
                     "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                            (pg_current_wal_lsn() - restart_lsn)::bigint, active
+                            (pg_current_wal_lsn() - restart_lsn)::bigint, active, coalesce(wal_status, ''),
+                            (confirmed_flush_lsn - '0/0')::bigint
                        FROM pg_replication_slots WHERE slot_name = $1",
                     &[&config.slot],
                 )
                 .await
-                .map(|row| match row {
-                    Some(r) => {
-                        metrics.slot_lag_bytes.set(r.get::<_, Option<i64>>(0).unwrap_or(0));
-                        metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
-                        metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
+                .map(|row| {
+                    let status = row.as_ref().map(|r| r.get::<_, String>(3)).unwrap_or_default();
+                    for s in ["reserved", "extended", "unreserved", "lost"] {
+                        metrics.slot_wal_status.with_label_values(&[s]).set(i64::from(s == status));
                     }
-                    None => {
-                        metrics.slot_lag_bytes.set(0);
-                        metrics.slot_retained_wal_bytes.set(0);
-                        metrics.slot_active.set(-1);
+                    match row {
+                        Some(r) => {
+                            let lag = r.get::<_, Option<i64>>(0).unwrap_or(0);
+                            metrics.slot_lag_bytes.set(lag);
+                            metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
+                            metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
+                            // Readiness: the confirmed LSN must move while the slot has lag.
+                            let confirmed = r.get::<_, Option<i64>>(4).unwrap_or(0);
+                            if confirmed != last_confirmed.0 || lag <= 0 {
+                                last_confirmed = (confirmed, std::time::Instant::now());
+                            }
+                            let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
+                            if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
+                                if stuck {
+                                    tracing::error!(lag_bytes = lag, stall = ?config.readiness_stall, "the slot's confirmed LSN has not moved while it has lag: not ready");
+                                } else {
+                                    tracing::info!("the slot's confirmed LSN moves again: ready");
+                                }
+                                metrics.stalled.store(stuck, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        None => {
+                            metrics.slot_lag_bytes.set(0);
+                            metrics.slot_retained_wal_bytes.set(0);
+                            metrics.slot_active.set(-1);
+                        }
                     }
                 }),
         };
@@ -343,4 +458,22 @@ pub async fn sweep_once(c: &tokio_postgres::Client, retention: Duration) -> Resu
         }
         tokio::task::yield_now().await;
     }
+}
+
+/// NEW rows and the oldest one's age per configured destination: a capped
+/// count and one index probe each, not a scan per scrape.
+async fn backlog(c: &tokio_postgres::Client, config: &Config, metrics: &Metrics) -> Result<(), tokio_postgres::Error> {
+    for d in config.destinations.keys() {
+        let r = c
+            .query_one(
+                "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' LIMIT 1000000) n),
+                        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox
+                                   WHERE destination = $1 AND status = 'NEW' ORDER BY id LIMIT 1), 0)",
+                &[d],
+            )
+            .await?;
+        metrics.backlog_events.with_label_values(&[d]).set(r.get(0));
+        metrics.oldest_unpublished_seconds.with_label_values(&[d]).set(r.get::<_, f64>(1).max(0.0));
+    }
+    Ok(())
 }

@@ -210,7 +210,7 @@ pub async fn run_settler(
         }
         record(&metrics, &batch);
         for s in batch.drain(..) {
-            metrics.backlog_events.with_label_values(&[&s.destination]).dec();
+            metrics.in_flight_events.with_label_values(&[&s.destination]).dec();
             if let Some(l) = &s.lane {
                 l.deferred_marked();
             }

@@ -125,7 +125,7 @@ async fn rows_settled_before_a_crash_are_not_sent_again() {
     let c = db.client().await;
     insert_rows(&c, "r", "orders", 50, None).await;
     wait_for("rows read", Duration::from_secs(10), || async {
-        relay.metrics.render().contains("outbox_relay_backlog_events{destination=\"orders\"} 50")
+        relay.metrics.render().contains("outbox_relay_in_flight_events{destination=\"orders\"} 50")
     })
     .await;
     relay.abort();

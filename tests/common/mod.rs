@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
 pub mod outage;
+pub mod takeover;
 
 pub struct Stack {
     pub pg_url: String,

@@ -1,0 +1,171 @@
+//! Operations: standby takeover, a leader losing its lock, readiness under a
+//! stuck slot, and the shipped alert rules and dashboard.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use outbox_relay::publisher::memory::MemoryPublisher;
+
+const Q: &str = "http://memory.invalid/orders";
+
+fn gauge(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| l.strip_prefix(prefix)).and_then(|v| v.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_the_leader_and_a_standby_takes_over_within_the_timeout() {
+    let (times, total, received) = common::takeover::run(1).await;
+    eprintln!("takeover after kill -9: {times:?}; {received} of {total} rows received");
+    assert!(times[0] < Duration::from_secs(10), "takeover took {:?}", times[0]);
+    assert_eq!(received, total, "every row arrives");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
+    let db = TestDb::new("lockloss").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(Q, false, 262_144);
+    let mut cfg = config(&db, &[("orders", Q)]);
+    cfg.takeover_timeout = Duration::from_secs(1);
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("leading", Duration::from_secs(30), || async { gauge(&relay.metrics.render(), "outbox_relay_is_leader ") == Some(1.0) }).await;
+    // A second relay with the same config waits.
+    let standby = start(cfg, Arc::new(p.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(gauge(&standby.metrics.render(), "outbox_relay_is_leader "), Some(0.0));
+    // The leader's lock connection dies.
+    let admin = db.client().await;
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(pg_terminate_backend(l.pid)) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+              WHERE l.locktype = 'advisory' AND a.datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(killed, 1);
+    wait_for("old leader stepped down", Duration::from_secs(10), || async {
+        let m = relay.metrics.render();
+        gauge(&m, "outbox_relay_is_leader ") == Some(0.0) || gauge(&m, "outbox_relay_leader_changes_total ") >= Some(2.0)
+    })
+    .await;
+    wait_for("someone leads again", Duration::from_secs(20), || async {
+        gauge(&relay.metrics.render(), "outbox_relay_is_leader ") == Some(1.0)
+            || gauge(&standby.metrics.render(), "outbox_relay_is_leader ") == Some(1.0)
+    })
+    .await;
+    let c = db.client().await;
+    insert_rows(&c, "after", "orders", 100, None).await;
+    wait_for("rows published by the new leader", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let bodies: std::collections::HashSet<String> = p.sent(Q).into_iter().map(|s| s.body).collect();
+    assert_eq!(bodies.len(), 100);
+    relay.stop().await;
+    standby.stop().await;
+}
+
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let code = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_the_slot_does_not_advance_under_lag() {
+    let db = TestDb::new("ready").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(Q, false, 262_144);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut cfg = config(&db, &[("orders", Q)]);
+    cfg.metrics_addr = Some(addr.parse().unwrap());
+    cfg.readiness_stall = Duration::from_secs(3);
+    cfg.lane_stall_timeout = Duration::from_secs(3600);
+    cfg.max_retained_wal = 1 << 40;
+    let relay = start(cfg, Arc::new(p.clone()));
+    let probe = addr.clone();
+    wait_for("ready", Duration::from_secs(30), || {
+        let a = probe.clone();
+        async move { tokio::task::spawn_blocking(move || http_get(&a, "/readyz").0).await.unwrap() == 200 }
+    })
+    .await;
+    assert_eq!(http_get(&addr, "/healthz").0, 200);
+    // A send that never completes: the watermark stops while WAL moves on.
+    p.close_gate();
+    let c = db.client().await;
+    insert_rows(&c, "stuck", "orders", 5, None).await;
+    let probe = addr.clone();
+    wait_for("not ready", Duration::from_secs(30), || {
+        let a = probe.clone();
+        async move { tokio::task::spawn_blocking(move || http_get(&a, "/readyz").0).await.unwrap() == 503 }
+    })
+    .await;
+    assert_eq!(http_get(&addr, "/healthz").0, 200, "alive, only not ready");
+    p.open_gate();
+    let probe = addr.clone();
+    wait_for("ready again", Duration::from_secs(30), || {
+        let a = probe.clone();
+        async move { tokio::task::spawn_blocking(move || http_get(&a, "/readyz").0).await.unwrap() == 200 }
+    })
+    .await;
+    let (_, body) = http_get(&addr, "/metrics");
+    for name in ["outbox_relay_slot_wal_status{status=\"reserved\"} 1", "outbox_relay_is_leader 1", "outbox_relay_heartbeat_rtt_seconds", "process_resident_memory_bytes"] {
+        assert!(body.contains(name), "/metrics lacks {name}");
+    }
+    relay.stop().await;
+}
+
+/// Metric names in an expression (histogram series reduced to their family).
+fn names_in(expr: &str, out: &mut Vec<String>) {
+    let mut rest = expr;
+    while let Some(i) = rest.find("outbox_relay_") {
+        let tail = &rest[i..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        let mut name = tail[..end].to_string();
+        for suffix in ["_bucket", "_sum", "_count"] {
+            if let Some(base) = name.strip_suffix(suffix) {
+                if base.ends_with("_seconds") || base.ends_with("_entries") || base.ends_with("_bytes") {
+                    name = base.to_string();
+                }
+            }
+        }
+        out.push(name);
+        rest = &tail[end..];
+    }
+}
+
+#[test]
+fn alert_rules_and_dashboard_name_only_exported_metrics() {
+    let exported = outbox_relay::metrics::Metrics::new().names();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let alerts: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(format!("{root}/deploy/prometheus-alerts.yml")).unwrap()).unwrap();
+    let mut named = Vec::new();
+    let mut rules = 0;
+    for g in alerts["groups"].as_sequence().unwrap() {
+        for r in g["rules"].as_sequence().unwrap() {
+            assert!(r["alert"].as_str().is_some() && r["annotations"]["summary"].as_str().is_some(), "{r:?}");
+            names_in(r["expr"].as_str().unwrap(), &mut named);
+            rules += 1;
+        }
+    }
+    assert!(rules >= 8);
+    let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(format!("{root}/deploy/grafana-dashboard.json")).unwrap()).unwrap();
+    for p in dash["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().unwrap() {
+            names_in(t["expr"].as_str().unwrap(), &mut named);
+        }
+    }
+    for n in &named {
+        assert!(exported.contains(n), "{n} is named in deploy/ but not exported");
+    }
+    for must in ["outbox_relay_slot_lag_bytes", "outbox_relay_slot_active", "outbox_relay_slot_wal_status", "outbox_relay_events_dead_total", "outbox_relay_oldest_unpublished_seconds", "outbox_relay_is_leader"] {
+        assert!(named.iter().any(|n| n == must), "no alert or panel uses {must}");
+    }
+}
