@@ -62,6 +62,8 @@ pub struct StreamContext {
     /// This process has streamed from the slot: if it is missing now, it was
     /// dropped under us.
     pub slot_seen: AtomicBool,
+    /// A sharded relay (filtered publication) catches up only its destinations.
+    pub shard: Option<Vec<String>>,
 }
 
 impl StreamContext {
@@ -171,7 +173,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 
     if let Some((client, consistent)) = catch_up.take() {
         let seq = watermark.lock().unwrap().begin();
-        let n = router.catch_up(&client, seq).await?;
+        let n = router.catch_up(&client, seq, ctx.shard.as_deref()).await?;
         client.batch_execute("COMMIT").await?;
         watermark.lock().unwrap().commit(seq, consistent);
         tracing::info!(rows = n, "catch-up from the slot's snapshot dispatched");
@@ -526,14 +528,21 @@ impl Router<'_> {
     }
 
     /// Publish the NEW rows the slot's snapshot sees, in id order.
-    async fn catch_up(&mut self, client: &Client, seq: TxnSeq) -> Result<u64, CdcError> {
+    async fn catch_up(&mut self, client: &Client, seq: TxnSeq, shard: Option<&[String]>) -> Result<u64, CdcError> {
+        let only = match shard {
+            Some(d) => format!(
+                " AND destination IN ({})",
+                d.iter().map(|x| format!("'{}'", x.replace('\'', "''"))).collect::<Vec<_>>().join(", ")
+            ),
+            None => String::new(),
+        };
         client
-            .batch_execute(
+            .batch_execute(&format!(
                 "DECLARE outbox_catch_up NO SCROLL CURSOR FOR
                  SELECT id, event_id, destination, body, group_key, attributes::text,
                         (extract(epoch FROM created_at) * 1000000)::bigint
-                   FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL ORDER BY id",
-            )
+                   FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL{only} ORDER BY id"
+            ))
             .await?;
         let mut n = 0u64;
         loop {

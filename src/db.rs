@@ -138,3 +138,68 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
     }
     Ok(())
 }
+
+/// The destinations a publication's row filter lets through, from
+/// `pg_publication_tables.rowfilter` (`None`: no filter, every row).
+pub fn filter_destinations(rowfilter: Option<&str>) -> Option<std::collections::BTreeSet<String>> {
+    let f = rowfilter?;
+    let mut out = std::collections::BTreeSet::new();
+    let mut chars = f.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\'' {
+            continue;
+        }
+        let mut lit = String::new();
+        loop {
+            match chars.next() {
+                Some('\'') if chars.peek() == Some(&'\'') => {
+                    chars.next();
+                    lit.push('\'');
+                }
+                Some('\'') | None => break,
+                Some(ch) => lit.push(ch),
+            }
+        }
+        out.insert(lit);
+    }
+    Some(out)
+}
+
+/// Shards: the publication's row filter must be exactly this relay's
+/// destinations, and no other filtered publication of the outbox may carry
+/// any of them (two relays would both send those rows). Returns whether this
+/// relay's publication is filtered (sharded).
+pub async fn check_shard(client: &Client, publication: &str, destinations: &[String]) -> Result<bool, DbError> {
+    let rows = client
+        .query(
+            "SELECT pubname::text, rowfilter FROM pg_publication_tables WHERE tablename = 'outbox' AND schemaname = current_schema()",
+            &[],
+        )
+        .await?;
+    let mine: std::collections::BTreeSet<String> = destinations.iter().cloned().collect();
+    let mut sharded = false;
+    for r in &rows {
+        let (name, filter): (String, Option<String>) = (r.get(0), r.get(1));
+        let set = filter_destinations(filter.as_deref());
+        if name == publication {
+            if let Some(set) = set {
+                sharded = true;
+                if set != mine {
+                    return Err(DbError::Check(format!(
+                        "publication {publication:?} carries destinations {set:?} but this relay is configured for {mine:?}: they must be the same (or use another publication)"
+                    )));
+                }
+            }
+            continue;
+        }
+        if let Some(set) = set {
+            let shared: Vec<&String> = set.intersection(&mine).collect();
+            if !shared.is_empty() {
+                return Err(DbError::Check(format!(
+                    "destinations {shared:?} are also carried by publication {name:?} (another relay's shard): shards must have disjoint destinations"
+                )));
+            }
+        }
+    }
+    Ok(sharded)
+}

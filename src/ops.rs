@@ -198,7 +198,21 @@ pub struct SlotCreated {
 /// `next_attempt_at`, so the relay's table path publishes them.
 pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     let sql = db::connect(&config.database_url).await?;
+    let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+    let exists = sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
+    if !exists {
+        // A relay's own shard: a publication filtered to its destinations.
+        db::check_shard(&sql, &config.publication, &destinations).await?;
+        let list: Vec<String> = destinations.iter().map(|d| format!("'{}'", d.replace('\'', "''"))).collect();
+        sql.batch_execute(&format!(
+            "CREATE PUBLICATION \"{}\" FOR TABLE outbox WHERE (destination IN ({})) WITH (publish = 'insert')",
+            config.publication.replace('"', ""),
+            list.join(", ")
+        ))
+        .await?;
+    }
     db::check_cdc_prerequisites(&sql, &config.publication).await?;
+    let sharded = db::check_shard(&sql, &config.publication, &destinations).await?;
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
@@ -207,8 +221,12 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot).await?;
         let snap = db::connect(&config.database_url).await?;
         import_snapshot(&snap, &snapshot).await?;
+        let only: Option<Vec<String>> = sharded.then(|| destinations.clone());
         let ids: Vec<i64> = snap
-            .query("SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL", &[])
+            .query(
+                "SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL AND ($1::text[] IS NULL OR destination = ANY($1))",
+                &[&only],
+            )
             .await?
             .iter()
             .map(|r| r.get(0))

@@ -86,6 +86,11 @@ pub async fn run(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
+    // A filtered publication: this relay is one shard of several.
+    let sharded = mode == Mode::Cdc
+        && db::check_shard(&sql, &config.publication, &queues.keys().cloned().collect::<Vec<_>>())
+            .await
+            .map_err(|e| RelayError::Startup(e.to_string()))?;
     drop(sql);
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = retention
@@ -114,13 +119,14 @@ pub async fn run(
             };
             set.spawn(run_table_lane(cfg, config.database_url.clone(), Arc::clone(&publisher), Arc::clone(&metrics), state, stop.clone()));
         }
-        set.spawn(run_unknown_destination_sweeper(
+        // Other shards' rows are not unknown: a shard leaves them alone.
+        if !sharded { set.spawn(run_unknown_destination_sweeper(
             config.database_url.clone(),
             queues.keys().cloned().collect(),
             if mode == Mode::Polling { Source::Poll } else { Source::Spool },
             Arc::clone(&metrics),
             stop,
-        ));
+        )); }
         set
     };
 
@@ -140,6 +146,7 @@ pub async fn run(
             metrics: Arc::clone(&metrics),
             lanes: lanes.clone(),
             slot_seen: AtomicBool::new(false),
+            shard: sharded.then(|| queues.keys().cloned().collect()),
         };
         // One relay per slot streams: the leader holds an advisory lock on a
         // connection of its own; the others wait for it to go.
@@ -276,6 +283,8 @@ async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<M
     match config.mode {
         Mode::Cdc => {
             db::check_cdc_prerequisites(sql, &config.publication).await.map_err(startup)?;
+            let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+            db::check_shard(sql, &config.publication, &destinations).await.map_err(startup)?;
             Ok(Mode::Cdc)
         }
         Mode::Polling => {
@@ -284,7 +293,12 @@ async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<M
         }
         Mode::Auto => {
             db::check_outbox_table(sql).await.map_err(startup)?;
-            match db::check_cdc_prerequisites(sql, &config.publication).await {
+            let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+            let cdc = match db::check_cdc_prerequisites(sql, &config.publication).await {
+                Ok(()) => db::check_shard(sql, &config.publication, &destinations).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            match cdc {
                 Ok(()) => {
                     tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
                     Ok(Mode::Cdc)

@@ -169,3 +169,65 @@ fn alert_rules_and_dashboard_name_only_exported_metrics() {
         assert!(named.iter().any(|n| n == must), "no alert or panel uses {must}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sharded_relays_over_disjoint_destinations_deliver_every_row_to_its_queue() {
+    let db = TestDb::new("shard").await;
+    let (qa, qb, qc) = ("http://memory.invalid/a", "http://memory.invalid/b", "http://memory.invalid/c");
+    let p = MemoryPublisher::new();
+    for q in [qa, qb, qc] {
+        p.add_queue(q, false, 262_144);
+    }
+    let c = db.client().await;
+    insert_rows(&c, "early_a", "a", 30, None).await;
+    insert_rows(&c, "early_c", "c", 30, None).await;
+    // Each shard: its destinations, its publication (created by `slot create`
+    // with a row filter), its slot.
+    let mut ab = config(&db, &[("a", qa), ("b", qb)]);
+    ab.publication = "outbox_ab".into();
+    ab.slot = format!("{}_ab", db.slot);
+    let mut only_c = config(&db, &[("c", qc)]);
+    only_c.publication = "outbox_c".into();
+    only_c.slot = format!("{}_c", db.slot);
+    let created = outbox_relay::ops::slot_create(&ab).await.unwrap();
+    assert_eq!(created.handed_to_table, 30, "only this shard's earlier rows");
+    outbox_relay::ops::slot_create(&only_c).await.unwrap();
+    let filter: String = c
+        .query_one("SELECT rowfilter FROM pg_publication_tables WHERE pubname = 'outbox_ab'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(filter.contains("'a'") && filter.contains("'b'"), "{filter}");
+    // Overlapping shards are refused, before anything is created.
+    let mut overlap = config(&db, &[("b", qb)]);
+    overlap.publication = "outbox_b".into();
+    overlap.slot = format!("{}_b", db.slot);
+    let e = outbox_relay::ops::slot_create(&overlap).await.unwrap_err().to_string();
+    assert!(e.contains("outbox_ab") && e.contains("disjoint"), "{e}");
+    // A relay whose destinations differ from its publication's filter is refused.
+    let mut wrong = config(&db, &[("a", qa)]);
+    wrong.publication = "outbox_ab".into();
+    let e = outbox_relay::run(wrong, Arc::new(p.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("must be the same"), "{e}");
+
+    let r1 = start(ab, Arc::new(p.clone()));
+    let r2 = start(only_c, Arc::new(p.clone()));
+    for k in 0..5 {
+        for d in ["a", "b", "c"] {
+            insert_rows(&c, &format!("{d}{k}"), d, 40, None).await;
+        }
+    }
+    wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert_eq!(db.count("status = 'DEAD'").await, 0, "no shard marks another's rows DEAD");
+    let bodies = |q: &str| p.sent(q).into_iter().map(|s| s.body).collect::<Vec<_>>();
+    for (q, d, n) in [(qa, "a", 230), (qb, "b", 200), (qc, "c", 230)] {
+        let got = bodies(q);
+        assert_eq!(got.len(), n, "queue {q}");
+        assert!(got.iter().all(|b| b.starts_with(d) || b.starts_with(&format!("early_{d}"))), "{q} got another shard's row");
+    }
+    r1.stop().await;
+    r2.stop().await;
+}
