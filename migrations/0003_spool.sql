@@ -3,10 +3,6 @@
 CREATE INDEX IF NOT EXISTS outbox_spooled_by_destination
     ON outbox (destination, id) WHERE status = 'NEW' AND next_attempt_at IS NOT NULL;
 
--- The retention sweeper deletes PUBLISHED rows by age, a small batch at a time.
-CREATE INDEX IF NOT EXISTS outbox_published_at
-    ON outbox (published_at) WHERE status = 'PUBLISHED';
-
 -- `dead list`, `dead redrive` and `status` find DEAD rows without a scan.
 CREATE INDEX IF NOT EXISTS outbox_dead_by_destination
     ON outbox (destination, id) WHERE status = 'DEAD';

@@ -275,7 +275,8 @@ async fn retention_deletes_only_old_published_rows() {
     let c = db.client().await;
     insert_rows(&c, "x", "a", 2_500, None).await;
     c.batch_execute(
-        "UPDATE outbox SET status = 'PUBLISHED', published_at = now() - interval '8 days' WHERE id % 2 = 0;
+        "UPDATE outbox SET created_at = now() - interval '9 days' WHERE id < (SELECT min(id) + 2000 FROM outbox);
+         UPDATE outbox SET status = 'PUBLISHED', published_at = now() - interval '8 days' WHERE id % 2 = 0 AND created_at < now() - interval '8 days';
          UPDATE outbox SET status = 'PUBLISHED', published_at = now() WHERE id % 2 = 1 AND id % 5 = 0;
          UPDATE outbox SET status = 'DEAD' WHERE id % 7 = 0 AND status = 'NEW';",
     )
