@@ -19,7 +19,7 @@ use tokio_postgres::Client;
 
 use crate::config::Config;
 use crate::db;
-use crate::event::{prepare, DeadReason, OutboxEvent, QueueInfo};
+use crate::event::{prepare, DeadReason, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
 use crate::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
 use crate::publisher::Publisher;
@@ -539,8 +539,7 @@ impl Router<'_> {
         client
             .batch_execute(&format!(
                 "DECLARE outbox_catch_up NO SCROLL CURSOR FOR
-                 SELECT id, event_id, destination, body, group_key, attributes::text,
-                        (extract(epoch FROM created_at) * 1000000)::bigint
+                 SELECT {OUTBOX_COLUMNS}
                    FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL{only} ORDER BY id"
             ))
             .await?;
@@ -552,16 +551,7 @@ impl Router<'_> {
             }
             for r in rows {
                 n += 1;
-                let ev = OutboxEvent {
-                    id: r.get(0),
-                    event_id: r.get(1),
-                    destination: r.get(2),
-                    body: r.get(3),
-                    group_key: r.get(4),
-                    attributes: r.get(5),
-                    commit_time_us: r.get(6),
-                };
-                self.route(Some(seq), ev).await?;
+                self.route(Some(seq), OutboxEvent::from_row(&r)).await?;
             }
         }
         Ok(n)

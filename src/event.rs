@@ -20,6 +20,26 @@ pub struct OutboxEvent {
     pub commit_time_us: i64,
 }
 
+/// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
+/// order (the creation time stands in for the commit time).
+pub const OUTBOX_COLUMNS: &str =
+    "id, event_id, destination, body, group_key, attributes::text, (extract(epoch FROM created_at) * 1000000)::bigint";
+
+impl OutboxEvent {
+    /// A row selected with [`OUTBOX_COLUMNS`] first.
+    pub fn from_row(r: &tokio_postgres::Row) -> Self {
+        OutboxEvent {
+            id: r.get(0),
+            event_id: r.get(1),
+            destination: r.get(2),
+            body: r.get(3),
+            group_key: r.get(4),
+            attributes: r.get(5),
+            commit_time_us: r.get(6),
+        }
+    }
+}
+
 /// What SQS needs to know about a queue to batch for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueInfo {

@@ -109,52 +109,51 @@ impl Metrics {
             stalled: AtomicBool::new(false),
             registry,
         };
-        let r = &m.registry;
-        r.register(Box::new(m.slot_lag_bytes.clone())).unwrap();
-        r.register(Box::new(m.slot_retained_wal_bytes.clone())).unwrap();
-        r.register(Box::new(m.events_published.clone())).unwrap();
-        r.register(Box::new(m.events_dead.clone())).unwrap();
-        r.register(Box::new(m.publish_seconds.clone())).unwrap();
-        r.register(Box::new(m.commit_to_publish_seconds.clone())).unwrap();
-        r.register(Box::new(m.backlog_events.clone())).unwrap();
-        r.register(Box::new(m.in_flight_events.clone())).unwrap();
-        r.register(Box::new(m.oldest_unpublished_seconds.clone())).unwrap();
-        r.register(Box::new(m.slot_wal_status.clone())).unwrap();
-        r.register(Box::new(m.batch_entries.clone())).unwrap();
-        r.register(Box::new(m.batch_bytes.clone())).unwrap();
-        r.register(Box::new(m.heartbeat_rtt_seconds.clone())).unwrap();
-        r.register(Box::new(m.is_leader.clone())).unwrap();
-        r.register(Box::new(m.leader_changes.clone())).unwrap();
+        for c in m.collectors() {
+            m.registry.register(c).unwrap();
+        }
         #[cfg(target_os = "linux")]
-        r.register(Box::new(prometheus::process_collector::ProcessCollector::for_self())).unwrap();
-        r.register(Box::new(m.mode.clone())).unwrap();
-        r.register(Box::new(m.confirmed_lsn.clone())).unwrap();
-        r.register(Box::new(m.sqs_entry_failures.clone())).unwrap();
-        r.register(Box::new(m.replayed_filtered.clone())).unwrap();
-        r.register(Box::new(m.stream_restarts.clone())).unwrap();
-        r.register(Box::new(m.lane_spooled.clone())).unwrap();
-        r.register(Box::new(m.lane_spool_switches.clone())).unwrap();
-        r.register(Box::new(m.events_deferred.clone())).unwrap();
-        r.register(Box::new(m.slot_recreated.clone())).unwrap();
-        r.register(Box::new(m.slot_active.clone())).unwrap();
-        r.register(Box::new(m.retention_deleted.clone())).unwrap();
+        m.registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self())).unwrap();
         Arc::new(m)
+    }
+
+    /// Every relay metric (process metrics aside), registered once in
+    /// [`new`](Self::new) and listed by [`names`](Self::names).
+    fn collectors(&self) -> Vec<Box<dyn prometheus::core::Collector>> {
+        vec![
+            Box::new(self.slot_lag_bytes.clone()),
+            Box::new(self.slot_retained_wal_bytes.clone()),
+            Box::new(self.events_published.clone()),
+            Box::new(self.events_dead.clone()),
+            Box::new(self.publish_seconds.clone()),
+            Box::new(self.commit_to_publish_seconds.clone()),
+            Box::new(self.backlog_events.clone()),
+            Box::new(self.in_flight_events.clone()),
+            Box::new(self.oldest_unpublished_seconds.clone()),
+            Box::new(self.slot_wal_status.clone()),
+            Box::new(self.batch_entries.clone()),
+            Box::new(self.batch_bytes.clone()),
+            Box::new(self.heartbeat_rtt_seconds.clone()),
+            Box::new(self.is_leader.clone()),
+            Box::new(self.leader_changes.clone()),
+            Box::new(self.mode.clone()),
+            Box::new(self.confirmed_lsn.clone()),
+            Box::new(self.sqs_entry_failures.clone()),
+            Box::new(self.replayed_filtered.clone()),
+            Box::new(self.stream_restarts.clone()),
+            Box::new(self.lane_spooled.clone()),
+            Box::new(self.lane_spool_switches.clone()),
+            Box::new(self.events_deferred.clone()),
+            Box::new(self.slot_recreated.clone()),
+            Box::new(self.slot_active.clone()),
+            Box::new(self.retention_deleted.clone()),
+        ]
     }
 
     /// The name of every metric this relay exports (labelled ones included
     /// before they have a sample), process metrics aside.
     pub fn names(&self) -> Vec<String> {
-        use prometheus::core::Collector;
-        let collectors: Vec<&dyn Collector> = vec![
-            &self.slot_lag_bytes, &self.slot_retained_wal_bytes, &self.events_published, &self.events_dead,
-            &self.publish_seconds, &self.commit_to_publish_seconds, &self.backlog_events, &self.in_flight_events,
-            &self.oldest_unpublished_seconds, &self.slot_wal_status, &self.batch_entries, &self.batch_bytes,
-            &self.heartbeat_rtt_seconds, &self.is_leader, &self.leader_changes, &self.mode, &self.confirmed_lsn,
-            &self.sqs_entry_failures, &self.replayed_filtered, &self.stream_restarts, &self.lane_spooled,
-            &self.lane_spool_switches, &self.events_deferred, &self.slot_recreated, &self.slot_active,
-            &self.retention_deleted,
-        ];
-        collectors.iter().flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone())).collect()
+        self.collectors().iter().flat_map(|c| c.desc().into_iter().map(|d| d.fq_name.clone())).collect()
     }
 
     /// The Prometheus text exposition of every metric.

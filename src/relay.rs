@@ -49,7 +49,7 @@ pub async fn run(
     });
 
     let sql = db::connect(&config.database_url).await.map_err(|e| RelayError::Startup(e.to_string()))?;
-    let mode = resolve_mode(&sql, &config).await?;
+    let (mode, sharded) = resolve_mode(&sql, &config).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
@@ -86,11 +86,6 @@ pub async fn run(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    // A filtered publication: this relay is one shard of several.
-    let sharded = mode == Mode::Cdc
-        && db::check_shard(&sql, &config.publication, &queues.keys().cloned().collect::<Vec<_>>())
-            .await
-            .map_err(|e| RelayError::Startup(e.to_string()))?;
     drop(sql);
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = retention
@@ -278,34 +273,31 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
 /// CDC when the server and role allow it, polling otherwise, and says why.
-async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<Mode, RelayError> {
+/// Also returns whether this CDC relay is one shard (a filtered publication).
+async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), RelayError> {
     let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    // The CDC checks, the shard's included; Ok(sharded).
+    let cdc = || async {
+        db::check_cdc_prerequisites(sql, &config.publication).await?;
+        let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+        db::check_shard(sql, &config.publication, &destinations).await
+    };
     match config.mode {
-        Mode::Cdc => {
-            db::check_cdc_prerequisites(sql, &config.publication).await.map_err(startup)?;
-            let destinations: Vec<String> = config.destinations.keys().cloned().collect();
-            db::check_shard(sql, &config.publication, &destinations).await.map_err(startup)?;
-            Ok(Mode::Cdc)
-        }
+        Mode::Cdc => Ok((Mode::Cdc, cdc().await.map_err(startup)?)),
         Mode::Polling => {
             db::check_outbox_table(sql).await.map_err(startup)?;
-            Ok(Mode::Polling)
+            Ok((Mode::Polling, false))
         }
         Mode::Auto => {
             db::check_outbox_table(sql).await.map_err(startup)?;
-            let destinations: Vec<String> = config.destinations.keys().cloned().collect();
-            let cdc = match db::check_cdc_prerequisites(sql, &config.publication).await {
-                Ok(()) => db::check_shard(sql, &config.publication, &destinations).await.map(|_| ()),
-                Err(e) => Err(e),
-            };
-            match cdc {
-                Ok(()) => {
+            match cdc().await {
+                Ok(sharded) => {
                     tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
-                    Ok(Mode::Cdc)
+                    Ok((Mode::Cdc, sharded))
                 }
                 Err(db::DbError::Check(why)) => {
                     tracing::warn!(reason = %why, "mode auto: polling, because CDC is not possible here");
-                    Ok(Mode::Polling)
+                    Ok((Mode::Polling, false))
                 }
                 Err(e) => Err(startup(e)),
             }

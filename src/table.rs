@@ -25,7 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_postgres::Client;
 
 use crate::db;
-use crate::event::{prepare, OutboxEvent, QueueInfo};
+use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
 use crate::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
 use crate::publisher::Publisher;
@@ -161,12 +161,10 @@ pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio
 }
 
 fn claim_sql(source: Source, fifo: bool) -> String {
-    let mut sql = String::from(
-        "SELECT id, event_id, destination, body, group_key, attributes::text,
-                (extract(epoch FROM created_at) * 1000000)::bigint,
-                next_attempt_at IS NULL OR next_attempt_at <= now()
+    let mut sql = format!(
+        "SELECT {OUTBOX_COLUMNS}, next_attempt_at IS NULL OR next_attempt_at <= now()
            FROM outbox
-          WHERE destination = $1 AND status = 'NEW'",
+          WHERE destination = $1 AND status = 'NEW'"
     );
     if source == Source::Spool {
         sql += " AND next_attempt_at IS NOT NULL";
@@ -203,15 +201,7 @@ pub async fn claim_round(
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
     let mut waiting_groups: HashSet<String> = HashSet::new();
     for r in &rows {
-        let ev = OutboxEvent {
-            id: r.get(0),
-            event_id: r.get(1),
-            destination: r.get(2),
-            body: r.get(3),
-            group_key: r.get(4),
-            attributes: r.get(5),
-            commit_time_us: r.get(6),
-        };
+        let ev = OutboxEvent::from_row(r);
         let due: bool = r.get(7);
         if fifo {
             let g = ev.group_key.clone().unwrap_or_default();

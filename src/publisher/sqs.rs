@@ -23,8 +23,15 @@ impl SqsPublisher {
     /// endpoint without credentials in the environment gets dummy ones, which
     /// SQS-compatible servers accept.
     pub async fn new(region: &str, endpoint_url: Option<&str>) -> Self {
+        Self::with_role(region, endpoint_url, None).await
+    }
+
+    /// As [`new`](Self::new); with `role_arn`, assume that role through STS
+    /// with the chain's credentials (refreshed before they expire).
+    pub async fn with_role(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> Self {
+        let region = aws_config::Region::new(region.to_string());
         let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new(region.to_string()))
+            .region(region.clone())
             .retry_config(aws_config::retry::RetryConfig::disabled())
             .timeout_config(
                 aws_config::timeout::TimeoutConfig::builder()
@@ -32,43 +39,23 @@ impl SqsPublisher {
                     .connect_timeout(Duration::from_secs(5))
                     .build(),
             );
+        if let Some(arn) = role_arn {
+            let base = aws_config::defaults(aws_config::BehaviorVersion::latest()).region(region).load().await;
+            let provider = aws_config::sts::AssumeRoleProvider::builder(arn)
+                .session_name("outbox-relay")
+                .configure(&base)
+                .build()
+                .await;
+            loader = loader.credentials_provider(provider);
+        }
         if let Some(url) = endpoint_url {
             loader = loader.endpoint_url(url);
-            if std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none() {
+            let no_credentials = std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none();
+            if role_arn.is_none() && no_credentials {
                 loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
                     "local", "local", None, None, "outbox-relay-local-endpoint",
                 ));
             }
-        }
-        let shared = loader.load().await;
-        Self { client: aws_sdk_sqs::Client::new(&shared) }
-    }
-
-    /// As [`new`](Self::new), then assume `role_arn` through STS with the
-    /// chain's credentials (refreshed before they expire).
-    pub async fn with_role(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> Self {
-        let Some(arn) = role_arn else { return Self::new(region, endpoint_url).await };
-        let base = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new(region.to_string()))
-            .load()
-            .await;
-        let provider = aws_config::sts::AssumeRoleProvider::builder(arn)
-            .session_name("outbox-relay")
-            .configure(&base)
-            .build()
-            .await;
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(aws_config::Region::new(region.to_string()))
-            .credentials_provider(provider)
-            .retry_config(aws_config::retry::RetryConfig::disabled())
-            .timeout_config(
-                aws_config::timeout::TimeoutConfig::builder()
-                    .operation_attempt_timeout(Duration::from_secs(20))
-                    .connect_timeout(Duration::from_secs(5))
-                    .build(),
-            );
-        if let Some(url) = endpoint_url {
-            loader = loader.endpoint_url(url);
         }
         Self { client: aws_sdk_sqs::Client::new(&loader.load().await) }
     }
