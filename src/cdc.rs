@@ -347,6 +347,7 @@ pub(crate) async fn import_snapshot(client: &Client, snapshot: &str) -> Result<(
 fn confirm_if_advanced(repl: &ReplicationClient, wm: &Mutex<Watermark>, sent: Lsn, metrics: &Metrics) -> Lsn {
     let c = wm.lock().unwrap().confirmed();
     if c > sent {
+        crate::faults::crash_point("cdc::before_confirm");
         repl.update_applied_lsn(pgwire_replication::Lsn(c.0));
         metrics.confirmed_lsn.set(c.0 as i64);
         c

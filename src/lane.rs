@@ -418,6 +418,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
         let mut retry = Vec::new();
         match result {
             Ok(results) => {
+                crate::faults::crash_point("lane::after_send");
                 for (item, r) in todo.drain(..).zip(results) {
                     match r {
                         EntryResult::Sent => settle(ctx, item, Outcome::Published),

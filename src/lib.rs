@@ -15,6 +15,7 @@ pub mod config;
 pub mod consumer;
 pub mod db;
 pub mod event;
+pub mod faults;
 pub mod lane;
 pub mod metrics;
 pub mod ops;

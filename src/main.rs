@@ -148,6 +148,10 @@ fn init_logging(format: &str) {
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
+    if let Err(e) = outbox_relay::faults::configure_from_env() {
+        eprintln!("outbox-relay: {e}");
+        return ExitCode::from(2);
+    }
     match real_main(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

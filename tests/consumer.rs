@@ -9,28 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::jobs::{effects, effects_db, Effect};
 use common::*;
 use outbox_relay::consumer::queue::{MemoryQueue, Queue, SqsQueue};
 use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{enqueue, redrive, Consumer, ConsumerConfig, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob};
+use outbox_relay::consumer::{enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob};
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
-
-/// Writes one business row per run that commits.
-struct Effect;
-
-#[async_trait]
-impl Handler for Effect {
-    async fn handle(&self, job: &Job, tx: &Transaction<'_>) -> Result<(), HandlerError> {
-        tx.execute(
-            "INSERT INTO business_effects (job_id, generation, attempt) VALUES ($1, $2, $3)",
-            &[&job.job_id, &job.generation, &job.attempt],
-        )
-        .await
-        .map_err(|e| HandlerError::Retry(e.to_string()))?;
-        Ok(())
-    }
-}
 
 /// Writes its effect, then waits at a gate before returning.
 struct Gated {
@@ -78,29 +63,11 @@ impl Handler for HangFirst {
 }
 
 async fn setup(test: &str) -> TestDb {
-    let db = TestDb::new(test).await;
-    db.client()
-        .await
-        .batch_execute("CREATE TABLE business_effects (job_id text, generation int, attempt int, at timestamptz DEFAULT now())")
-        .await
-        .unwrap();
-    db
+    effects_db(test).await
 }
 
 fn consumer(db: &TestDb, worker: &str, lease: Duration) -> Consumer {
-    Consumer::new(
-        Consumer::pool(&db.url, 16).unwrap(),
-        ConsumerConfig { worker_id: worker.into(), lease, retry_base: Duration::from_millis(200), retry_max: Duration::from_secs(2) },
-    )
-}
-
-async fn effects(db: &TestDb, where_clause: &str) -> i64 {
-    db.client()
-        .await
-        .query_one(&format!("SELECT count(*) FROM business_effects WHERE {where_clause}"), &[])
-        .await
-        .unwrap()
-        .get(0)
+    common::jobs::consumer(&db.url, worker, lease)
 }
 
 /// The body the relay would send for a job's generation.

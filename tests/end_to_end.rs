@@ -7,6 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::process::RelayConfig;
 use common::*;
 use outbox_relay::config::Mode;
 
@@ -132,25 +133,9 @@ async fn kill_9_mid_stream(mode: Mode) {
     let db = TestDb::new(&format!("kill_{mode}")).await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "kill", false, None).await;
-    let toml = format!(
-        "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nmetrics_addr = \"off\"\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\norders = \"{q}\"\n",
-        db.url,
-        db.slot,
-        stack().sqs_url
-    );
-    let dir = std::env::temp_dir().join(format!("kill-{}", db.name));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    let spawn = || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
-            .args(["run", "--config", path.to_str().unwrap()])
-            .env("RUST_LOG", "warn")
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let mut relay = spawn();
+    let config = RelayConfig::new(&db, &mode.to_string(), &[("orders", &q)], "");
+    let spawn = || config.spawn();
+    let relay = spawn();
     let c = db.client().await;
     let total = 6_000usize;
     let writer = {
@@ -166,11 +151,10 @@ async fn kill_9_mid_stream(mode: Mode) {
         db.count("status = 'PUBLISHED'").await >= 1_000
     })
     .await;
-    relay.kill().unwrap(); // SIGKILL
-    relay.wait().unwrap();
+    relay.kill(); // SIGKILL
     let published_at_kill = db.count("status = 'PUBLISHED'").await;
     writer.await.unwrap();
-    let mut relay = spawn();
+    let relay = spawn();
     wait_for("every row published after restart", Duration::from_secs(120), || async {
         db.count("status = 'PUBLISHED'").await == total as i64
     })
@@ -190,18 +174,8 @@ async fn kill_9_mid_stream(mode: Mode) {
     let _ = c;
 
     // Graceful shutdown: SIGTERM, exit 0 within a few seconds.
-    let pid = relay.id().to_string();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let start = std::time::Instant::now();
-    let status = loop {
-        if let Some(s) = relay.try_wait().unwrap() {
-            break s;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "relay did not exit within 10 s of SIGTERM");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let status = relay.terminate(Duration::from_secs(10)).await.expect("relay exits within 10 s of SIGTERM");
     assert!(status.success(), "exit status {status:?}");
-    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,10 @@ use outbox_relay::{db, RelayHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
+pub mod faults;
+pub mod jobs;
 pub mod outage;
+pub mod process;
 pub mod takeover;
 
 pub struct Stack {
@@ -55,7 +58,7 @@ pub fn stack() -> &'static Stack {
     })
 }
 
-fn unique(prefix: &str) -> String {
+pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
     format!("{prefix}_{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos % 100_000)

@@ -2,28 +2,10 @@
 //! over. Used by tests/ha.rs (once) and examples/takeover.rs (ten times).
 
 use std::collections::HashSet;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::process::{RelayConfig, RelayProcess};
 use super::*;
-
-/// The relay binary: cargo tells tests; examples sit in target/<profile>/examples.
-fn relay_bin() -> std::path::PathBuf {
-    match option_env!("CARGO_BIN_EXE_outbox-relay") {
-        Some(p) => p.into(),
-        None => std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().join("outbox-relay"),
-    }
-}
-
-fn spawn(path: &std::path::Path) -> Child {
-    Command::new(relay_bin())
-        .args(["run", "--config", path.to_str().unwrap()])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
 
 async fn active_pid(db: &TestDb) -> Option<i32> {
     db.client()
@@ -40,17 +22,8 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     let db = TestDb::new("takeover").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "takeover", false, None).await;
-    let toml = format!(
-        "database_url = \"{}\"\nslot = \"{}\"\nmetrics_addr = \"off\"\ntakeover_timeout = \"10s\"\nheartbeat_interval = \"200ms\"\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\norders = \"{q}\"\n",
-        db.url,
-        db.slot,
-        stack().sqs_url
-    );
-    let dir = std::env::temp_dir().join(format!("takeover-{}", db.name));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("relay.toml");
-    std::fs::write(&path, toml).unwrap();
-    let mut relays = vec![spawn(&path)];
+    let config = RelayConfig::new(&db, "cdc", &[("orders", &q)], "takeover_timeout = \"10s\"");
+    let mut relays: Vec<RelayProcess> = vec![config.spawn()];
     wait_for("first leader streams", Duration::from_secs(30), || async { active_pid(&db).await.is_some() }).await;
     let writer = {
         let c = db.client().await;
@@ -65,14 +38,13 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     };
     let mut times = Vec::new();
     for _ in 0..kills {
-        relays.push(spawn(&path)); // the standby
+        relays.push(config.spawn()); // the standby
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let leader_pid = active_pid(&db).await.expect("a leader streams");
         // The relay process behind the walsender: the one that is not the newest standby.
-        let mut leader = relays.remove(0);
+        let leader = relays.remove(0);
         let killed_at = Instant::now();
-        leader.kill().unwrap(); // SIGKILL
-        leader.wait().unwrap();
+        leader.kill(); // SIGKILL
         let end = killed_at + Duration::from_secs(30);
         loop {
             if let Some(p) = active_pid(&db).await {
@@ -91,10 +63,8 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     wait_for("every row published", Duration::from_secs(120), || async { db.count("status = 'NEW'").await == 0 }).await;
     let got = receive_all(&sqs, &q, total, Duration::from_secs(120)).await;
     let unique: HashSet<String> = got.into_iter().map(|(b, _)| b).collect();
-    for mut r in relays {
-        let _ = r.kill();
-        let _ = r.wait();
+    for r in relays {
+        r.kill();
     }
-    std::fs::remove_dir_all(&dir).ok();
     (times, total, unique.len())
 }

@@ -1,0 +1,94 @@
+//! The fault-injection measurement: every scenario of the README's
+//! "Guarantees" table, N times each, on a stack of its own; prints a table,
+//! then one JSON object of counters (also written to `--json-out`).
+//!
+//!     cargo run --release --features failpoints --bin measure -- --repetitions 100
+//!
+//! Exits 1 when a must-be-zero cell is not zero. Built only with the
+//! `failpoints` feature; the relay binary it spawns must be built with it too
+//! (the same cargo command builds both).
+
+#[path = "../../tests/common/mod.rs"]
+#[allow(dead_code, unused_imports)]
+mod common;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use common::faults;
+
+#[derive(Parser)]
+#[command(about = "Kill processes at the worst moments and count what is lost or duplicated")]
+struct Args {
+    /// Repetitions of each scenario.
+    #[arg(long, default_value_t = 100)]
+    repetitions: usize,
+    /// How long one lane's queue is gone in sqs_down_one_lane.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    sqs_outage: Duration,
+    /// Lane outages run side by side in sqs_down_one_lane.
+    #[arg(long, default_value_t = 10)]
+    outage_parallel: usize,
+    /// Only scenarios whose name contains one of these (repeatable).
+    #[arg(long)]
+    only: Vec<String>,
+    /// Also write the JSON here.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
+    /// Keep the measurement's stack running afterwards.
+    #[arg(long)]
+    keep_stack: bool,
+}
+
+fn stack_script() -> &'static str {
+    concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack")
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("child") {
+        return match faults::child(&argv[2..]).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("measure child: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
+    let args = Args::parse();
+    // A stack of its own: one scenario restarts PostgreSQL.
+    let dir = std::env::var("OUTBOX_RELAY_MEASURE_STACK_DIR")
+        .unwrap_or_else(|_| format!("{}/outbox-relay-measure-{}", std::env::temp_dir().display(), std::process::id()));
+    std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
+    let params = faults::Params {
+        repetitions: args.repetitions,
+        sqs_outage: args.sqs_outage,
+        outage_parallel: args.outage_parallel,
+        child_bin: std::env::current_exe().expect("own path"),
+        only: args.only,
+    };
+    let started = std::time::Instant::now();
+    let results = faults::run_all(&params).await;
+    let mut json = faults::json(&results, &params);
+    json["seconds"] = serde_json::json!((started.elapsed().as_secs_f64()).round());
+    json["date"] = serde_json::json!(String::from_utf8_lossy(
+        &std::process::Command::new("date").arg("-u").arg("+%Y-%m-%d").output().map(|o| o.stdout).unwrap_or_default()
+    )
+    .trim());
+    if !args.keep_stack {
+        let _ = std::process::Command::new("bash").arg(stack_script()).arg("down").stderr(std::process::Stdio::null()).status();
+    }
+    println!("{}", faults::table(&results));
+    let text = serde_json::to_string_pretty(&json).unwrap();
+    println!("{text}");
+    if let Some(p) = args.json_out {
+        std::fs::write(&p, &text).expect("write --json-out");
+    }
+    if json["violations"].as_array().map(|v| v.is_empty()).unwrap_or(false) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

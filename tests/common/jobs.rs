@@ -1,0 +1,56 @@
+//! Consumer-side helpers shared by tests/consumer.rs and the fault-injection
+//! measurement: a handler whose business effect is one row per run that
+//! commits, so duplicate effects can be counted.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
+use tokio_postgres::Transaction;
+
+use super::*;
+
+pub const EFFECTS_DDL: &str =
+    "CREATE TABLE IF NOT EXISTS business_effects (job_id text, generation int, attempt int, at timestamptz DEFAULT now())";
+
+/// Writes one `business_effects` row in the job's transaction. The fail point
+/// `consumer::in_handler` (measurement builds only) ends the process after the
+/// write and before the commit.
+pub struct Effect;
+
+#[async_trait]
+impl Handler for Effect {
+    async fn handle(&self, job: &Job, tx: &Transaction<'_>) -> Result<(), HandlerError> {
+        tx.execute(
+            "INSERT INTO business_effects (job_id, generation, attempt) VALUES ($1, $2, $3)",
+            &[&job.job_id, &job.generation, &job.attempt],
+        )
+        .await
+        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        outbox_relay::faults::crash_point("consumer::in_handler");
+        Ok(())
+    }
+}
+
+/// A database with the `business_effects` table.
+pub async fn effects_db(test: &str) -> TestDb {
+    let db = TestDb::new(test).await;
+    db.client().await.batch_execute(EFFECTS_DDL).await.unwrap();
+    db
+}
+
+pub fn consumer(url: &str, worker: &str, lease: Duration) -> Consumer {
+    Consumer::new(
+        Consumer::pool(url, 16).unwrap(),
+        ConsumerConfig { worker_id: worker.into(), lease, retry_base: Duration::from_millis(200), retry_max: Duration::from_secs(2) },
+    )
+}
+
+pub async fn effects(db: &TestDb, where_clause: &str) -> i64 {
+    db.client()
+        .await
+        .query_one(&format!("SELECT count(*) FROM business_effects WHERE {where_clause}"), &[])
+        .await
+        .unwrap()
+        .get(0)
+}

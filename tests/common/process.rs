@@ -1,0 +1,140 @@
+//! The relay as a separate process: config file, spawn (optionally with fail
+//! points), SIGKILL, SIGTERM. Used by tests/end_to_end.rs, the takeover
+//! measurement and the fault-injection measurement (src/bin/measure.rs).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// The relay binary: cargo tells tests; other binaries find it beside them
+/// (target/<profile>/) or one level up (examples).
+pub fn relay_bin() -> PathBuf {
+    if let Some(p) = option_env!("CARGO_BIN_EXE_outbox-relay") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    let beside = dir.join("outbox-relay");
+    if beside.exists() {
+        beside
+    } else {
+        dir.parent().unwrap().join("outbox-relay")
+    }
+}
+
+/// A config file for `db`, its slot and `destinations`, in a directory of its
+/// own that is removed on drop. `extra` is appended to the top-level keys.
+pub struct RelayConfig {
+    dir: PathBuf,
+    pub path: PathBuf,
+}
+
+impl RelayConfig {
+    pub fn new(db: &TestDb, mode: &str, destinations: &[(&str, &str)], extra: &str) -> RelayConfig {
+        let mut toml = format!(
+            "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{extra}\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\n",
+            db.url,
+            db.slot,
+            stack().sqs_url
+        );
+        if !extra.contains("metrics_addr") {
+            toml = toml.replacen("mode =", "metrics_addr = \"off\"\nmode =", 1);
+        }
+        for (name, url) in destinations {
+            toml.push_str(&format!("{name} = \"{url}\"\n"));
+        }
+        let dir = std::env::temp_dir().join(format!("relay-{}-{}", db.name, unique("cfg")));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("relay.toml");
+        std::fs::write(&path, toml).unwrap();
+        RelayConfig { dir, path }
+    }
+
+    pub fn spawn(&self) -> RelayProcess {
+        self.spawn_with(&[])
+    }
+
+    /// Spawn with extra environment, e.g. `("FAILPOINTS", "lane::after_send=return")`.
+    pub fn spawn_with(&self, env: &[(&str, &str)]) -> RelayProcess {
+        RelayProcess::spawn(&self.path, env)
+    }
+}
+
+impl Drop for RelayConfig {
+    fn drop(&mut self) {
+        std::fs::remove_dir_all(&self.dir).ok();
+    }
+}
+
+pub struct RelayProcess {
+    pub child: Child,
+}
+
+impl RelayProcess {
+    pub fn spawn(config: &Path, env: &[(&str, &str)]) -> RelayProcess {
+        let mut cmd = Command::new(relay_bin());
+        cmd.args(["run", "--config", config.to_str().unwrap()])
+            .env("RUST_LOG", std::env::var("RELAY_LOG").unwrap_or_else(|_| "error".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("RELAY_LOG").is_some() { Stdio::inherit() } else { Stdio::null() });
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        RelayProcess { child: cmd.spawn().expect("spawn the relay binary") }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The exit status, if the process ends within `deadline`.
+    pub async fn wait_exit(&mut self, deadline: Duration) -> Option<ExitStatus> {
+        let end = Instant::now() + deadline;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGTERM, then the exit status (SIGKILL after `deadline`: `None`).
+    pub async fn terminate(mut self, deadline: Duration) -> Option<ExitStatus> {
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        match self.wait_exit(deadline).await {
+            Some(s) => Some(s),
+            None => {
+                self.kill();
+                None
+            }
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The exit code a fail point leaves (`std::process::exit(137)`), or a SIGKILL.
+pub fn died_like_kill_9(s: &ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    s.code() == Some(137) || s.signal() == Some(9)
+}
