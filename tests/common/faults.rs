@@ -25,7 +25,7 @@ use serde::Serialize;
 use tokio::sync::Notify;
 
 use super::jobs::{consumer, effects, effects_db, Effect};
-use super::process::{died_like_kill_9, RelayConfig};
+use super::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig};
 use super::*;
 
 pub struct Params {
@@ -536,23 +536,13 @@ async fn relay_fail_point(p: &Params, point: &str) -> Counters {
 
 /// outbox_relay_in_flight_events per destination, from /metrics.
 async fn in_flight(addr: &str) -> Option<HashMap<String, f64>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    let mut out = HashMap::new();
-    for line in buf.lines().filter(|l| l.starts_with("outbox_relay_in_flight_events{")) {
-        let dest = line.split("destination=\"").nth(1)?.split('"').next()?.to_string();
-        let v: f64 = line.rsplit(' ').next()?.parse().ok()?;
-        out.insert(dest, v);
-    }
-    Some(out)
-}
-
-fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
+    let text = scrape(addr).await?;
+    Some(
+        series(&text, "outbox_relay_in_flight_events")
+            .into_iter()
+            .filter_map(|(labels, v)| Some((labels.split("destination=\"").nth(1)?.split('"').next()?.to_string(), v)))
+            .collect(),
+    )
 }
 
 async fn relay_killed_mid_batch(p: &Params) -> Counters {

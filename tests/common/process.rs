@@ -138,3 +138,58 @@ pub fn died_like_kill_9(s: &ExitStatus) -> bool {
     use std::os::unix::process::ExitStatusExt;
     s.code() == Some(137) || s.signal() == Some(9)
 }
+
+/// `GET /metrics` from a relay's metrics address.
+pub async fn scrape(addr: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes()).await.ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    Some(buf)
+}
+
+/// Every series of metric `name` in a scrape: (labels text, value).
+pub fn series<'a>(text: &'a str, name: &str) -> Vec<(&'a str, f64)> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
+                let (labels, v) = r.split_once('}')?;
+                (labels, v)
+            } else if rest.starts_with(' ') {
+                ("", rest)
+            } else {
+                return None;
+            };
+            Some((labels, value.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// A free loopback address for a relay's metrics.
+pub fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// CPU seconds (user + system) and peak resident set (VmHWM, bytes) of a
+/// live process, from /proc.
+pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    let ticks = *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    });
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    // After the command name: state is field 3, utime 14, stime 15 (1-based).
+    let cpu = (fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?) / ticks;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hwm_kb: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some((cpu, hwm_kb * 1024))
+}

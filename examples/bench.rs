@@ -1,0 +1,579 @@
+//! The benchmark: the relay side by side with the physical limits of this
+//! machine, in one run, as ratios. Starts its own stack (scripts/dev-stack,
+//! as the tests do), generates the load, prints a table and, last, one JSON
+//! summary (also written to `--json-out`).
+//!
+//!     cargo run --release --example bench              # the full run (about 10 min)
+//!     cargo run --release --example bench -- --quick   # under 2 min, smaller counts
+//!
+//! - decode ceiling: pg_recvlogical (pgoutput, the relay's publication)
+//!   draining N committed rows to /dev/null, against the relay publishing the
+//!   same rows to an in-process null publisher (decode, route, batch, mark, confirm);
+//! - SQS ceiling: a plain aws-sdk-sqs client sending SendMessageBatch of 10
+//!   to ministack with the relay's concurrency, against the relay end to end;
+//! - CDC against polling: commit-to-acceptance latency (HDR histogram) at a
+//!   steady 1,000 and 5,000 rows/s, and the drain time of a backlog;
+//! - cost: relay CPU seconds per 100,000 events and peak RSS (VmHWM), one
+//!   lane's queue gone for the whole run while rows keep arriving;
+//! - scaling: throughput and RSS over row counts and destination counts.
+
+#[path = "../tests/common/mod.rs"]
+#[allow(dead_code, unused_imports)]
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use clap::Parser;
+use common::process::{cpu_and_peak_rss, free_addr, scrape, series, RelayConfig};
+use common::*;
+use hdrhistogram::Histogram;
+use outbox_relay::config::Mode;
+use outbox_relay::event::{Entry, QueueInfo};
+use outbox_relay::publisher::sqs::SqsPublisher;
+use outbox_relay::publisher::{CallError, EntryResult, Publisher};
+use serde_json::json;
+
+#[derive(Parser, Clone)]
+#[command(about = "Throughput, latency and cost of the relay against the limits of this machine")]
+struct Args {
+    /// Smaller counts; finishes in under two minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Body size of each row, bytes.
+    #[arg(long, default_value_t = 200)]
+    row_size: usize,
+    /// Rows per transaction of the backlog loads.
+    #[arg(long, default_value_t = 1000)]
+    txn_size: usize,
+    /// Destinations (lanes, one queue each) of the throughput runs.
+    #[arg(long, default_value_t = 3)]
+    destinations: usize,
+    /// Seconds of each steady-rate latency run (default 30, quick 4).
+    #[arg(long)]
+    steady_seconds: Option<u64>,
+    /// Also write the JSON summary here.
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
+    /// Keep the benchmark's stack running afterwards.
+    #[arg(long)]
+    keep_stack: bool,
+}
+
+fn now_us() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
+}
+
+// ---------------------------------------------------------------------------
+// Publishers.
+
+/// Accepts everything at once: the relay with the network taken away.
+struct NullPublisher {
+    entries: AtomicU64,
+}
+
+#[async_trait]
+impl Publisher for NullPublisher {
+    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+        Ok(QueueInfo { url: queue_url.into(), fifo: false, max_message_size: 1 << 20 })
+    }
+    async fn send_batch(&self, _queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        self.entries.fetch_add(entries.len() as u64, Ordering::Relaxed);
+        Ok(vec![EntryResult::Sent; entries.len()])
+    }
+}
+
+/// SQS, recording each accepted entry's latency from its commit time
+/// (CDC: the Begin message's commit timestamp; polling: created_at, the
+/// start of the row's one-statement transaction).
+struct Timed {
+    inner: SqsPublisher,
+    hist: Mutex<Histogram<u64>>,
+}
+
+#[async_trait]
+impl Publisher for Timed {
+    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+        self.inner.queue_info(queue_url).await
+    }
+    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        let r = self.inner.send_batch(queue_url, entries).await?;
+        let now = now_us();
+        let mut h = self.hist.lock().unwrap();
+        for (e, res) in entries.iter().zip(&r) {
+            if *res == EntryResult::Sent {
+                h.saturating_record((now - e.event.commit_time_us).max(1) as u64);
+            }
+        }
+        Ok(r)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Load.
+
+async fn create_queues(sqs: &SqsPublisher, n: usize) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        out.push((format!("d{i}"), create_queue(sqs, &format!("bench{i}"), false, None).await));
+    }
+    out
+}
+
+async fn delete_queues(sqs: &SqsPublisher, queues: &[(String, String)]) {
+    for (_, url) in queues {
+        let _ = sqs.client().delete_queue().queue_url(url).send().await;
+    }
+}
+
+fn dests(queues: &[(String, String)]) -> Vec<(&str, &str)> {
+    queues.iter().map(|(n, u)| (n.as_str(), u.as_str())).collect()
+}
+
+/// `n` rows over `d` destinations (d0..), `txn` rows per transaction, bodies
+/// of `size` bytes. Returns the end of the WAL afterwards.
+async fn insert_backlog(db: &TestDb, prefix: &str, n: usize, d: usize, txn: usize, size: usize) -> u64 {
+    let c = db.client().await;
+    let mut done = 0;
+    while done < n {
+        let k = txn.min(n - done);
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body)
+             SELECT $1 || i, 'd' || (i % $4), rpad($1 || i || ':', $5, 'x')
+               FROM generate_series($2::int, $3::int) i",
+            &[&prefix, &(done as i32), &((done + k - 1) as i32), &(d as i32), &(size as i32)],
+        )
+        .await
+        .unwrap();
+        done += k;
+    }
+    db.current_lsn().await
+}
+
+async fn create_slot(db: &TestDb, name: &str) {
+    db.client().await.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&name]).await.unwrap();
+}
+
+fn published(metrics: &outbox_relay::metrics::Metrics, queues: &[(String, String)]) -> u64 {
+    queues.iter().map(|(name, _)| metrics.events_published.with_label_values(&[name.as_str()]).get()).sum()
+}
+
+// ---------------------------------------------------------------------------
+// 1. Decode ceiling.
+
+struct Decode {
+    rows: usize,
+    recvlogical_rows_per_s: f64,
+    relay_null_rows_per_s: f64,
+}
+
+async fn decode_ceiling(a: &Args, n: usize) -> Decode {
+    let db = TestDb::new("bench_decode").await;
+    create_slot(&db, "recvlogical").await;
+    create_slot(&db, &db.slot).await;
+    let end = insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
+    let end_lsn = format!("{:X}/{:X}", end >> 32, end & 0xffff_ffff);
+
+    let t = Instant::now();
+    let st = tokio::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+        .args(["-d", &db.url, "--slot", "recvlogical", "--start", "--no-loop", "--endpos", &end_lsn, "-f", "/dev/null"])
+        .args(["-o", "proto_version=1", "-o", "publication_names=outbox_relay"])
+        .status()
+        .await
+        .unwrap();
+    let recv_s = t.elapsed().as_secs_f64();
+    assert!(st.success(), "pg_recvlogical failed: {st:?}");
+
+    let queues: Vec<(String, String)> = (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
+    let mut cfg = config(&db, &dests(&queues));
+    cfg.metrics_addr = None;
+    let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
+    let t = Instant::now();
+    let relay = start(cfg, null.clone());
+    wait_for("relay drained to the null publisher", Duration::from_secs(300), || {
+        let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
+        async move { published(&m, &queues) >= n as u64 }
+    })
+    .await;
+    let relay_s = t.elapsed().as_secs_f64();
+    relay.stop().await;
+    Decode { rows: n, recvlogical_rows_per_s: n as f64 / recv_s, relay_null_rows_per_s: n as f64 / relay_s }
+}
+
+// ---------------------------------------------------------------------------
+// 2. SQS ceiling.
+
+struct SqsCeiling {
+    messages: usize,
+    concurrency: usize,
+    raw_msgs_per_s: f64,
+    relay_msgs_per_s: f64,
+}
+
+async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, concurrency: usize, size: usize) -> f64 {
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..concurrency {
+        let (sqs, next, url) = (sqs.clone(), Arc::clone(&next), queues[w % queues.len()].1.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let start = next.fetch_add(10, Ordering::Relaxed) as usize;
+                if start >= n {
+                    break;
+                }
+                let mut req = sqs.client().send_message_batch().queue_url(&url);
+                for i in start..(start + 10).min(n) {
+                    let body = format!("{:x<size$}", format!("raw{i}:"));
+                    req = req.entries(
+                        aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder().id((i - start).to_string()).message_body(body).build().unwrap(),
+                    );
+                }
+                req.send().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
+    let concurrency = a.destinations * 8; // lanes x max_in_flight_batches (default 8)
+    let queues = create_queues(sqs, a.destinations).await;
+    let raw = raw_sqs(sqs, &queues, n, concurrency, a.row_size).await;
+    delete_queues(sqs, &queues).await;
+
+    let db = TestDb::new("bench_sqs").await;
+    create_slot(&db, &db.slot).await;
+    insert_backlog(&db, "s", n, a.destinations, a.txn_size, a.row_size).await;
+    let queues = create_queues(sqs, a.destinations).await;
+    let mut cfg = config(&db, &dests(&queues));
+    cfg.metrics_addr = None;
+    let t = Instant::now();
+    let relay = start(cfg, Arc::new(sqs.clone()));
+    wait_for("relay drained to ministack", Duration::from_secs(600), || {
+        let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
+        async move { published(&m, &queues) >= n as u64 }
+    })
+    .await;
+    let relay_rate = n as f64 / t.elapsed().as_secs_f64();
+    relay.stop().await;
+    delete_queues(sqs, &queues).await;
+    SqsCeiling { messages: n, concurrency, raw_msgs_per_s: raw, relay_msgs_per_s: relay_rate }
+}
+
+// ---------------------------------------------------------------------------
+// 3. Latency at a steady rate.
+
+#[derive(Clone, serde::Serialize)]
+struct Latency {
+    mode: String,
+    rows_per_s_target: u64,
+    rows_per_s_achieved: f64,
+    rows: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+    p999_ms: f64,
+    max_ms: f64,
+}
+
+async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64) -> Latency {
+    let db = TestDb::new(&format!("bench_lat_{mode}")).await;
+    let queues = create_queues(sqs, a.destinations).await;
+    let mut cfg = config(&db, &dests(&queues));
+    cfg.metrics_addr = None;
+    cfg.mode = mode;
+    let timed = Arc::new(Timed { inner: sqs.clone(), hist: Mutex::new(Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()) });
+    let relay = start(cfg, timed.clone());
+    if mode == Mode::Cdc {
+        wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A transaction every 10 ms of rate/100 rows over the destinations.
+    let per_tick = (rate / 100).max(1) as i32;
+    let c = db.client().await;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let t = Instant::now();
+    let mut rows = 0u64;
+    let mut k = 0i32;
+    while t.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body)
+             SELECT 'l' || $1::int || ':' || i, 'd' || (($1::int + i) % $3), rpad('l' || $1::int || ':' || i || ':', $4, 'x') FROM generate_series(1, $2) i",
+            &[&k, &per_tick, &(a.destinations as i32), &(a.row_size as i32)],
+        )
+        .await
+        .unwrap();
+        rows += per_tick as u64;
+        k += 1;
+    }
+    let achieved = rows as f64 / t.elapsed().as_secs_f64();
+    wait_for("steady rows published", Duration::from_secs(120), || {
+        let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
+        async move { published(&m, &queues) >= rows }
+    })
+    .await;
+    relay.stop().await;
+    delete_queues(sqs, &queues).await;
+    let h = timed.hist.lock().unwrap();
+    let ms = |q: f64| (h.value_at_quantile(q) as f64 / 100.0).round() / 10.0;
+    Latency {
+        mode: mode.to_string(),
+        rows_per_s_target: rate,
+        rows_per_s_achieved: achieved.round(),
+        rows: h.len(),
+        p50_ms: ms(0.5),
+        p99_ms: ms(0.99),
+        p999_ms: ms(0.999),
+        max_ms: (h.max() as f64 / 100.0).round() / 10.0,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// 4-5. The relay as a process: backlog drains, CPU, peak RSS.
+
+#[derive(Clone, serde::Serialize)]
+struct Drain {
+    case: String,
+    mode: String,
+    rows: usize,
+    destinations: usize,
+    seconds: f64,
+    rows_per_s: f64,
+    cpu_s_per_100k: f64,
+    peak_rss_mb: f64,
+}
+
+/// Insert a backlog, start the relay binary, time until every row is published.
+async fn drain(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d: usize) -> Drain {
+    let db = TestDb::new("bench_drain").await;
+    if mode == "cdc" {
+        create_slot(&db, &db.slot).await;
+    }
+    let queues = create_queues(sqs, d).await;
+    insert_backlog(&db, "b", n, d, a.txn_size, a.row_size).await;
+    let addr = free_addr();
+    let cfg = RelayConfig::new(&db, mode, &dests(&queues), &format!("metrics_addr = \"{addr}\""));
+    let t = Instant::now();
+    let relay = cfg.spawn();
+    let end = t + Duration::from_secs(1800);
+    let mut last = (0.0, 0);
+    loop {
+        if let Some(text) = scrape(&addr).await {
+            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= n as f64 {
+                break;
+            }
+        }
+        if let Some(s) = cpu_and_peak_rss(relay.pid()) {
+            last = s;
+        }
+        assert!(Instant::now() < end, "{case}: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let (cpu, rss) = cpu_and_peak_rss(relay.pid()).unwrap_or(last);
+    relay.terminate(Duration::from_secs(15)).await;
+    delete_queues(sqs, &queues).await;
+    Drain {
+        case: case.into(),
+        mode: mode.into(),
+        rows: n,
+        destinations: d,
+        seconds: (secs * 100.0).round() / 100.0,
+        rows_per_s: (n as f64 / secs).round(),
+        cpu_s_per_100k: (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
+        peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+    }
+}
+
+#[derive(Clone, serde::Serialize)]
+struct LaneDown {
+    rows: usize,
+    seconds: f64,
+    peak_rss_mb: f64,
+    cpu_s_per_100k: f64,
+    rows_deferred: f64,
+    healthy_published: f64,
+}
+
+/// Two lanes; one queue deleted after start-up and never recreated; `n` rows
+/// arrive (half to each lane) while the relay runs. Done when the healthy
+/// lane has published its half and the slot confirmed everything.
+async fn lane_down(a: &Args, sqs: &SqsPublisher, n: usize) -> LaneDown {
+    let db = TestDb::new("bench_down").await;
+    let queues = create_queues(sqs, 2).await;
+    let addr = free_addr();
+    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &format!("metrics_addr = \"{addr}\"\nlane_stall_timeout = \"5s\""));
+    let relay = cfg.spawn();
+    wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    sqs.client().delete_queue().queue_url(&queues[1].1).send().await.unwrap();
+    let t = Instant::now();
+    let end_lsn = insert_backlog(&db, "x", n, 2, a.txn_size, a.row_size).await;
+    let deadline = t + Duration::from_secs(1800);
+    let (mut healthy, mut deferred);
+    loop {
+        if let Some(text) = scrape(&addr).await {
+            healthy = series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>();
+            deferred = series(&text, "outbox_relay_events_deferred_total").iter().map(|(_, v)| v).sum::<f64>();
+            let confirmed = series(&text, "outbox_relay_confirmed_lsn").first().map(|(_, v)| *v).unwrap_or(0.0);
+            if healthy >= (n / 2) as f64 && confirmed >= end_lsn as f64 {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "lane down: not settled in 30 min");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let (cpu, rss) = cpu_and_peak_rss(relay.pid()).unwrap_or((0.0, 0));
+    relay.terminate(Duration::from_secs(15)).await;
+    delete_queues(sqs, &queues[..1]).await;
+    LaneDown {
+        rows: n,
+        seconds: (secs * 10.0).round() / 10.0,
+        peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+        cpu_s_per_100k: (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
+        rows_deferred: deferred,
+        healthy_published: healthy,
+    }
+}
+
+// ---------------------------------------------------------------------------
+
+fn machine() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())))
+        .unwrap_or_default();
+    let mem_kb: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0))))
+        .unwrap_or(0);
+    json!({
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu": cpu,
+        "memory_gib": (mem_kb as f64 / 1048576.0).round(),
+    })
+}
+
+#[tokio::main]
+async fn main() {
+    let a = Args::parse();
+    let dir = std::env::var("OUTBOX_RELAY_BENCH_STACK_DIR")
+        .unwrap_or_else(|_| format!("{}/outbox-relay-bench-{}", std::env::temp_dir().display(), std::process::id()));
+    std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
+    let started = Instant::now();
+    let q = a.quick;
+    let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
+    let sqs = sqs().await;
+    eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
+
+    let dec = decode_ceiling(&a, if q { 50_000 } else { 200_000 }).await;
+    eprintln!("bench: decode ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
+    let sqsc = sqs_ceiling(&a, &sqs, if q { 10_000 } else { 50_000 }).await;
+    eprintln!("bench: SQS ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
+    let mut lat = Vec::new();
+    for rate in [1_000, 5_000] {
+        for mode in [Mode::Cdc, Mode::Polling] {
+            lat.push(steady(&a, &sqs, mode, rate, steady_s).await);
+        }
+    }
+    eprintln!("bench: latency done ({:.0} s)", started.elapsed().as_secs_f64());
+    let backlog = if q { 10_000 } else { 100_000 };
+    let mut drains = vec![
+        drain(&a, &sqs, "backlog", "cdc", backlog, a.destinations).await,
+        drain(&a, &sqs, "backlog", "polling", backlog, a.destinations).await,
+    ];
+    eprintln!("bench: backlog drains done ({:.0} s)", started.elapsed().as_secs_f64());
+    let down = lane_down(&a, &sqs, if q { 100_000 } else { 1_000_000 }).await;
+    eprintln!("bench: lane down done ({:.0} s)", started.elapsed().as_secs_f64());
+    let rows_curve: &[usize] = if q { &[10_000, 50_000] } else { &[10_000, 100_000, 1_000_000] };
+    for &n in rows_curve {
+        if n != backlog {
+            drains.push(drain(&a, &sqs, "rows", "cdc", n, a.destinations).await);
+        }
+    }
+    let dest_rows = if q { 10_000 } else { 100_000 };
+    for d in [1, 3, 10] {
+        if !(d == a.destinations && dest_rows == backlog) {
+            drains.push(drain(&a, &sqs, "destinations", "cdc", dest_rows, d).await);
+        }
+    }
+    eprintln!("bench: scaling done ({:.0} s)", started.elapsed().as_secs_f64());
+
+    let at = |mode: &str, rate: u64| lat.iter().find(|l| l.mode == mode && l.rows_per_s_target == rate).cloned().unwrap();
+    let (c1, p1) = (at("cdc", 1000), at("polling", 1000));
+    let relay_vs_recv = dec.relay_null_rows_per_s / dec.recvlogical_rows_per_s;
+    let relay_vs_raw = sqsc.relay_msgs_per_s / sqsc.raw_msgs_per_s;
+    let r2 = |x: f64| (x * 100.0).round() / 100.0;
+
+    println!("outbox-relay bench ({}), row {} B, {} destinations, backlog transactions of {} rows", if q { "quick" } else { "full" }, a.row_size, a.destinations, a.txn_size);
+    println!();
+    println!("| ceiling | limit | relay | ratio | target |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| decode, {} rows | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.80 |",
+        dec.rows, dec.recvlogical_rows_per_s, dec.relay_null_rows_per_s, relay_vs_recv
+    );
+    println!(
+        "| SQS, {} messages, {} concurrent batches | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.90 |",
+        sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, relay_vs_raw
+    );
+    println!();
+    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for l in &lat {
+        println!("| {} | {} | {:.0} | {} | {} | {} | {} | {} |", l.mode, l.rows_per_s_target, l.rows_per_s_achieved, l.rows, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms);
+    }
+    println!();
+    println!("| run | mode | rows | destinations | seconds | rows/s | CPU s / 100k | peak RSS MB |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for d in &drains {
+        println!("| {} | {} | {} | {} | {} | {} | {} | {} |", d.case, d.mode, d.rows, d.destinations, d.seconds, d.rows_per_s, d.cpu_s_per_100k, d.peak_rss_mb);
+    }
+    println!(
+        "| one lane's queue gone | cdc | {} | 2 | {} | - | {} | {} |",
+        down.rows, down.seconds, down.cpu_s_per_100k, down.peak_rss_mb
+    );
+    println!();
+    let summary = json!({
+        "quick": q,
+        "machine": machine(),
+        "seconds": started.elapsed().as_secs_f64().round(),
+        "relay_vs_recvlogical": r2(relay_vs_recv),
+        "relay_vs_raw_sqs": r2(relay_vs_raw),
+        "cdc_p50_ms": c1.p50_ms,
+        "cdc_p99_ms": c1.p99_ms,
+        "cdc_p999_ms": c1.p999_ms,
+        "polling_p50_ms": p1.p50_ms,
+        "polling_p99_ms": p1.p99_ms,
+        "polling_p999_ms": p1.p999_ms,
+        "peak_rss_mb_lane_down": down.peak_rss_mb,
+        "decode": {"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round()},
+        "sqs": {"messages": sqsc.messages, "concurrency": sqsc.concurrency, "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round()},
+        "latency": lat,
+        "drains": drains,
+        "lane_down": down,
+        "targets_met": BTreeMap::from([
+            ("relay_vs_recvlogical_0_80", relay_vs_recv >= 0.8),
+            ("relay_vs_raw_sqs_0_90", relay_vs_raw >= 0.9),
+            ("cdc_p50_under_10_ms_at_1000", c1.p50_ms < 10.0),
+            ("peak_rss_under_100_mb_lane_down", down.peak_rss_mb < 100.0),
+        ]),
+    });
+    let text = serde_json::to_string_pretty(&summary).unwrap();
+    if let Some(p) = &a.json_out {
+        std::fs::write(p, &text).expect("write --json-out");
+    }
+    if !a.keep_stack {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+        let _ = std::process::Command::new("bash").arg(script).arg("down").stderr(std::process::Stdio::null()).status();
+    }
+    println!("{text}");
+}
