@@ -67,6 +67,38 @@ fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
 }
 
+/// CPU seconds used by this process so far.
+fn self_cpu() -> f64 {
+    cpu_and_peak_rss(std::process::id()).map(|(c, _)| c).unwrap_or(0.0)
+}
+
+/// (busy, total) jiffies of the whole machine, from /proc/stat.
+fn machine_jiffies() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// Measures a phase: this process's CPU and the machine's busy share.
+struct Phase {
+    cpu: f64,
+    jiffies: (u64, u64),
+}
+
+impl Phase {
+    fn start() -> Phase {
+        Phase { cpu: self_cpu(), jiffies: machine_jiffies() }
+    }
+    /// (CPU seconds of this process, machine busy percent).
+    fn end(&self) -> (f64, f64) {
+        let (b, t) = machine_jiffies();
+        let busy = (b - self.jiffies.0) as f64 / (t - self.jiffies.1).max(1) as f64 * 100.0;
+        (self_cpu() - self.cpu, busy.round())
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Publishers.
 
@@ -168,6 +200,12 @@ struct Decode {
     rows: usize,
     recvlogical_rows_per_s: f64,
     relay_null_rows_per_s: f64,
+    relay_null_cpu_s_per_100k: f64,
+    relay_null_machine_busy_pct: f64,
+    /// The relay's settle statement alone (settle::mark, MAX_FLUSH rows per
+    /// statement, one connection) over the same rows: the bound that
+    /// pg_recvlogical, which writes nothing, does not have.
+    mark_only_rows_per_s: f64,
 }
 
 async fn decode_ceiling(a: &Args, n: usize) -> Decode {
@@ -192,6 +230,7 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     cfg.metrics_addr = None;
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
     let t = Instant::now();
+    let phase = Phase::start();
     let relay = start(cfg, null.clone());
     wait_for("relay drained to the null publisher", Duration::from_secs(300), || {
         let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
@@ -199,8 +238,39 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     })
     .await;
     let relay_s = t.elapsed().as_secs_f64();
+    let (cpu, busy) = phase.end();
     relay.stop().await;
-    Decode { rows: n, recvlogical_rows_per_s: n as f64 / recv_s, relay_null_rows_per_s: n as f64 / relay_s }
+
+    // The same rows marked again by the settle statement alone.
+    let c = db.client().await;
+    c.batch_execute("UPDATE outbox SET status = 'NEW', published_at = NULL, attempts = 0").await.unwrap();
+    c.batch_execute("VACUUM outbox").await.unwrap();
+    let ids: Vec<(i64, String)> = c.query("SELECT id, destination FROM outbox ORDER BY id", &[]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
+    let backoff = outbox_relay::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
+    let t = Instant::now();
+    for chunk in ids.chunks(outbox_relay::settle::MAX_FLUSH) {
+        let batch: Vec<outbox_relay::settle::Settlement> = chunk
+            .iter()
+            .map(|(id, d)| outbox_relay::settle::Settlement {
+                id: *id,
+                txn: None,
+                destination: Arc::from(d.as_str()),
+                outcome: outbox_relay::settle::Outcome::Published,
+                permit: None,
+                lane: None,
+            })
+            .collect();
+        outbox_relay::settle::mark(&c, &batch, backoff).await.unwrap();
+    }
+    let mark_only = ids.len() as f64 / t.elapsed().as_secs_f64();
+    Decode {
+        mark_only_rows_per_s: mark_only,
+        rows: n,
+        recvlogical_rows_per_s: n as f64 / recv_s,
+        relay_null_rows_per_s: n as f64 / relay_s,
+        relay_null_cpu_s_per_100k: (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
+        relay_null_machine_busy_pct: busy,
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -211,6 +281,13 @@ struct SqsCeiling {
     concurrency: usize,
     raw_msgs_per_s: f64,
     relay_msgs_per_s: f64,
+    /// CPU seconds per 100k messages of the sending process (the bench
+    /// itself: the raw client, or the relay running in it).
+    raw_cpu_s_per_100k: f64,
+    relay_cpu_s_per_100k: f64,
+    /// Share of both cores busy (everything: PostgreSQL, ministack, us).
+    raw_machine_busy_pct: f64,
+    relay_machine_busy_pct: f64,
 }
 
 async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, concurrency: usize, size: usize) -> f64 {
@@ -245,7 +322,9 @@ async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, conc
 async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     let concurrency = a.destinations * 8; // lanes x max_in_flight_batches (default 8)
     let queues = create_queues(sqs, a.destinations).await;
+    let phase = Phase::start();
     let raw = raw_sqs(sqs, &queues, n, concurrency, a.row_size).await;
+    let (raw_cpu, raw_busy) = phase.end();
     delete_queues(sqs, &queues).await;
 
     let db = TestDb::new("bench_sqs").await;
@@ -255,6 +334,7 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
     let t = Instant::now();
+    let phase = Phase::start();
     let relay = start(cfg, Arc::new(sqs.clone()));
     wait_for("relay drained to ministack", Duration::from_secs(600), || {
         let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
@@ -262,9 +342,20 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     })
     .await;
     let relay_rate = n as f64 / t.elapsed().as_secs_f64();
+    let (relay_cpu, relay_busy) = phase.end();
     relay.stop().await;
     delete_queues(sqs, &queues).await;
-    SqsCeiling { messages: n, concurrency, raw_msgs_per_s: raw, relay_msgs_per_s: relay_rate }
+    let per_100k = |cpu: f64| (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0;
+    SqsCeiling {
+        messages: n,
+        concurrency,
+        raw_msgs_per_s: raw,
+        relay_msgs_per_s: relay_rate,
+        raw_cpu_s_per_100k: per_100k(raw_cpu),
+        relay_cpu_s_per_100k: per_100k(relay_cpu),
+        raw_machine_busy_pct: raw_busy,
+        relay_machine_busy_pct: relay_busy,
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -522,8 +613,16 @@ async fn main() {
         dec.rows, dec.recvlogical_rows_per_s, dec.relay_null_rows_per_s, relay_vs_recv
     );
     println!(
+        "| marking those rows PUBLISHED (settle statement alone) | {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | |",
+        dec.mark_only_rows_per_s, dec.relay_null_rows_per_s, dec.relay_null_rows_per_s / dec.mark_only_rows_per_s
+    );
+    println!(
         "| SQS, {} messages, {} concurrent batches | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.90 |",
         sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, relay_vs_raw
+    );
+    println!(
+        "|  sender CPU s / 100k, machine busy | {} s, {}% | {} s, {}% | | |",
+        sqsc.raw_cpu_s_per_100k, sqsc.raw_machine_busy_pct, sqsc.relay_cpu_s_per_100k, sqsc.relay_machine_busy_pct
     );
     println!();
     println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms |");
@@ -555,8 +654,15 @@ async fn main() {
         "polling_p99_ms": p1.p99_ms,
         "polling_p999_ms": p1.p999_ms,
         "peak_rss_mb_lane_down": down.peak_rss_mb,
-        "decode": {"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round()},
-        "sqs": {"messages": sqsc.messages, "concurrency": sqsc.concurrency, "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round()},
+        "decode": {"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round(),
+            "relay_null_cpu_s_per_100k": dec.relay_null_cpu_s_per_100k, "relay_null_machine_busy_pct": dec.relay_null_machine_busy_pct,
+            "mark_only_rows_per_s": dec.mark_only_rows_per_s.round()},
+        "sqs": {
+            "messages": sqsc.messages, "concurrency": sqsc.concurrency,
+            "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),
+            "raw_cpu_s_per_100k": sqsc.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": sqsc.relay_cpu_s_per_100k,
+            "raw_machine_busy_pct": sqsc.raw_machine_busy_pct, "relay_machine_busy_pct": sqsc.relay_machine_busy_pct,
+        },
         "latency": lat,
         "drains": drains,
         "lane_down": down,
