@@ -1,7 +1,7 @@
 //! The benchmark: the relay side by side with the physical limits of this
 //! machine, in one run, as ratios. Starts its own stack (scripts/dev-stack,
 //! as the tests do), generates the load, prints a table and, last, one JSON
-//! summary (also written to `--json-out`).
+//! summary (also written to `--json-out`, by default target/bench.json).
 //!
 //!     cargo run --release --example bench              # the full run (about 10 min)
 //!     cargo run --release --example bench -- --quick   # under 2 min, smaller counts
@@ -55,9 +55,9 @@ struct Args {
     /// Seconds of each steady-rate latency run (default 30, quick 4).
     #[arg(long)]
     steady_seconds: Option<u64>,
-    /// Also write the JSON summary here.
-    #[arg(long)]
-    json_out: Option<std::path::PathBuf>,
+    /// Where the JSON summary is also written.
+    #[arg(long, default_value = "target/bench.json")]
+    json_out: std::path::PathBuf,
     /// Keep the benchmark's stack running afterwards.
     #[arg(long)]
     keep_stack: bool,
@@ -559,6 +559,7 @@ async fn main() {
     let dir = std::env::var("OUTBOX_RELAY_BENCH_STACK_DIR")
         .unwrap_or_else(|_| format!("{}/outbox-relay-bench-{}", std::env::temp_dir().display(), std::process::id()));
     std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
+    let stack_guard = common::process::StackGuard { keep: a.keep_stack };
     let started = Instant::now();
     let q = a.quick;
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
@@ -674,12 +675,7 @@ async fn main() {
         ]),
     });
     let text = serde_json::to_string_pretty(&summary).unwrap();
-    if let Some(p) = &a.json_out {
-        std::fs::write(p, &text).expect("write --json-out");
-    }
-    if !a.keep_stack {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
-        let _ = std::process::Command::new("bash").arg(script).arg("down").stderr(std::process::Stdio::null()).status();
-    }
+    std::fs::write(&a.json_out, &text).unwrap_or_else(|e| panic!("write {}: {e}", a.json_out.display()));
+    drop(stack_guard);
     println!("{text}");
 }

@@ -41,10 +41,6 @@ struct Args {
     keep_stack: bool,
 }
 
-fn stack_script() -> &'static str {
-    concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack")
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
@@ -62,6 +58,7 @@ async fn main() -> ExitCode {
     let dir = std::env::var("OUTBOX_RELAY_MEASURE_STACK_DIR")
         .unwrap_or_else(|_| format!("{}/outbox-relay-measure-{}", std::env::temp_dir().display(), std::process::id()));
     std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
+    let stack_guard = common::process::StackGuard { keep: args.keep_stack };
     let params = faults::Params {
         repetitions: args.repetitions,
         sqs_outage: args.sqs_outage,
@@ -77,9 +74,7 @@ async fn main() -> ExitCode {
         &std::process::Command::new("date").arg("-u").arg("+%Y-%m-%d").output().map(|o| o.stdout).unwrap_or_default()
     )
     .trim());
-    if !args.keep_stack {
-        let _ = std::process::Command::new("bash").arg(stack_script()).arg("down").stderr(std::process::Stdio::null()).status();
-    }
+    drop(stack_guard);
     println!("{}", faults::table(&results));
     let text = serde_json::to_string_pretty(&json).unwrap();
     println!("{text}");

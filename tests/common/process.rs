@@ -193,3 +193,18 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
     let hwm_kb: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some((cpu, hwm_kb * 1024))
 }
+
+/// Stops the stack in `OUTBOX_RELAY_STACK_DIR` when dropped, panics included:
+/// the measurement and the benchmark run stacks of their own.
+pub struct StackGuard {
+    pub keep: bool,
+}
+
+impl Drop for StackGuard {
+    fn drop(&mut self) {
+        if !self.keep {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+            let _ = Command::new("bash").arg(script).arg("down").stdout(Stdio::null()).stderr(Stdio::null()).status();
+        }
+    }
+}
