@@ -444,6 +444,11 @@ struct Drain {
 
 /// Insert a backlog, start the relay binary, time until every row is published.
 async fn drain(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d: usize) -> Drain {
+    drain_with(a, sqs, case, mode, n, d, &[]).await
+}
+
+/// [`drain`] with extra environment for the relay process.
+async fn drain_with(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d: usize, env: &[(&str, &str)]) -> Drain {
     let db = TestDb::new("bench_drain").await;
     if mode == "cdc" {
         create_slot(&db, &db.slot).await;
@@ -453,7 +458,7 @@ async fn drain(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d
     let addr = free_addr();
     let cfg = RelayConfig::new(&db, mode, &dests(&queues), &format!("metrics_addr = \"{addr}\""));
     let t = Instant::now();
-    let relay = cfg.spawn();
+    let relay = cfg.spawn_with(env);
     let end = t + Duration::from_secs(1800);
     let mut last = (0.0, 0);
     loop {
@@ -581,6 +586,9 @@ async fn main() {
     let mut drains = vec![
         drain(&a, &sqs, "backlog", "cdc", backlog, a.destinations).await,
         drain(&a, &sqs, "backlog", "polling", backlog, a.destinations).await,
+        // The same drain on a one-thread runtime, side by side.
+        drain_with(&a, &sqs, "backlog, --worker-threads 1", "cdc", backlog, a.destinations, &[("OUTBOX_RELAY_WORKER_THREADS", "1")]).await,
+        drain(&a, &sqs, "backlog (again)", "cdc", backlog, a.destinations).await,
     ];
     eprintln!("bench: backlog drains done ({:.0} s)", started.elapsed().as_secs_f64());
     let down = lane_down(&a, &sqs, if q { 100_000 } else { 1_000_000 }).await;
