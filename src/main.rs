@@ -18,8 +18,8 @@ struct Cli {
     #[arg(long, global = true, default_value = "human", env = "OUTBOX_RELAY_LOG_FORMAT")]
     log_format: String,
     /// Runtime threads. 1 runs everything on one thread, which spends less
-    /// CPU on waking threads (measured: about 17% less per event at 10,000
-    /// messages/s) but caps the relay at one core; 0 means one per core.
+    /// CPU on waking threads (10-17% less per event in the README's drains)
+    /// but caps the relay at one core; 0 means one per core.
     #[arg(long, global = true, default_value_t = 0, env = "OUTBOX_RELAY_WORKER_THREADS")]
     worker_threads: usize,
     #[command(subcommand)]
