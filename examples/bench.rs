@@ -561,10 +561,7 @@ fn machine() -> serde_json::Value {
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
-    let dir = std::env::var("OUTBOX_RELAY_BENCH_STACK_DIR")
-        .unwrap_or_else(|_| format!("{}/outbox-relay-bench-{}", std::env::temp_dir().display(), std::process::id()));
-    std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
-    let stack_guard = common::process::StackGuard { keep: a.keep_stack };
+    let stack_guard = common::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
     let started = Instant::now();
     let q = a.quick;
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });

@@ -50,21 +50,13 @@ async fn drain(db: &common::TestDb, queue: Arc<dyn Queue>, n: usize, concurrency
     let consumer = Arc::new(
         Consumer::new(Consumer::pool(&db.url, concurrency * 2 + 2).unwrap(), ConsumerConfig::default()).handle("noop", Noop),
     );
-    let mut w = Worker::new(consumer, queue, concurrency);
-    w.wait = Duration::from_secs(1);
-    let metrics = Arc::clone(&w.metrics);
-    let stop = Arc::new(tokio::sync::Notify::new());
     let started = Instant::now();
-    let run = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(w.run(async move { stop.notified().await }))
-    };
-    while (metrics.count("succeeded") as usize) < n {
+    let w = common::jobs::RunningWorker::start(Worker::new(consumer, queue, concurrency), Duration::from_secs(1));
+    while (w.metrics.count("succeeded") as usize) < n {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let secs = started.elapsed().as_secs_f64();
-    stop.notify_one();
-    run.await.unwrap();
+    w.stop().await;
     n as f64 / secs
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::jobs::{effects, effects_db, Effect};
+use common::jobs::{effects, effects_db, Effect, RunningWorker};
 use common::*;
 use outbox_relay::consumer::queue::{MemoryQueue, Queue, SqsQueue};
 use outbox_relay::consumer::worker::Worker;
@@ -204,20 +204,13 @@ async fn hundred_jobs_each_delivered_twice_through_the_relay_and_a_worker() {
         sqs.client().send_message().queue_url(&q).message_body(b).send().await.unwrap();
     }
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(2)).handle("effect", Effect));
-    let mut worker = Worker::new(cons, Arc::new(SqsQueue::new(sqs.client().clone(), &q)), 8);
-    worker.wait = Duration::from_secs(1);
+    let worker = RunningWorker::start(Worker::new(cons, Arc::new(SqsQueue::new(sqs.client().clone(), &q)), 8), Duration::from_secs(1));
     let metrics = Arc::clone(&worker.metrics);
-    let stop = Arc::new(Notify::new());
-    let run = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(worker.run(async move { stop.notified().await }))
-    };
     wait_for("200 deliveries disposed of", Duration::from_secs(90), || async {
         metrics.count("succeeded") + metrics.count("terminal_skip") >= 200
     })
     .await;
-    stop.notify_one();
-    run.await.unwrap();
+    worker.stop().await;
     eprintln!("{}", metrics.render());
     assert_eq!(effects(&db, "true").await, 100);
     assert_eq!(effects(&db, "true").await, db.client().await.query_one("SELECT count(DISTINCT job_id) FROM business_effects", &[]).await.unwrap().get::<_, i64>(0));
@@ -380,24 +373,18 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     killed.abort();
     let _ = killed.await;
 
-    let mut w2 = Worker::new(
+    let w2 = Worker::new(
         Arc::new(consumer(&db, "w2", Duration::from_secs(1)).handle("effect", HangFirst)),
         Arc::new(SqsQueue::new(sqs.client().clone(), &q)),
         4,
     );
-    w2.wait = Duration::from_secs(1);
+    let w2 = RunningWorker::start(w2, Duration::from_secs(1));
     let metrics = Arc::clone(&w2.metrics);
-    let stop = Arc::new(Notify::new());
-    let run = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(w2.run(async move { stop.notified().await }))
-    };
     wait_for("job completed after the lease expired", Duration::from_secs(60), || async {
         job_state(&db, &id).await.0 == "SUCCEEDED"
     })
     .await;
-    stop.notify_one();
-    run.await.unwrap();
+    w2.stop().await;
     assert_eq!(effects(&db, "true").await, 1, "completed exactly once");
     assert_eq!(metrics.rescued.get(), 1);
     let (_, attempts, _, _) = job_state(&db, &id).await;

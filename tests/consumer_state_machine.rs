@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use common::jobs::{effects_db, Effect};
 use common::*;
 use outbox_relay::consumer::queue::{MemoryQueue, Queue};
 use outbox_relay::consumer::{enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob};
@@ -31,12 +32,7 @@ struct Scripted(Behaviour);
 #[async_trait]
 impl Handler for Scripted {
     async fn handle(&self, job: &Job, tx: &Transaction<'_>) -> Result<(), HandlerError> {
-        tx.execute(
-            "INSERT INTO business_effects (job_id, generation, attempt) VALUES ($1, $2, $3)",
-            &[&job.job_id, &job.generation, &job.attempt],
-        )
-        .await
-        .map_err(|e| HandlerError::Retry(e.to_string()))?;
+        Effect.handle(job, tx).await?;
         match self.0 {
             Behaviour::Succeed => Ok(()),
             Behaviour::Retry => Err(HandlerError::Retry("again".into())),
@@ -167,12 +163,7 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
 fn no_interleaving_completes_a_generation_twice() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let world = rt.block_on(async {
-        let db = TestDb::new("statemachine").await;
-        db.client()
-            .await
-            .batch_execute("CREATE TABLE business_effects (job_id text, generation int, attempt int)")
-            .await
-            .unwrap();
+        let db = effects_db("statemachine").await;
         let pool = Consumer::pool(&db.url, 32).unwrap();
         Arc::new(World { db, pool, n: AtomicU64::new(0) })
     });

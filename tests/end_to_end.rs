@@ -185,18 +185,12 @@ async fn start_up_refuses_with_a_fix() {
     let q = create_queue(&sqs, "ok", false, None).await;
     // A queue that does not exist.
     let cfg = config(&db, &[("orders", &q), ("ghost", &format!("{}/000000000000/no-such-queue", stack().sqs_url))]);
-    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
     assert!(err.contains("destination \"ghost\"") && err.contains("GetQueueAttributes"), "{err}");
     // A missing publication.
     let mut cfg = config(&db, &[("orders", &q)]);
     cfg.publication = "nope".into();
-    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
     assert!(err.contains("publication \"nope\" does not exist"), "{err}");
     // A role that may not replicate.
     let c = db.client().await;
@@ -204,10 +198,7 @@ async fn start_up_refuses_with_a_fix() {
     c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON outbox TO {role}")).await.unwrap();
     let mut cfg = config(&db, &[("orders", &q)]);
     cfg.database_url = db.url.replacen("postgres@", &format!("{role}@"), 1);
-    let err = outbox_relay::run(cfg, Arc::new(sqs.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
     assert!(err.contains("may not replicate") && err.contains("ALTER ROLE"), "{err}");
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
 }

@@ -207,10 +207,7 @@ async fn two_sharded_relays_over_disjoint_destinations_deliver_every_row_to_its_
     // A relay whose destinations differ from its publication's filter is refused.
     let mut wrong = config(&db, &[("a", qa)]);
     wrong.publication = "outbox_ab".into();
-    let e = outbox_relay::run(wrong, Arc::new(p.clone()), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
-        .await
-        .unwrap_err()
-        .to_string();
+    let e = start_up_error(wrong, Arc::new(p.clone())).await;
     assert!(e.contains("must be the same"), "{e}");
 
     let r1 = start(ab, Arc::new(p.clone()));

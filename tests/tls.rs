@@ -178,10 +178,7 @@ async fn require_against_a_server_without_tls_and_a_hang_up_fail_cleanly() {
     let cfg = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
     let p = MemoryPublisher::new();
     p.add_queue(Q, false, 262_144);
-    let err = outbox_relay::run(cfg, Arc::new(p), outbox_relay::RelayHandle { metrics: outbox_relay::metrics::Metrics::new() }, async {})
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = start_up_error(cfg, Arc::new(p)).await;
     assert!(err.contains("does not offer TLS") && !err.contains("topsecret"), "{err}");
     // Malformed settings are config errors, not panics.
     for bad in ["postgres://u@h/d?sslmode=sometimes", "postgres://u@h/d?sslcert=/x.crt", "not a url at all"] {

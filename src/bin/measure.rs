@@ -55,10 +55,7 @@ async fn main() -> ExitCode {
     }
     let args = Args::parse();
     // A stack of its own: one scenario restarts PostgreSQL.
-    let dir = std::env::var("OUTBOX_RELAY_MEASURE_STACK_DIR")
-        .unwrap_or_else(|_| format!("{}/outbox-relay-measure-{}", std::env::temp_dir().display(), std::process::id()));
-    std::env::set_var("OUTBOX_RELAY_STACK_DIR", &dir);
-    let stack_guard = common::process::StackGuard { keep: args.keep_stack };
+    let stack_guard = common::process::StackGuard::own("measure", "OUTBOX_RELAY_MEASURE_STACK_DIR", args.keep_stack);
     let params = faults::Params {
         repetitions: args.repetitions,
         sqs_outage: args.sqs_outage,

@@ -22,9 +22,8 @@ use outbox_relay::consumer::{enqueue, NewJob};
 use outbox_relay::faults::crash_point;
 use rand::Rng;
 use serde::Serialize;
-use tokio::sync::Notify;
 
-use super::jobs::{consumer, effects, effects_db, Effect};
+use super::jobs::{consumer, effects, effects_db, Effect, RunningWorker};
 use super::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig};
 use super::*;
 
@@ -320,30 +319,16 @@ pub async fn collect(sqs: &SqsPublisher, urls: &[String], expected: &HashSet<Str
     }
 }
 
+/// Bodies of one receive round; a failed receive (a deleted queue) is an
+/// empty round after a pause, and bodies count even if their delete failed.
 async fn receive_batch(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Vec<String> {
-    let r = match sqs.client().receive_message().queue_url(url).max_number_of_messages(10).wait_time_seconds(wait_s).send().await {
-        Ok(r) => r,
+    match receive_round(sqs, url, wait_s).await {
+        Ok(round) => round.messages.into_iter().map(|(body, _)| body).collect(),
         Err(_) => {
             tokio::time::sleep(Duration::from_millis(100)).await;
-            return Vec::new();
+            Vec::new()
         }
-    };
-    let msgs = r.messages.unwrap_or_default();
-    if msgs.is_empty() {
-        return Vec::new();
     }
-    let mut del = sqs.client().delete_message_batch().queue_url(url);
-    for (i, m) in msgs.iter().enumerate() {
-        del = del.entries(
-            aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
-                .id(i.to_string())
-                .receipt_handle(m.receipt_handle.clone().unwrap_or_default())
-                .build()
-                .unwrap(),
-        );
-    }
-    let _ = del.send().await;
-    msgs.into_iter().map(|m| m.body.unwrap_or_default()).collect()
 }
 
 /// Missing and duplicate counts of `got` against `expected`; bodies that are
@@ -514,7 +499,8 @@ async fn relay_fail_point(p: &Params, point: &str) -> Counters {
         let filter = format!("event_id LIKE 'r{rep}t%'");
         let marked = db.count(&format!("status = 'PUBLISHED' AND {filter}")).await as u64;
         marked_at_death += marked;
-        if marked > 0 && db.confirmed_flush_lsn().await < lsn && db.confirmed_flush_lsn().await >= before {
+        let confirmed = db.confirmed_flush_lsn().await;
+        if marked > 0 && confirmed < lsn && confirmed >= before {
             unconfirmed_marked += 1;
         }
         let r = cfg.spawn();
@@ -921,21 +907,15 @@ async fn consumer_duplicate_delivery(p: &Params) -> Counters {
         req.send().await.unwrap();
     }
     let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.client().clone(), &q), deletes: AtomicU64::new(0) });
-    let mut worker = Worker::new(Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)), queue.clone(), 8);
-    worker.wait = Duration::from_secs(1);
+    let worker = Worker::new(Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)), queue.clone(), 8);
+    let worker = RunningWorker::start(worker, Duration::from_secs(1));
     let metrics = Arc::clone(&worker.metrics);
-    let stop = Arc::new(Notify::new());
-    let run = {
-        let stop = Arc::clone(&stop);
-        tokio::spawn(worker.run(async move { stop.notified().await }))
-    };
     let end = Instant::now() + Duration::from_secs(120);
     while queue.deletes.load(Ordering::Relaxed) < 2 * n as u64 && Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.notify_one();
-    run.await.unwrap();
+    worker.stop().await;
     let succeeded = count_where(&db, "SELECT count(*) FROM jobs WHERE status = 'SUCCEEDED'").await as u64;
     Counters {
         repetitions: n as u64,
@@ -978,14 +958,8 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
         }
         let died = Instant::now();
         // Another worker finds it after the lease expires.
-        let mut worker = Worker::new(Arc::clone(&rescuer), queue.clone(), 2);
-        worker.wait = Duration::from_secs(1);
+        let worker = RunningWorker::start(Worker::new(Arc::clone(&rescuer), queue.clone(), 2), Duration::from_secs(1));
         let metrics = Arc::clone(&worker.metrics);
-        let stop = Arc::new(Notify::new());
-        let run = {
-            let stop = Arc::clone(&stop);
-            tokio::spawn(worker.run(async move { stop.notified().await }))
-        };
         let end = Instant::now() + Duration::from_secs(60);
         let mut state = String::new();
         while Instant::now() < end {
@@ -996,8 +970,7 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         rescue_ms.push(died.elapsed().as_secs_f64() * 1000.0);
-        stop.notify_one();
-        run.await.unwrap();
+        worker.stop().await;
         let n_effects = effects(&db, &format!("job_id = '{id}'")).await;
         let attempts: i32 = w.query_one("SELECT attempt_count FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
         if state == "SUCCEEDED" && n_effects == 1 && attempts == 2 && metrics.rescued.get() == 1 {

@@ -2,10 +2,13 @@
 //! measurement: a handler whose business effect is one row per run that
 //! commits, so duplicate effects can be counted.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_relay::consumer::worker::{Worker, WorkerMetrics};
 use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
+use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 
 use super::*;
@@ -53,4 +56,31 @@ pub async fn effects(db: &TestDb, where_clause: &str) -> i64 {
         .await
         .unwrap()
         .get(0)
+}
+
+/// A [`Worker`] running in a task until [`RunningWorker::stop`].
+pub struct RunningWorker {
+    pub metrics: Arc<WorkerMetrics>,
+    stop: Arc<Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningWorker {
+    /// Start `worker`, long-polling `wait` at a time (short, so it stops quickly).
+    pub fn start(mut worker: Worker, wait: Duration) -> RunningWorker {
+        worker.wait = wait;
+        let metrics = Arc::clone(&worker.metrics);
+        let stop = Arc::new(Notify::new());
+        let task = {
+            let stop = Arc::clone(&stop);
+            tokio::spawn(worker.run(async move { stop.notified().await }))
+        };
+        RunningWorker { metrics, stop, task }
+    }
+
+    /// Graceful stop: the worker finishes what it holds.
+    pub async fn stop(self) {
+        self.stop.notify_one();
+        self.task.await.unwrap();
+    }
 }

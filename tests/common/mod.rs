@@ -165,42 +165,58 @@ pub async fn create_queue(sqs: &SqsPublisher, base: &str, fifo: bool, max_size: 
     req.send().await.unwrap().queue_url.unwrap()
 }
 
-/// A received message: body and the outbox event id attribute is not used;
-/// bodies carry the event id in tests.
+/// One `ReceiveMessage` round (up to 10 messages, waiting up to `wait_s`).
+pub struct Round {
+    /// Body and `MessageGroupId` of each message received.
+    pub messages: Vec<(String, Option<String>)>,
+    /// Why the `DeleteMessageBatch` of those messages failed, if it did.
+    pub delete_error: Option<String>,
+}
+
+/// Receive one round from `url` and delete what came; `Err` when the receive
+/// itself failed.
+pub async fn receive_round(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Result<Round, String> {
+    use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageSystemAttributeName as Attr};
+    let r = sqs
+        .client()
+        .receive_message()
+        .queue_url(url)
+        .max_number_of_messages(10)
+        .wait_time_seconds(wait_s)
+        .message_system_attribute_names(Attr::MessageGroupId)
+        .send()
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let msgs = r.messages.unwrap_or_default();
+    if msgs.is_empty() {
+        return Ok(Round { messages: Vec::new(), delete_error: None });
+    }
+    let mut del = sqs.client().delete_message_batch().queue_url(url);
+    let mut messages = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.into_iter().enumerate() {
+        let group = m.attributes.as_ref().and_then(|a| a.get(&Attr::MessageGroupId).cloned());
+        del = del.entries(
+            DeleteMessageBatchRequestEntry::builder()
+                .id(i.to_string())
+                .receipt_handle(m.receipt_handle.clone().expect("a received message has a receipt handle"))
+                .build()
+                .unwrap(),
+        );
+        messages.push((m.body.unwrap_or_default(), group));
+    }
+    let delete_error = del.send().await.err().map(|e| format!("{e:?}"));
+    Ok(Round { messages, delete_error })
+}
+
+/// Receive (and delete) until `expect` messages came or `deadline` passed:
+/// body and `MessageGroupId` of each; bodies carry the event id in tests.
 pub async fn receive_all(sqs: &SqsPublisher, url: &str, expect: usize, deadline: Duration) -> Vec<(String, Option<String>)> {
     let end = Instant::now() + deadline;
     let mut out = Vec::new();
     while out.len() < expect && Instant::now() < end {
-        let r = sqs
-            .client()
-            .receive_message()
-            .queue_url(url)
-            .max_number_of_messages(10)
-            .wait_time_seconds(1)
-            .message_system_attribute_names(aws_sdk_sqs::types::MessageSystemAttributeName::MessageGroupId)
-            .send()
-            .await
-            .unwrap();
-        let msgs = r.messages.unwrap_or_default();
-        if msgs.is_empty() {
-            continue;
-        }
-        let mut del = sqs.client().delete_message_batch().queue_url(url);
-        for (i, m) in msgs.iter().enumerate() {
-            let group = m
-                .attributes
-                .as_ref()
-                .and_then(|a| a.get(&aws_sdk_sqs::types::MessageSystemAttributeName::MessageGroupId).cloned());
-            out.push((m.body.clone().unwrap_or_default(), group));
-            del = del.entries(
-                aws_sdk_sqs::types::DeleteMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .receipt_handle(m.receipt_handle.clone().unwrap())
-                    .build()
-                    .unwrap(),
-            );
-        }
-        del.send().await.unwrap();
+        let round = receive_round(sqs, url, 1).await.unwrap();
+        assert!(round.delete_error.is_none(), "DeleteMessageBatch failed: {:?}", round.delete_error);
+        out.extend(round.messages);
     }
     out
 }
@@ -252,6 +268,11 @@ pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
         let _ = rx.await;
     }));
     Running { metrics, stop: Some(tx), task }
+}
+
+/// Run a relay that must refuse to start; the error it gives, as text.
+pub async fn start_up_error(config: Config, publisher: Arc<dyn Publisher>) -> String {
+    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, async {}).await.unwrap_err().to_string()
 }
 
 /// Wait until `cond` holds, polling; panic with `what` at the deadline.

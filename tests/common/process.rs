@@ -33,15 +33,13 @@ pub struct RelayConfig {
 
 impl RelayConfig {
     pub fn new(db: &TestDb, mode: &str, destinations: &[(&str, &str)], extra: &str) -> RelayConfig {
+        let metrics = if extra.contains("metrics_addr") { "" } else { "metrics_addr = \"off\"\n" };
         let mut toml = format!(
-            "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{extra}\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\n",
+            "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{metrics}{extra}\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\n",
             db.url,
             db.slot,
             stack().sqs_url
         );
-        if !extra.contains("metrics_addr") {
-            toml = toml.replacen("mode =", "metrics_addr = \"off\"\nmode =", 1);
-        }
         for (name, url) in destinations {
             toml.push_str(&format!("{name} = \"{url}\"\n"));
         }
@@ -198,6 +196,18 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
 /// the measurement and the benchmark run stacks of their own.
 pub struct StackGuard {
     pub keep: bool,
+}
+
+impl StackGuard {
+    /// Point the harness at a stack of this process's own: the directory in
+    /// `override_var`, else /tmp/outbox-relay-<name>-<pid>. Call before the
+    /// first [`stack`]; `keep` leaves it running afterwards.
+    pub fn own(name: &str, override_var: &str, keep: bool) -> StackGuard {
+        let dir = std::env::var(override_var)
+            .unwrap_or_else(|_| format!("{}/outbox-relay-{name}-{}", std::env::temp_dir().display(), std::process::id()));
+        std::env::set_var("OUTBOX_RELAY_STACK_DIR", dir);
+        StackGuard { keep }
+    }
 }
 
 impl Drop for StackGuard {
