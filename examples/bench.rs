@@ -61,6 +61,9 @@ struct Args {
     /// Keep the benchmark's stack running afterwards.
     #[arg(long)]
     keep_stack: bool,
+    /// Run only the large-body memory comparison.
+    #[arg(long)]
+    large_bodies_only: bool,
 }
 
 fn now_us() -> i64 {
@@ -253,6 +256,7 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
             .iter()
             .map(|(id, d)| outbox_relay::settle::Settlement {
                 id: *id,
+                xid: None,
                 txn: None,
                 destination: Arc::from(d.as_str()),
                 outcome: outbox_relay::settle::Outcome::Published,
@@ -541,6 +545,74 @@ async fn lane_down(a: &Args, sqs: &SqsPublisher, n: usize) -> LaneDown {
 }
 
 // ---------------------------------------------------------------------------
+// 6. Large bodies: memory bounded in bytes, not only in events.
+
+#[derive(Clone, serde::Serialize)]
+struct LargeBodies {
+    max_unsettled_bytes: String,
+    rows: usize,
+    body_bytes: usize,
+    seconds: f64,
+    peak_unsettled_events: f64,
+    peak_rss_mb: f64,
+}
+
+/// `n` rows of `body` bytes committed before the relay starts (so it reads
+/// the slot far faster than SQS takes 250 KB messages), drained to one
+/// queue with `budget` as `max_unsettled_bytes`: peak RSS and the most
+/// events unsettled at once.
+async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -> LargeBodies {
+    let db = TestDb::new("bench_large").await;
+    create_slot(&db, &db.slot).await;
+    let queues = create_queues(sqs, 1).await;
+    let c = db.client().await;
+    // Stored uncompressed, so the table holds what the relay holds.
+    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
+    for start in (0..n).step_by(50) {
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body)
+             SELECT 'large:' || i, $1, repeat(chr(97 + i % 26), $2) FROM generate_series($3::int, $4::int) i",
+            &[&queues[0].0, &(body as i32), &(start as i32), &((start + 49).min(n - 1) as i32)],
+        )
+        .await
+        .unwrap();
+    }
+    let addr = free_addr();
+    let extra = format!("metrics_addr = \"{addr}\"\nmax_unsettled_bytes = \"{budget}\"\nlane_stall_timeout = \"1h\"");
+    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &extra);
+    let t = Instant::now();
+    let relay = cfg.spawn();
+    let end = t + Duration::from_secs(1800);
+    let (mut peak_unsettled, mut last) = (0.0f64, (0.0, 0));
+    loop {
+        if let Some(text) = scrape(&addr).await {
+            let unsettled: f64 = series(&text, "outbox_relay_in_flight_events").iter().map(|(_, v)| v).sum();
+            peak_unsettled = peak_unsettled.max(unsettled);
+            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= n as f64 {
+                break;
+            }
+        }
+        if let Some(s) = cpu_and_peak_rss(relay.pid()) {
+            last = s;
+        }
+        assert!(Instant::now() < end, "large bodies: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let (_, rss) = cpu_and_peak_rss(relay.pid()).unwrap_or(last);
+    relay.terminate(Duration::from_secs(15)).await;
+    delete_queues(sqs, &queues).await;
+    LargeBodies {
+        max_unsettled_bytes: budget.into(),
+        rows: n,
+        body_bytes: body,
+        seconds: (secs * 10.0).round() / 10.0,
+        peak_unsettled_events: peak_unsettled,
+        peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+    }
+}
+
+// ---------------------------------------------------------------------------
 
 fn machine() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -567,6 +639,28 @@ async fn main() {
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
     let sqs = sqs().await;
     eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
+    // Large bodies, the default byte budget beside one so large that only
+    // the event budget (20,000) binds: peak RSS side by side.
+    let large_n = if q { 600 } else { 2_000 };
+    let mut large = Vec::new();
+    for budget in ["64MB", "64GB"] {
+        large.push(large_bodies(&sqs, large_n, 250_000, budget).await);
+    }
+    eprintln!("bench: large bodies done ({:.0} s)", started.elapsed().as_secs_f64());
+    let print_large = |large: &[LargeBodies]| {
+        println!("| max_unsettled_bytes | rows | body bytes | seconds | peak unsettled events | peak RSS MB |");
+        println!("|---|---|---|---|---|---|");
+        for l in large {
+            println!("| {} | {} | {} | {} | {} | {} |", l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb);
+        }
+        println!();
+    };
+    if a.large_bodies_only {
+        print_large(&large);
+        println!("{}", serde_json::to_string_pretty(&json!({ "large_bodies": large })).unwrap());
+        drop(stack_guard);
+        return;
+    }
 
     let dec = decode_ceiling(&a, if q { 50_000 } else { 200_000 }).await;
     eprintln!("bench: decode ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
@@ -647,6 +741,7 @@ async fn main() {
         down.rows, down.seconds, down.cpu_s_per_100k, down.peak_rss_mb
     );
     println!();
+    print_large(&large);
     let summary = json!({
         "quick": q,
         "machine": machine(),
@@ -672,11 +767,13 @@ async fn main() {
         "latency": lat,
         "drains": drains,
         "lane_down": down,
+        "large_bodies": large,
         "targets_met": BTreeMap::from([
             ("relay_vs_recvlogical_0_80", relay_vs_recv >= 0.8),
             ("relay_vs_raw_sqs_0_90", relay_vs_raw >= 0.9),
             ("cdc_p50_under_10_ms_at_1000", c1.p50_ms < 10.0),
             ("peak_rss_under_100_mb_lane_down", down.peak_rss_mb < 100.0),
+            ("peak_rss_under_256_mb_large_bodies", large[0].peak_rss_mb < 256.0),
         ]),
     });
     let text = serde_json::to_string_pretty(&summary).unwrap();

@@ -95,6 +95,7 @@ mod tests {
                 group_key: None,
                 attributes: None,
                 commit_time_us: 0,
+                xid: None,
             }),
             attributes: vec![],
             size,

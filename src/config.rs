@@ -69,6 +69,9 @@ pub struct FileConfig {
     pub linger: Option<String>,
     pub max_in_flight_batches: Option<usize>,
     pub max_unsettled_events: Option<usize>,
+    pub max_unsettled_bytes: Option<String>,
+    pub connect_timeout: Option<String>,
+    pub query_timeout: Option<String>,
     pub lane_stall_timeout: Option<String>,
     pub max_retained_wal: Option<String>,
     pub retry_base: Option<String>,
@@ -123,9 +126,18 @@ pub struct Config {
     pub linger: Duration,
     /// SendMessageBatch calls in flight per lane.
     pub max_in_flight_batches: usize,
-    /// Events read from the slot but not yet settled, across all lanes: the
-    /// bound on the relay's memory.
+    /// Events read from the slot but not yet settled, across all lanes.
     pub max_unsettled_events: usize,
+    /// Bytes (bodies and attributes) of those events: with the replication
+    /// client's buffer and the table path's claims sized from it, the bound
+    /// on the relay's memory whatever the bodies' size.
+    pub max_unsettled_bytes: u64,
+    /// How long one connection attempt to PostgreSQL (TCP, TLS, authentication)
+    /// may take before it fails with a message naming the server.
+    pub connect_timeout: Duration,
+    /// How long a start-up check or a control query (leader lock, monitor,
+    /// slot lookups) may wait for PostgreSQL's answer.
+    pub query_timeout: Duration,
     /// A streaming lane whose oldest unsettled event is older than this spools.
     pub lane_stall_timeout: Duration,
     /// WAL the slot may hold (current WAL minus confirmed flush) before the
@@ -147,7 +159,7 @@ pub struct Config {
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("database_url", &redact_url(&self.database_url))
+            .field("database_url", &crate::pgconn::redact(&self.database_url))
             .field("mode", &self.mode)
             .field("slot", &self.slot)
             .field("publication", &self.publication)
@@ -159,21 +171,17 @@ impl fmt::Debug for Config {
     }
 }
 
-/// `postgres://user:secret@host/db` → `postgres://user:***@host/db`.
-pub fn redact_url(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://") {
-        if let Some((auth, host)) = rest.rsplit_once('@') {
-            if let Some((user, _)) = auth.split_once(':') {
-                return format!("{scheme}://{user}:***@{host}");
-            }
-        }
-    }
-    url.to_string()
-}
-
 const ENV_PREFIX: &str = "OUTBOX_RELAY_";
 
 impl Config {
+    /// The database, with this configuration's deadlines.
+    pub fn db(&self) -> crate::db::Db {
+        crate::db::Db::new(
+            &self.database_url,
+            crate::db::Deadlines { connect: self.connect_timeout, query: self.query_timeout },
+        )
+    }
+
     /// Load `path` (if given), apply the environment, then `overrides`.
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let file = match path {
@@ -184,7 +192,7 @@ impl Config {
                 })?;
                 toml::from_str::<FileConfig>(&text).map_err(|e| ConfigError::Parse {
                     path: p.display().to_string(),
-                    message: e.message().to_string(),
+                    message: toml_error(&text, &e),
                 })?
             }
             None => FileConfig::default(),
@@ -264,29 +272,30 @@ impl Config {
                 )));
             }
         }
-        let heartbeat_interval = duration("heartbeat_interval", get("HEARTBEAT_INTERVAL").or(file.heartbeat_interval), "10s")?;
-        let linger = duration("linger", get("LINGER").or(file.linger), "5ms")?;
-        let max_in_flight_batches = number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches, 8)?;
-        let max_unsettled_events = number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events, 20_000)?;
-        let lane_stall_timeout = duration("lane_stall_timeout", get("LANE_STALL_TIMEOUT").or(file.lane_stall_timeout), "30s")?;
-        let max_retained_wal = bytes("max_retained_wal", &get("MAX_RETAINED_WAL").or(file.max_retained_wal).unwrap_or_else(|| "256MB".into()))?;
-        let retry_base = duration("retry_base", get("RETRY_BASE").or(file.retry_base), "2s")?;
-        let retry_max = duration("retry_max", get("RETRY_MAX").or(file.retry_max), "300s")?;
-        if retry_base.is_zero() || retry_max < retry_base {
+        let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
+        let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
+        let linger = d("linger", "LINGER", file.linger)?;
+        let max_in_flight_batches = number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
+        let max_unsettled_events = number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events)?;
+        let max_unsettled_bytes = size("max_unsettled_bytes", get("MAX_UNSETTLED_BYTES").or(file.max_unsettled_bytes))?;
+        let lane_stall_timeout = d("lane_stall_timeout", "LANE_STALL_TIMEOUT", file.lane_stall_timeout)?;
+        let max_retained_wal = size("max_retained_wal", get("MAX_RETAINED_WAL").or(file.max_retained_wal))?;
+        let retry_base = d("retry_base", "RETRY_BASE", file.retry_base)?;
+        let retry_max = d("retry_max", "RETRY_MAX", file.retry_max)?;
+        if retry_max < retry_base {
             return Err(ConfigError::Invalid(format!(
-                "retry_base ({retry_base:?}) must be above zero and at most retry_max ({retry_max:?})"
+                "retry_base ({retry_base:?}) must be at most retry_max ({retry_max:?})"
             )));
         }
-        let poll_interval = duration("poll_interval", get("POLL_INTERVAL").or(file.poll_interval), "100ms")?;
+        let poll_interval = d("poll_interval", "POLL_INTERVAL", file.poll_interval)?;
         let retention = match get("RETENTION").or(file.retention) {
             Some(s) if s == "off" || s == "0" => None,
-            v => Some(duration("retention", v, "7d")?),
+            v => Some(duration("retention", v)?),
         };
-        let readiness_stall = duration("readiness_stall", get("READINESS_STALL").or(file.readiness_stall), "5m")?;
-        let takeover_timeout = duration("takeover_timeout", get("TAKEOVER_TIMEOUT").or(file.takeover_timeout), "10s")?;
-        if takeover_timeout < Duration::from_secs(1) {
-            return Err(ConfigError::Invalid(format!("takeover_timeout {takeover_timeout:?} must be at least 1s")));
-        }
+        let readiness_stall = d("readiness_stall", "READINESS_STALL", file.readiness_stall)?;
+        let takeover_timeout = d("takeover_timeout", "TAKEOVER_TIMEOUT", file.takeover_timeout)?;
+        let connect_timeout = d("connect_timeout", "CONNECT_TIMEOUT", file.connect_timeout)?;
+        let query_timeout = d("query_timeout", "QUERY_TIMEOUT", file.query_timeout)?;
         Ok(Config {
             database_url,
             mode,
@@ -301,6 +310,9 @@ impl Config {
             linger,
             max_in_flight_batches,
             max_unsettled_events,
+            max_unsettled_bytes,
+            connect_timeout,
+            query_timeout,
             lane_stall_timeout,
             max_retained_wal,
             retry_base,
@@ -313,10 +325,70 @@ impl Config {
     }
 }
 
-fn duration(key: &str, v: Option<String>, default: &str) -> Result<Duration, ConfigError> {
+/// Every duration key: its default and the range it must lie in. Zero or
+/// absurd values are refused at start-up, naming the key and the range.
+const DURATIONS: &[(&str, &str, Duration, Duration)] = &[
+    ("heartbeat_interval", "10s", Duration::from_millis(100), Duration::from_secs(3_600)),
+    ("linger", "5ms", Duration::ZERO, Duration::from_secs(1)),
+    ("lane_stall_timeout", "30s", Duration::from_secs(1), Duration::from_secs(86_400)),
+    ("retry_base", "2s", Duration::from_millis(10), Duration::from_secs(3_600)),
+    ("retry_max", "300s", Duration::from_millis(10), Duration::from_secs(86_400)),
+    ("poll_interval", "100ms", Duration::from_millis(10), Duration::from_secs(3_600)),
+    ("retention", "7d", Duration::from_secs(60), Duration::from_secs(3_650 * 86_400)),
+    ("readiness_stall", "5m", Duration::from_secs(1), Duration::from_secs(86_400)),
+    ("takeover_timeout", "10s", Duration::from_secs(1), Duration::from_secs(3_600)),
+    ("connect_timeout", "10s", Duration::from_millis(100), Duration::from_secs(600)),
+    ("query_timeout", "30s", Duration::from_millis(100), Duration::from_secs(3_600)),
+];
+
+/// Every count key: default, least and most.
+const NUMBERS: &[(&str, usize, usize, usize)] = &[
+    ("max_in_flight_batches", 8, 1, 256),
+    ("max_unsettled_events", 20_000, 1, 10_000_000),
+];
+
+/// Every size key: default, least and most (bytes).
+const SIZES: &[(&str, &str, u64, u64)] = &[
+    ("max_retained_wal", "256MB", 1 << 20, 1 << 50),
+    ("max_unsettled_bytes", "64MB", 1 << 20, 64 << 30),
+];
+
+fn duration(key: &str, v: Option<String>) -> Result<Duration, ConfigError> {
+    let (_, default, min, max) = *DURATIONS.iter().find(|l| l.0 == key).expect("every duration key has its limits");
     let s = v.unwrap_or_else(|| default.to_string());
-    humantime::parse_duration(&s)
-        .map_err(|e| ConfigError::Invalid(format!("{key} = {s:?} is not a duration such as 10s or 5ms: {e}")))
+    let d = humantime::parse_duration(&s)
+        .map_err(|e| ConfigError::Invalid(format!("{key} = {s:?} is not a duration such as 10s or 5ms: {e}")))?;
+    if d < min || d > max {
+        return Err(ConfigError::Invalid(format!(
+            "{key} = {s:?} is out of range: it must be from {} to {}",
+            humantime::format_duration(min),
+            humantime::format_duration(max)
+        )));
+    }
+    Ok(d)
+}
+
+fn size(key: &str, v: Option<String>) -> Result<u64, ConfigError> {
+    let (_, default, min, max) = *SIZES.iter().find(|l| l.0 == key).expect("every size key has its limits");
+    let s = v.unwrap_or_else(|| default.to_string());
+    let n = bytes(key, &s)?;
+    if n < min || n > max {
+        return Err(ConfigError::Invalid(format!(
+            "{key} = {s:?} is out of range: it must be from {} to {}",
+            show_bytes(min),
+            show_bytes(max)
+        )));
+    }
+    Ok(n)
+}
+
+fn show_bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 40 && n % (1 << 40) == 0 => format!("{}TB", n >> 40),
+        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}GB", n >> 30),
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}MB", n >> 20),
+        n => format!("{n} bytes"),
+    }
 }
 
 /// `256MB`, `1GB`, `512kB` or a plain number of bytes; units are powers of
@@ -339,17 +411,28 @@ pub fn bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
     }
 }
 
-fn number(key: &str, env: Option<String>, file: Option<usize>, default: usize) -> Result<usize, ConfigError> {
+fn number(key: &str, env: Option<String>, file: Option<usize>) -> Result<usize, ConfigError> {
+    let (_, default, min, max) = *NUMBERS.iter().find(|l| l.0 == key).expect("every count key has its limits");
     let n = match env {
         Some(s) => s
             .parse()
             .map_err(|_| ConfigError::Invalid(format!("{key} = {s:?} is not a whole number")))?,
         None => file.unwrap_or(default),
     };
-    if n == 0 {
-        return Err(ConfigError::Invalid(format!("{key} must be at least 1")));
+    if n < min || n > max {
+        return Err(ConfigError::Invalid(format!("{key} = {n} is out of range: it must be from {min} to {max}")));
     }
     Ok(n)
+}
+
+/// A TOML error with the line and column it is at, and that line.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else { return e.message().to_string() };
+    let before = &text[..span.start.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map(|l| l.chars().count() + 1).unwrap_or(1);
+    let shown = text.lines().nth(line - 1).unwrap_or("").trim();
+    format!("line {line}, column {column}: {} (at `{shown}`)", e.message().trim())
 }
 
 /// Slot names: lower-case letters, digits, underscores (PostgreSQL's rule).
@@ -436,6 +519,8 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         assert_eq!(Config::resolve(file(BASE), &env, &Overrides::default()).unwrap().retention, None);
         let e = Config::resolve(file(&format!("retry_base = \"10s\"\nretry_max = \"1s\"\n{BASE}")), &BTreeMap::new(), &Overrides::default());
         assert!(e.unwrap_err().to_string().contains("at most retry_max"));
+        assert_eq!(c.max_unsettled_bytes, 64 << 20);
+        assert_eq!((c.connect_timeout, c.query_timeout), (Duration::from_secs(10), Duration::from_secs(30)));
     }
 
     #[test]
@@ -444,5 +529,50 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         let shown = format!("{c:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
         assert!(shown.contains("app:***@127.0.0.1"));
+    }
+
+    #[test]
+    fn zero_or_absurd_values_are_refused_naming_key_and_range() {
+        let env = BTreeMap::new();
+        let err = |line: &str| {
+            Config::resolve(file(&format!("{line}\n{BASE}")), &env, &Overrides::default()).unwrap_err().to_string()
+        };
+        let cases = [
+            ("heartbeat_interval = \"0s\"", "heartbeat_interval = \"0s\" is out of range: it must be from 100ms to 1h"),
+            ("poll_interval = \"0s\"", "poll_interval = \"0s\" is out of range: it must be from 10ms to 1h"),
+            ("linger = \"10m\"", "linger = \"10m\" is out of range"),
+            ("lane_stall_timeout = \"0s\"", "lane_stall_timeout"),
+            ("retry_base = \"0s\"", "retry_base = \"0s\" is out of range"),
+            ("readiness_stall = \"0s\"", "readiness_stall"),
+            ("takeover_timeout = \"100ms\"", "takeover_timeout"),
+            ("connect_timeout = \"0s\"", "connect_timeout = \"0s\" is out of range"),
+            ("query_timeout = \"1000d\"", "query_timeout"),
+            ("retention = \"1s\"", "retention = \"1s\" is out of range: it must be from 1m"),
+            ("max_in_flight_batches = 0", "max_in_flight_batches = 0 is out of range: it must be from 1 to 256"),
+            ("max_in_flight_batches = 100000", "max_in_flight_batches = 100000 is out of range"),
+            ("max_unsettled_events = 0", "max_unsettled_events = 0 is out of range"),
+            ("max_unsettled_bytes = \"1kB\"", "max_unsettled_bytes = \"1kB\" is out of range: it must be from 1MB to 64GB"),
+            ("max_retained_wal = \"10\"", "max_retained_wal = \"10\" is out of range"),
+        ];
+        for (line, expected) in cases {
+            let e = err(line);
+            assert!(e.contains(expected), "{line}: {e}");
+        }
+        let ok = Config::resolve(file(&format!("linger = \"0s\"\nmax_unsettled_bytes = \"8MB\"\n{BASE}")), &env, &Overrides::default()).unwrap();
+        assert_eq!((ok.linger, ok.max_unsettled_bytes), (Duration::ZERO, 8 << 20));
+        let by_env: BTreeMap<String, String> = [("OUTBOX_RELAY_HEARTBEAT_INTERVAL".to_string(), "0s".to_string())].into();
+        let e = Config::resolve(file(BASE), &by_env, &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("heartbeat_interval = \"0s\" is out of range"), "{e}");
+    }
+
+    #[test]
+    fn a_toml_syntax_error_names_the_line() {
+        let dir = std::env::temp_dir().join(format!("cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("relay.toml");
+        std::fs::write(&path, "slot = \"a\"\n\nlinger = 5ms\n").unwrap();
+        let e = Config::load(Some(&path), &Overrides::default()).unwrap_err().to_string();
+        assert!(e.contains("relay.toml") && e.contains("line 3, column 11") && e.contains("`linger = 5ms`"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

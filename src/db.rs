@@ -2,30 +2,143 @@
 
 use tokio_postgres::Client;
 
+use std::future::Future;
+use std::time::Duration;
+
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("cannot connect to PostgreSQL at {url}: {message}")]
     Connect { url: String, message: String },
-    #[error(transparent)]
-    Query(#[from] tokio_postgres::Error),
+    /// The server took the connection (or the query) but did not answer in time.
+    #[error("PostgreSQL at {server} did not answer within {} while {what} ({key}); check that the server is up, not overloaded or frozen, and reachable on this path", humantime::format_duration(*.after))]
+    Timeout { server: String, what: String, after: Duration, key: &'static str },
+    /// Shown once, in the server's words (no "db error" chain after it).
+    #[error("{}", describe(.0))]
+    Query(tokio_postgres::Error),
     #[error("{0}")]
     Check(String),
 }
 
-/// Open a connection (TLS per the URL's sslmode); its driver runs on a
-/// spawned task.
-pub async fn connect(url: &str) -> Result<Client, DbError> {
-    let target = crate::pgconn::parse(url).map_err(DbError::Check)?;
-    connect_target(&target).await
+impl From<tokio_postgres::Error> for DbError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        DbError::Query(e)
+    }
 }
 
-pub async fn connect_target(target: &crate::pgconn::Target) -> Result<Client, DbError> {
+/// A PostgreSQL error once, in the server's words (`ERROR: relation ... (42P01)`),
+/// not tokio-postgres's "db error" wrapper around it.
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => {
+            let mut text = format!("{}: {} ({})", db.severity(), db.message(), db.code().code());
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!("; hint: {hint}"));
+            }
+            text
+        }
+        None => {
+            let mut text = e.to_string();
+            let mut src = std::error::Error::source(e);
+            while let Some(s) = src {
+                text.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            text
+        }
+    }
+}
+
+/// How long the relay waits for PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// One connection attempt: TCP, TLS, authentication.
+    pub connect: Duration,
+    /// A start-up check or a control query.
+    pub query: Duration,
+}
+
+impl Default for Deadlines {
+    fn default() -> Self {
+        Self { connect: Duration::from_secs(10), query: Duration::from_secs(30) }
+    }
+}
+
+/// A database the relay talks to: its URL (parsed again at each connection, so
+/// a rotated password file is read anew) and how long to wait for it.
+#[derive(Clone)]
+pub struct Db {
+    url: String,
+    pub deadlines: Deadlines,
+}
+
+impl std::fmt::Debug for Db {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Db").field("url", &crate::pgconn::redact(&self.url)).field("deadlines", &self.deadlines).finish()
+    }
+}
+
+impl Db {
+    pub fn new(url: &str, deadlines: Deadlines) -> Db {
+        Db { url: url.to_string(), deadlines }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn target(&self) -> Result<crate::pgconn::Target, DbError> {
+        crate::pgconn::parse(&self.url).map_err(DbError::Check)
+    }
+
+    /// `host:port` of the server, for messages.
+    pub fn server(&self) -> String {
+        self.target().map(|t| t.server()).unwrap_or_else(|_| crate::pgconn::redact(&self.url))
+    }
+
+    /// Open a connection within the connect deadline.
+    pub async fn connect(&self) -> Result<Client, DbError> {
+        connect_target(&self.target()?, self.deadlines.connect).await
+    }
+
+    /// Wait for `fut` (a query, or several) at most the query deadline.
+    pub async fn within<T, E>(&self, what: &str, fut: impl Future<Output = Result<T, E>>) -> Result<T, E>
+    where
+        E: From<DbError>,
+    {
+        match tokio::time::timeout(self.deadlines.query, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(E::from(DbError::Timeout {
+                server: self.server(),
+                what: what.to_string(),
+                after: self.deadlines.query,
+                key: "query_timeout",
+            })),
+        }
+    }
+
+    /// [`within`](Self::within) for a tokio-postgres future.
+    pub async fn query<T>(&self, what: &str, fut: impl Future<Output = Result<T, tokio_postgres::Error>>) -> Result<T, DbError> {
+        self.within(what, async { fut.await.map_err(DbError::from) }).await
+    }
+}
+
+/// Open a connection (TLS per the URL's sslmode) with the default deadlines;
+/// its driver runs on a spawned task.
+pub async fn connect(url: &str) -> Result<Client, DbError> {
+    Db::new(url, Deadlines::default()).connect().await
+}
+
+/// Connect within `deadline` (TCP, TLS and authentication together).
+pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
     let tls = crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
-    let (client, conn) = target
-        .pg
-        .connect(tls)
-        .await
-        .map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
+    let attempt = tokio::time::timeout(deadline, target.pg.connect(tls)).await.map_err(|_| DbError::Timeout {
+        server: target.server(),
+        what: "connecting (TCP, TLS and authentication)".into(),
+        after: deadline,
+        key: "connect_timeout",
+    })?;
+    let (client, conn) =
+        attempt.map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "postgres connection closed");

@@ -18,6 +18,9 @@ pub struct OutboxEvent {
     pub attributes: Option<String>,
     /// Commit time of the row's transaction, microseconds since the Unix epoch.
     pub commit_time_us: i64,
+    /// The inserting transaction's id, when read from the stream: settlement
+    /// tells a row not visible yet from one deleted by it.
+    pub xid: Option<u32>,
 }
 
 /// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
@@ -36,7 +39,18 @@ impl OutboxEvent {
             group_key: r.get(4),
             attributes: r.get(5),
             commit_time_us: r.get(6),
+            xid: None,
         }
+    }
+
+    /// Bytes the event holds in memory, for the unsettled budget.
+    pub fn size(&self) -> usize {
+        self.body.len()
+            + self.event_id.len()
+            + self.destination.len()
+            + self.group_key.as_ref().map_or(0, String::len)
+            + self.attributes.as_ref().map_or(0, String::len)
+            + 96
     }
 }
 
@@ -119,41 +133,25 @@ pub fn dedup_id(event_id: &str) -> String {
 }
 
 /// Parse the `attributes` JSON: an object of at most 10 entries, each a string
-/// (type String), a number (type Number), a boolean (type String), or
+/// (type String), a number (type Number, its JSON text carried exactly, never
+/// through a float), a boolean (type String), or
 /// `{"DataType": "String|Number[.label]", "StringValue": "..."}`.
 pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
+    use serde_json::value::RawValue;
     let bad = |d: String| DeadReason::new("invalid_attributes", d);
-    let v: serde_json::Value =
-        serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let obj = match v {
-        serde_json::Value::Null => return Ok(Vec::new()),
-        serde_json::Value::Object(o) => o,
-        other => return Err(bad(format!("expected a JSON object, got {other}"))),
+    let top: &RawValue = serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let obj: std::collections::BTreeMap<String, &RawValue> = match top.get().trim_start().as_bytes().first() {
+        Some(b'n') => return Ok(Vec::new()),
+        Some(b'{') => serde_json::from_str(top.get()).map_err(|e| bad(format!("not JSON: {e}")))?,
+        _ => return Err(bad(format!("expected a JSON object, got {}", top.get().trim()))),
     };
     if obj.len() > MAX_ATTRIBUTES {
         return Err(bad(format!("{} attributes; SQS allows at most {MAX_ATTRIBUTES}", obj.len())));
     }
     let mut out = Vec::with_capacity(obj.len());
-    for (name, value) in obj {
+    for (name, raw) in obj {
         validate_attribute_name(&name).map_err(bad)?;
-        let (data_type, value) = match value {
-            serde_json::Value::String(s) => ("String".to_string(), s),
-            serde_json::Value::Number(n) => ("Number".to_string(), n.to_string()),
-            serde_json::Value::Bool(b) => ("String".to_string(), b.to_string()),
-            serde_json::Value::Object(mut o) => {
-                let t = o.remove("DataType").and_then(|t| t.as_str().map(str::to_owned));
-                let s = o.remove("StringValue").and_then(|t| t.as_str().map(str::to_owned));
-                match (t, s) {
-                    (Some(t), Some(s)) if o.is_empty() => (t, s),
-                    _ => {
-                        return Err(bad(format!(
-                            "attribute {name:?}: expected {{\"DataType\": ..., \"StringValue\": ...}}"
-                        )))
-                    }
-                }
-            }
-            other => return Err(bad(format!("attribute {name:?}: unsupported value {other}"))),
-        };
+        let (data_type, value) = attribute_value(&name, raw.get().trim()).map_err(bad)?;
         let base = data_type.split('.').next().unwrap_or_default();
         if base != "String" && base != "Number" {
             return Err(bad(format!(
@@ -162,6 +160,9 @@ pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
         }
         if value.is_empty() {
             return Err(bad(format!("attribute {name:?}: empty value")));
+        }
+        if base == "Number" {
+            check_sqs_number(&value).map_err(|e| bad(format!("attribute {name:?}: {e}")))?;
         }
         if let Some((i, c)) = first_invalid_char(&value) {
             return Err(DeadReason::new(
@@ -172,6 +173,58 @@ pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
         out.push(Attribute { name, data_type, value });
     }
     Ok(out)
+}
+
+/// One attribute's (DataType, value) from its raw JSON text.
+fn attribute_value(name: &str, raw: &str) -> Result<(String, String), String> {
+    let parse = |e: serde_json::Error| format!("attribute {name:?}: {e}");
+    match raw.as_bytes().first() {
+        Some(b'"') => Ok(("String".into(), serde_json::from_str::<String>(raw).map_err(parse)?)),
+        Some(b't' | b'f') => Ok(("String".into(), serde_json::from_str::<bool>(raw).map_err(parse)?.to_string())),
+        // The number's own text: 38 significant digits survive, as SQS keeps them.
+        Some(b'-' | b'0'..=b'9') => Ok(("Number".into(), raw.to_string())),
+        Some(b'{') => {
+            let mut o: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw).map_err(parse)?;
+            let t = o.remove("DataType").and_then(|t| t.as_str().map(str::to_owned));
+            let s = o.remove("StringValue").and_then(|t| t.as_str().map(str::to_owned));
+            match (t, s) {
+                (Some(t), Some(s)) if o.is_empty() => Ok((t, s)),
+                _ => Err(format!("attribute {name:?}: expected {{\"DataType\": ..., \"StringValue\": ...}}")),
+            }
+        }
+        _ => Err(format!("attribute {name:?}: unsupported value {raw}")),
+    }
+}
+
+/// SQS's rule for a Number attribute: a decimal number (optional sign,
+/// fraction and exponent) of at most 38 significant digits, between 10^-128
+/// and 10^+126 in magnitude (or zero). Leading and trailing zeros do not count.
+pub fn check_sqs_number(s: &str) -> Result<(), String> {
+    let not_a_number = || format!("Number value {s:?} is not a decimal number");
+    let t = s.strip_prefix(['-', '+']).unwrap_or(s);
+    let (mantissa, exp) = match t.find(['e', 'E']) {
+        Some(i) => (&t[..i], t[i + 1..].parse::<i64>().map_err(|_| not_a_number())?),
+        None => (t, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits_only = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
+    if (int.is_empty() && frac.is_empty()) || !digits_only(int) || !digits_only(frac) {
+        return Err(not_a_number());
+    }
+    let digits = format!("{int}{frac}");
+    let significant = digits.trim_matches('0');
+    if significant.is_empty() {
+        return Ok(());
+    }
+    if significant.len() > 38 {
+        return Err(format!("Number value {s:?} has {} significant digits; SQS keeps at most 38", significant.len()));
+    }
+    let leading_zeros = (digits.len() - digits.trim_start_matches('0').len()) as i64;
+    let magnitude = int.len() as i64 - 1 - leading_zeros + exp;
+    if !(-128..126).contains(&magnitude) {
+        return Err(format!("Number value {s:?} is outside SQS's range (10^-128 to 10^126)"));
+    }
+    Ok(())
 }
 
 fn validate_attribute_name(name: &str) -> Result<(), String> {
@@ -256,6 +309,7 @@ mod tests {
             group_key: None,
             attributes: None,
             commit_time_us: 0,
+            xid: None,
         })
     }
 
@@ -299,6 +353,33 @@ mod tests {
         assert!(parse_attributes(r#"{"a": ""}"#).is_err());
         assert!(parse_attributes(r#"{"a": null}"#).is_err());
         assert_eq!(parse_attributes("null").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn numbers_keep_their_exact_text() {
+        let a = parse_attributes(r#"{"big": 123456789012345678901234567890, "frac": 12345678901234.56789, "e": -1.5e-7, "z": 0}"#).unwrap();
+        let v = |n: &str| a.iter().find(|x| x.name == n).map(|x| (x.data_type.as_str(), x.value.as_str())).unwrap();
+        assert_eq!(v("big"), ("Number", "123456789012345678901234567890"));
+        assert_eq!(v("frac"), ("Number", "12345678901234.56789"));
+        assert_eq!(v("e"), ("Number", "-1.5e-7"));
+        assert_eq!(v("z"), ("Number", "0"));
+        // 38 significant digits pass (trailing zeros do not count); 39 are DEAD.
+        let d38 = "1".repeat(38);
+        assert!(parse_attributes(&format!(r#"{{"n": {d38}000}}"#)).is_ok());
+        let e = parse_attributes(&format!(r#"{{"n": {d38}1}}"#)).unwrap_err();
+        assert_eq!(e.code, "invalid_attributes");
+        assert!(e.detail.contains("39 significant digits"), "{e:?}");
+        assert!(parse_attributes(r#"{"n": 1e126}"#).unwrap_err().detail.contains("outside SQS's range"));
+        assert!(parse_attributes(r#"{"n": 9.99e125}"#).is_ok());
+        assert!(parse_attributes(r#"{"n": 1e-129}"#).unwrap_err().detail.contains("outside SQS's range"));
+        assert!(parse_attributes(r#"{"n": 1e-128}"#).is_ok());
+        // The explicit form is checked the same way.
+        let explicit = |v: &str| parse_attributes(&format!(r#"{{"n": {{"DataType": "Number.price", "StringValue": "{v}"}}}}"#));
+        assert_eq!(explicit("00012.50").unwrap()[0].value, "00012.50");
+        assert!(explicit("twelve").unwrap_err().detail.contains("not a decimal number"));
+        assert!(explicit("1.2.3").is_err());
+        assert!(parse_attributes(r#"{"b": true}"#).unwrap()[0].value == "true");
+        assert!(parse_attributes(r#"{"a": [1]}"#).unwrap_err().detail.contains("unsupported value"));
     }
 
     #[test]

@@ -19,7 +19,20 @@ pub const POINTS: &[&str] = &[
     "cdc::before_confirm",
     // Consumer: the handler's writes made, not committed.
     "consumer::in_handler",
+    // Relay: a tick of the slot monitor (a background task); `panic` shows
+    // that a panicking task stops the process.
+    "monitor::tick",
 ];
+
+/// Run the point `name`'s configured action (`panic`, `sleep(ms)`, ...);
+/// nothing without the feature.
+#[inline]
+pub fn point(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!(name);
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
 
 /// Die with status 137 if the point `name` is configured to `return`.
 #[inline]

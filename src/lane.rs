@@ -18,10 +18,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::batch::{full_batch_ready, take_batch, Batchable};
+use crate::budget::Permit;
 use crate::event::{DeadReason, Entry, QueueInfo};
 use crate::metrics::Metrics;
 use crate::publisher::{EntryResult, Publisher};
@@ -33,12 +34,12 @@ use crate::watermark::TxnSeq;
 pub struct LaneItem {
     pub entry: Entry,
     pub txn: Option<TxnSeq>,
-    pub permit: Option<OwnedSemaphorePermit>,
+    pub permit: Option<Permit>,
     pub arrived: Instant,
 }
 
 impl LaneItem {
-    pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<OwnedSemaphorePermit>) -> Self {
+    pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<Permit>) -> Self {
         Self { entry, txn, permit, arrived: Instant::now() }
     }
 }
@@ -183,6 +184,10 @@ struct Ctx {
     state: Option<Arc<LaneState>>,
     /// When a failed send was last logged as a warning (at most every 5 s).
     last_warn: Mutex<Option<Instant>>,
+    /// The lane's input closed: the session is stopping. Entries waiting to
+    /// be retried in memory are abandoned (unsettled, so the slot replays
+    /// them) instead of holding the shutdown.
+    closing: watch::Sender<bool>,
 }
 
 impl Ctx {
@@ -217,7 +222,7 @@ pub async fn run_lane(
     let fifo = cfg.queue.fifo;
     let stall_timeout = cfg.stall_timeout;
     let mut spool_rx = state.as_ref().map(|s| s.subscribe());
-    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state, last_warn: Mutex::new(None) });
+    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state, last_warn: Mutex::new(None), closing: watch::channel(false).0 });
     let mut pending: VecDeque<LaneItem> = VecDeque::new();
     let mut in_flight: JoinSet<Done> = JoinSet::new();
     let mut in_flight_since: HashMap<tokio::task::Id, Instant> = HashMap::new();
@@ -288,7 +293,10 @@ pub async fn run_lane(
                         }
                     }
                 }
-                None => closed = true,
+                None => {
+                    closed = true;
+                    ctx.closing.send_replace(true);
+                }
             },
             Some(done) = in_flight.join_next_with_id() => {
                 let id = match &done {
@@ -348,6 +356,7 @@ fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
     // and the row stays NEW, to be read again.
     let sent = ctx.settle.send(Settlement {
         id: item.entry.event.id,
+        xid: item.entry.event.xid,
         txn: item.txn,
         destination: Arc::clone(&ctx.cfg.name),
         outcome,
@@ -401,16 +410,10 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
             .with_label_values(&[&ctx.cfg.name])
             .observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
         let started = Instant::now();
-        let call = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries);
-        let result = match spool.as_mut() {
-            // A spool request abandons the call: whatever it did, the rows go
-            // to the table and are sent again from there (at-least-once).
-            Some(rx) => tokio::select! {
-                r = call => r,
-                _ = rx.wait_for(|s| *s) => continue,
-            },
-            None => call.await,
-        };
+        // A call in flight finishes even if the lane starts spooling meanwhile
+        // (the SQS client's timeouts bound it): what it published stays
+        // published, and only what it did not is deferred to the table.
+        let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
         ctx.metrics
             .publish_seconds
             .with_label_values(&[&ctx.cfg.name])
@@ -479,16 +482,130 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
             }
             break;
         }
+        if *ctx.closing.borrow() {
+            // Stopping: these stay unsettled and are read again from the slot.
+            tracing::debug!(destination = %ctx.cfg.name, entries = retry.len(), "shutdown: entries to retry abandoned");
+            break;
+        }
         todo = retry.into_iter().map(|(i, _)| i).collect();
         let wait = tokio::time::sleep(backoff(attempt, ctx.cfg.retry_base, ctx.cfg.retry_cap));
+        let mut closing = ctx.closing.subscribe();
         match spool.as_mut() {
             Some(rx) => tokio::select! {
                 _ = wait => {}
                 _ = rx.wait_for(|s| *s) => {}
+                _ = closing.wait_for(|c| *c) => {}
             },
-            None => wait.await,
+            None => tokio::select! {
+                _ = wait => {}
+                _ = closing.wait_for(|c| *c) => {}
+            },
+        }
+        if *ctx.closing.borrow() && !spooling(&spool) {
+            tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
+            break;
         }
         attempt = attempt.saturating_add(1);
     }
     deferred_groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{prepare, OutboxEvent};
+    use crate::publisher::memory::MemoryPublisher;
+
+    const Q: &str = "http://memory.invalid/orders";
+
+    fn item(id: i64) -> LaneItem {
+        let ev = OutboxEvent {
+            id,
+            event_id: format!("e:{id}"),
+            destination: "orders".into(),
+            body: format!("body {id}"),
+            group_key: None,
+            attributes: None,
+            commit_time_us: 0,
+            xid: None,
+        };
+        let queue = QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 };
+        LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
+    }
+
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let end = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < end, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// A lane told to spool while a call is in flight lets the call finish:
+    /// what SQS accepted stays published instead of being deferred and sent
+    /// again from the table.
+    #[tokio::test]
+    async fn spooling_lets_the_call_in_flight_finish() {
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        let metrics = Metrics::new();
+        let state = LaneState::new("orders", Arc::clone(&metrics));
+        let cfg = LaneConfig {
+            name: Arc::from("orders"),
+            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
+            linger: Duration::ZERO,
+            max_in_flight: 1,
+            retry_base: Duration::from_millis(10),
+            retry_cap: Duration::from_millis(100),
+            retry: RetryPolicy::InMemory,
+            stall_timeout: None,
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        p.close_gate();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, Some(Arc::clone(&state))));
+        for id in 1..=3 {
+            tx.send(item(id)).await.unwrap();
+        }
+        until("the batch's call to start", || p.calls_started() == 1).await;
+        state.start_spooling("test: retained WAL over budget");
+        tokio::task::yield_now().await;
+        p.open_gate();
+        let mut outcomes = Vec::new();
+        for _ in 0..3 {
+            outcomes.push(settle_rx.recv().await.unwrap().outcome);
+        }
+        assert!(outcomes.iter().all(|o| matches!(o, Outcome::Published)), "{outcomes:?}");
+        assert_eq!(p.sent(Q).len(), 3);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// A closing lane (its session is stopping) does not keep retrying a
+    /// failing queue: it ends at once, its entries unsettled.
+    #[tokio::test]
+    async fn a_closing_lane_abandons_retries() {
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        p.break_queue(Q, crate::publisher::CallError::transport("connection refused"));
+        let metrics = Metrics::new();
+        let cfg = LaneConfig {
+            name: Arc::from("orders"),
+            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
+            linger: Duration::ZERO,
+            max_in_flight: 2,
+            retry_base: Duration::from_secs(5),
+            retry_cap: Duration::from_secs(10),
+            retry: RetryPolicy::InMemory,
+            stall_timeout: None,
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, None));
+        tx.send(item(1)).await.unwrap();
+        until("a failed call", || p.calls() >= 1).await;
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(2), lane).await.expect("the lane ends without waiting out its backoff").unwrap();
+        assert!(settle_rx.try_recv().is_err(), "nothing was settled: the entry is read again from the slot");
+    }
 }

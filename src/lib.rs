@@ -10,6 +10,7 @@
 //! that may be confirmed).
 
 pub mod batch;
+pub mod budget;
 pub mod cdc;
 pub mod config;
 pub mod consumer;

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
 use outbox_relay::config::{Config, Mode, Overrides};
 use outbox_relay::metrics::Metrics;
@@ -141,7 +140,9 @@ fn overrides(c: &CommonArgs) -> Overrides {
 fn init_logging(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour only for a terminal: logs in a file or a pipe stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     if format == "json" {
         b.json().init();
     } else {
@@ -149,9 +150,22 @@ fn init_logging(format: &str) {
     }
 }
 
+/// A panic anywhere, a background task's included, ends the process: a relay
+/// without its heartbeat, monitor or settler must not run on half alive.
+/// Nothing is lost: what was not settled is read again at the next start.
+fn exit_on_panic() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default(info);
+        tracing::error!(panic = %info, "a task panicked: stopping the process (exit status 70); unsettled events are read again at the next start");
+        std::process::exit(70);
+    }));
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log_format);
+    exit_on_panic();
     if let Err(e) = outbox_relay::faults::configure_from_env() {
         eprintln!("outbox-relay: {e}");
         return ExitCode::from(2);
@@ -168,8 +182,22 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(real_main(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+    let result = runtime.block_on(async {
+        if matches!(cli.command, Command::Run { .. }) {
+            // `run` takes the signal itself, to stop gracefully.
+            return real_main(cli).await.map(|()| true);
+        }
+        tokio::select! {
+            r = real_main(cli) => r.map(|()| true),
+            _ = shutdown_signal() => Ok(false),
+        }
+    });
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("outbox-relay: interrupted");
+            ExitCode::from(130)
+        }
         Err(e) => {
             eprintln!("outbox-relay: {e:#}");
             ExitCode::from(2)
@@ -177,10 +205,20 @@ fn main() -> ExitCode {
     }
 }
 
+/// `fut` within `d`, or an error saying which server did not answer.
+async fn within<T>(config: &Config, what: &str, fut: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    let db = config.db();
+    match tokio::time::timeout(config.query_timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(db::DbError::Timeout { server: db.server(), what: what.into(), after: config.query_timeout, key: "query_timeout" }.into()),
+    }
+}
+
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate { database_url } => {
-            let mut client = db::connect(&database_url).await?;
+            let target = outbox_relay::pgconn::parse(&database_url).map_err(anyhow::Error::msg)?;
+            let mut client = db::connect_target(&target, db::Deadlines::default().connect).await?;
             let applied = db::migrate(&mut client).await?;
             if applied.is_empty() {
                 println!("migrations: up to date");
@@ -203,8 +241,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Status { common, json } => {
             let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-            let client = db::connect(&config.database_url).await?;
-            let status = ops::status(&client, &config).await.context("reading status")?;
+            let client = config.db().connect().await?;
+            let status = within(&config, "reading the status", async { Ok(ops::status(&client, &config).await?) }).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
@@ -215,8 +253,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Command::Slot { action } => match action {
             SlotAction::Status { common, json } => {
                 let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = db::connect(&config.database_url).await?;
-                let s = ops::slot_status(&client, &config.slot).await?;
+                let client = config.db().connect().await?;
+                let s = within(&config, "reading the slot's status", async { Ok(ops::slot_status(&client, &config.slot).await?) }).await?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&s)?);
                 } else {
@@ -243,8 +281,8 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Command::Dead { action } => match action {
             DeadAction::List { common, destination, limit, json } => {
                 let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = db::connect(&config.database_url).await?;
-                let rows = ops::dead_list(&client, destination.as_deref(), limit).await?;
+                let client = config.db().connect().await?;
+                let rows = within(&config, "listing DEAD rows", async { Ok(ops::dead_list(&client, destination.as_deref(), limit).await?) }).await?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&rows)?);
                 } else {
@@ -257,7 +295,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
                     anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
                 }
                 let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = db::connect(&config.database_url).await?;
+                let client = config.db().connect().await?;
                 let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
                 println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
                 Ok(())

@@ -9,12 +9,18 @@ use crate::cdc::{create_slot_exporting, import_snapshot, replication_config, Cdc
 use crate::config::{Config, Mode};
 use crate::db;
 
+impl From<tokio_postgres::Error> for OpsError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        OpsError::Pg(e)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum OpsError {
     #[error(transparent)]
     Db(#[from] db::DbError),
-    #[error("database: {0}")]
-    Pg(#[from] tokio_postgres::Error),
+    #[error("database: {}", db::describe(.0))]
+    Pg(tokio_postgres::Error),
     #[error(transparent)]
     Cdc(#[from] CdcError),
     #[error("{0}")]
@@ -88,6 +94,8 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
 }
 
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
+    // Before `migrate` there is nothing to report: say what to run.
+    db::check_outbox_table(client).await?;
     let cdc = db::check_cdc_prerequisites(client, &config.publication).await;
     let cdc_unavailable = match cdc {
         Ok(()) => None,

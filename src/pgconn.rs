@@ -13,8 +13,6 @@ use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
-use crate::config::redact_url;
-
 /// libpq's sslmode values (`allow` is treated as `prefer`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SslMode {
@@ -68,15 +66,97 @@ pub struct Target {
     pub shown: String,
 }
 
+impl Target {
+    /// `host:port`, for messages that name the server.
+    pub fn server(&self) -> String {
+        format!("{}:{}", self.host, self.port)
+    }
+}
+
 impl std::fmt::Debug for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Target").field("url", &self.shown).field("ssl", &self.ssl).finish_non_exhaustive()
     }
 }
 
-/// Parse a `postgres://` URL with the parameters above.
+/// Query parameters that carry a secret: hidden wherever a URL is shown.
+/// (`password_file` and `passfile` name files, not secrets.)
+fn is_secret_parameter(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    k.contains("password") && k != "password_file"
+}
+
+/// A connection string with every secret hidden, for logs and errors:
+/// the URL's password (`user:***@`), every secret-bearing query parameter
+/// (`password=***`, `sslpassword=***`), and the same keys in a key=value
+/// string (which [`parse`] refuses, but which may still be shown in its
+/// refusal).
+pub fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return redact_key_value(url) };
+    let (base, query) = match rest.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (rest, None),
+    };
+    let base = match base.rsplit_once('@') {
+        Some((auth, host)) => match auth.split_once(':') {
+            Some((user, _)) => format!("{user}:***@{host}"),
+            None => format!("{auth}@{host}"),
+        },
+        None => base.to_string(),
+    };
+    let Some(query) = query else { return format!("{scheme}://{base}") };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((k, _)) if is_secret_parameter(k) => format!("{k}=***"),
+            _ => pair.to_string(),
+        })
+        .collect();
+    format!("{scheme}://{base}?{}", query.join("&"))
+}
+
+/// `host=h password=secret` → `host=h password=***`, quoted values included.
+fn redact_key_value(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(eq) = rest.find('=') {
+        let before = rest[..eq].trim_end();
+        let key = &before[before.rfind(char::is_whitespace).map(|i| i + 1).unwrap_or(0)..];
+        out.push_str(&rest[..=eq]);
+        let after = rest[eq + 1..].trim_start();
+        out.push_str(&rest[eq + 1..rest.len() - after.len()]);
+        let end = if let Some(quoted) = after.strip_prefix('\'') {
+            let mut i = 0;
+            let b = quoted.as_bytes();
+            while i < b.len() && b[i] != b'\'' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            (i + 2).min(after.len())
+        } else {
+            after.find(char::is_whitespace).unwrap_or(after.len())
+        };
+        if is_secret_parameter(key) {
+            out.push_str("***");
+        } else {
+            out.push_str(&after[..end]);
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Parse a `postgres://` URL with the parameters above. A key=value
+/// connection string is refused (with its secrets hidden in the message).
 pub fn parse(url: &str) -> Result<Target, String> {
-    let shown = redact_url(url);
+    let shown = redact(url);
+    let trimmed = url.trim_start();
+    if !(trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://")) {
+        return Err(format!(
+            "database_url {shown:?} is not a postgres:// URL: key=value connection strings are not supported; \
+             write postgres://USER[:PASSWORD]@HOST[:PORT]/DBNAME[?sslmode=...] (percent-encode special characters)"
+        ));
+    }
     let (base, query) = match url.split_once('?') {
         Some((b, q)) => (b, q),
         None => (url, ""),
@@ -98,6 +178,11 @@ pub fn parse(url: &str) -> Result<Target, String> {
             "sslkey" => key = Some(PathBuf::from(v)),
             "passfile" => passfile = Some(PathBuf::from(v)),
             "password_file" => password_file = Some(PathBuf::from(v)),
+            "sslpassword" => {
+                return Err(format!(
+                    "database_url {shown}: sslpassword (a passphrase for an encrypted sslkey) is not supported: give sslkey as an unencrypted PEM file readable only by the relay"
+                ))
+            }
             _ => rest.push(pair),
         }
     }
@@ -343,7 +428,31 @@ mod tests {
         assert!(parse("postgres://a@h/d?sslmode=maybe").unwrap_err().contains("not one of"));
         assert!(parse("postgres://a@h/d?sslcert=/c.pem").unwrap_err().contains("go together"));
         assert!(parse("postgres://a:secret@h/d?bogus_option=1").unwrap_err().contains("***"));
+        assert_eq!(parse("postgres://a@h/d?password=pw%21").unwrap().password.as_deref(), Some("pw!"));
         assert_eq!(parse("postgres://a@h/d?sslmode=allow").unwrap().ssl, SslMode::Prefer);
+    }
+
+    #[test]
+    fn secrets_are_hidden_however_given() {
+        let cases = [
+            ("postgres://u:hunter2@h:5432/d", "postgres://u:***@h:5432/d"),
+            ("postgres://u@h/d?password=hunter2", "postgres://u@h/d?password=***"),
+            ("postgres://u@h/d?sslmode=require&sslpassword=hunter2&application_name=x", "postgres://u@h/d?sslmode=require&sslpassword=***&application_name=x"),
+            ("postgres://u@h/d?PASSWORD=hunter2", "postgres://u@h/d?PASSWORD=***"),
+            ("postgres://u@h/d?password_file=/run/secret", "postgres://u@h/d?password_file=/run/secret"),
+            ("host=h user=u password=hunter2 dbname=d", "host=h user=u password=*** dbname=d"),
+            ("host=h password = 'hun ter2' dbname=d", "host=h password = *** dbname=d"),
+        ];
+        for (given, shown) in cases {
+            assert_eq!(redact(given), shown, "{given}");
+            assert!(!redact(given).contains("hunter2") && !redact(given).contains("ter2"));
+        }
+        let e = parse("host=127.0.0.1 user=app password=hunter2 dbname=app").unwrap_err();
+        assert!(e.contains("key=value connection strings are not supported"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        let t = parse("postgres://u@h/d?password=hunter2").unwrap();
+        assert!(!t.shown.contains("hunter2") && !format!("{t:?}").contains("hunter2"));
+        assert_eq!(t.password.as_deref(), Some("hunter2"));
     }
 
     #[test]

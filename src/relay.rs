@@ -48,48 +48,24 @@ pub async fn run(
         let _ = stop_tx.send(true);
     });
 
-    let sql = db::connect(&config.database_url).await.map_err(|e| RelayError::Startup(e.to_string()))?;
-    let (mode, sharded) = resolve_mode(&sql, &config).await?;
-    for m in [Mode::Cdc, Mode::Polling] {
-        metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
-    }
-
-    let mut queues = BTreeMap::new();
-    for (name, url) in &config.destinations {
-        let info = publisher.queue_info(url).await.map_err(|e| {
-            RelayError::Startup(format!(
-                "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
-            ))
-        })?;
-        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
-        queues.insert(name.clone(), info);
-    }
-
-    let metrics_server = match config.metrics_addr {
-        Some(addr) => {
-            let listener = crate::metrics::bind(addr)
-                .await
-                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?;
-            let mut stop = stop_rx.clone();
-            let m = Arc::clone(&metrics);
-            Some(tokio::spawn(crate::metrics::serve(listener, m, async move {
-                let _ = stop.wait_for(|s| *s).await;
-            })))
+    // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
+    let started = tokio::select! {
+        r = start_up(&config, publisher.as_ref(), &metrics) => r?,
+        _ = stop_rx.wait_for(|s| *s) => {
+            tracing::info!("shutdown requested during start-up; stopped");
+            return Ok(());
         }
-        None => None,
     };
-    if mode == Mode::Polling {
-        warn_if_slot_retains_wal(&sql, &config.slot).await;
-    }
-    let mut retention = config.retention;
-    if retention.is_some() && !db::can_delete_outbox(&sql).await.map_err(|e| RelayError::Startup(e.to_string()))? {
-        tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
-        retention = None;
-    }
-    drop(sql);
+    let Started { mode, sharded, queues, listener, retention } = started;
+    let metrics_server = listener.map(|listener| {
+        let mut stop = stop_rx.clone();
+        let m = Arc::clone(&metrics);
+        tokio::spawn(crate::metrics::serve(listener, m, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }))
+    });
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper = retention
-        .map(|r| tokio::spawn(sweep_retention(config.database_url.clone(), r, Arc::clone(&metrics), stop_rx.clone())));
+    let sweeper = retention.map(|r| tokio::spawn(sweep_retention(config.db(), r, Arc::clone(&metrics), stop_rx.clone())));
 
     // The table path: every destination in polling mode; the spool drain of
     // every destination in CDC mode (while this relay leads).
@@ -107,16 +83,17 @@ pub async fn run(
                 queue: queue.clone(),
                 source,
                 claim_limit: TABLE_CLAIM_LIMIT,
+                claim_bytes: (config.max_unsettled_bytes / 4).max(1 << 20),
                 poll_interval,
                 linger: config.linger,
                 max_in_flight: config.max_in_flight_batches,
                 backoff: Backoff { base: config.retry_base, max: config.retry_max },
             };
-            set.spawn(run_table_lane(cfg, config.database_url.clone(), Arc::clone(&publisher), Arc::clone(&metrics), state, stop.clone()));
+            set.spawn(run_table_lane(cfg, config.db(), Arc::clone(&publisher), Arc::clone(&metrics), state, stop.clone()));
         }
         // Other shards' rows are not unknown: a shard leaves them alone.
         if !sharded { set.spawn(run_unknown_destination_sweeper(
-            config.database_url.clone(),
+            config.db(),
             queues.keys().cloned().collect(),
             if mode == Mode::Polling { Source::Poll } else { Source::Spool },
             Arc::clone(&metrics),
@@ -142,15 +119,22 @@ pub async fn run(
             lanes: lanes.clone(),
             slot_seen: AtomicBool::new(false),
             shard: sharded.then(|| queues.keys().cloned().collect()),
+            streaming_since: std::sync::Mutex::new(None),
         };
         // One relay per slot streams: the leader holds an advisory lock on a
         // connection of its own; the others wait for it to go.
-        while let Some(lock) = acquire_leadership(&config, &metrics, &mut stop_rx).await {
+        loop {
+            let mut stop = stop_rx.clone();
+            let lock = tokio::select! {
+                l = acquire_leadership(&config, &metrics, &mut stop_rx) => l,
+                _ = stop.wait_for(|s| *s) => None,
+            };
+            let Some(lock) = lock else { break };
             // Polled here, not spawned: if this task goes, the lock goes with it.
             let watchdog = watch_lock(lock, config.takeover_timeout);
             tokio::pin!(watchdog);
             let mut table_lanes = spawn_table(stop_rx.clone());
-            let mut failures = 0u32;
+            let mut reconnect = crate::retry::Reconnect::default();
             let lost = loop {
                 if *stop_rx.borrow() {
                     break false;
@@ -163,9 +147,9 @@ pub async fn run(
                 match r {
                     Ok(()) => break false,
                     Err(e) => {
-                        failures += 1;
                         metrics.stream_restarts.inc();
-                        let wait = crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10));
+                        let streamed_for = ctx.streaming_since.lock().unwrap().take().map(|t| t.elapsed());
+                        let wait = reconnect.session_ended(streamed_for);
                         tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
                         tokio::select! {
                             _ = tokio::time::sleep(wait) => {}
@@ -197,6 +181,55 @@ pub async fn run(
     Ok(())
 }
 
+/// What start-up found out.
+struct Started {
+    mode: Mode,
+    sharded: bool,
+    queues: BTreeMap<String, crate::event::QueueInfo>,
+    listener: Option<tokio::net::TcpListener>,
+    retention: Option<Duration>,
+}
+
+/// The start-up checks, each with a deadline: the database (connect_timeout,
+/// query_timeout), the queues (the SQS client's own timeouts), the metrics
+/// listener.
+async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics) -> Result<Started, RelayError> {
+    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    let db = config.db();
+    let sql = db.connect().await.map_err(startup)?;
+    let (mode, sharded) = resolve_mode(&sql, config).await?;
+    for m in [Mode::Cdc, Mode::Polling] {
+        metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
+    }
+    let mut queues = BTreeMap::new();
+    for (name, url) in &config.destinations {
+        let info = publisher.queue_info(url).await.map_err(|e| {
+            RelayError::Startup(format!(
+                "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
+            ))
+        })?;
+        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
+        queues.insert(name.clone(), info);
+    }
+    let listener = match config.metrics_addr {
+        Some(addr) => Some(
+            crate::metrics::bind(addr)
+                .await
+                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+    if mode == Mode::Polling {
+        let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
+    }
+    let mut retention = config.retention;
+    if retention.is_some() && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)? {
+        tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
+        retention = None;
+    }
+    Ok(Started { mode, sharded, queues, listener, retention })
+}
+
 /// Table lanes finish the claim they are in (its rows are marked and
 /// committed) or, past the grace, are abandoned (their rows stay NEW).
 async fn drain_table(set: &mut tokio::task::JoinSet<()>) {
@@ -217,9 +250,10 @@ async fn acquire_leadership(config: &Config, metrics: &Metrics, stop: &mut watch
         if *stop.borrow() {
             return None;
         }
-        match db::connect(&config.database_url).await {
+        let db = config.db();
+        match db.connect().await {
             Ok(c) => loop {
-                match c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]).await {
+                match db.query("taking the leader lock", c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key])).await {
                     Ok(r) if r.get::<_, bool>(0) => {
                         tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
                         metrics.is_leader.set(1);
@@ -276,20 +310,22 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Also returns whether this CDC relay is one shard (a filtered publication).
 async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), RelayError> {
     let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    let db = config.db();
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
-        db::check_cdc_prerequisites(sql, &config.publication).await?;
+        db.within("checking the CDC prerequisites", db::check_cdc_prerequisites(sql, &config.publication)).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
-        db::check_shard(sql, &config.publication, &destinations).await
+        db.within("checking the publication's shard", db::check_shard(sql, &config.publication, &destinations)).await
     };
+    let outbox_table = || db.within("checking the outbox table", db::check_outbox_table(sql));
     match config.mode {
         Mode::Cdc => Ok((Mode::Cdc, cdc().await.map_err(startup)?)),
         Mode::Polling => {
-            db::check_outbox_table(sql).await.map_err(startup)?;
+            outbox_table().await.map_err(startup)?;
             Ok((Mode::Polling, false))
         }
         Mode::Auto => {
-            db::check_outbox_table(sql).await.map_err(startup)?;
+            outbox_table().await.map_err(startup)?;
             match cdc().await {
                 Ok(sharded) => {
                     tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
@@ -330,6 +366,7 @@ async fn warn_if_slot_retains_wal(sql: &tokio_postgres::Client, slot: &str) {
 /// every `heartbeat_interval`: a transactional logical message, so the slot
 /// moves even when nothing is written to this database while others are busy.
 async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+    let db = config.db();
     let mut client = None;
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
@@ -349,11 +386,30 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
             _ = backlog_tick.tick() => 3,
             _ = stop.wait_for(|s| *s) => return,
         };
+        crate::faults::point("monitor::tick");
         if client.as_ref().is_none_or(|c: &tokio_postgres::Client| c.is_closed()) {
-            client = db::connect(&config.database_url).await.ok();
+            client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
-        let res = match what {
+        let res = db.query("running the slot monitor's queries", monitor_step(what, c, &config, mode, &metrics, &mut last_confirmed)).await;
+        if let Err(e) = res {
+            tracing::debug!(error = %e, "monitor query failed; reconnecting");
+            client = None;
+        }
+    }
+}
+
+/// One monitor tick: 0 lag and readiness, 1 heartbeat, 2 inactive-slot
+/// warning, 3 backlog.
+async fn monitor_step(
+    what: u8,
+    c: &tokio_postgres::Client,
+    config: &Config,
+    mode: Mode,
+    metrics: &Metrics,
+    last_confirmed: &mut (i64, std::time::Instant),
+) -> Result<(), tokio_postgres::Error> {
+        match what {
             1 => c
                 .execute(
                     "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",
@@ -365,7 +421,7 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
                 warn_if_slot_retains_wal(c, &config.slot).await;
                 Ok(())
             }
-            3 => backlog(c, &config, &metrics).await,
+            3 => backlog(c, config, metrics).await,
             _ => c
                 .query_opt(
                     "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
@@ -389,7 +445,7 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
                             // Readiness: the confirmed LSN must move while the slot has lag.
                             let confirmed = r.get::<_, Option<i64>>(4).unwrap_or(0);
                             if confirmed != last_confirmed.0 || lag <= 0 {
-                                last_confirmed = (confirmed, std::time::Instant::now());
+                                *last_confirmed = (confirmed, std::time::Instant::now());
                             }
                             let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
                             if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
@@ -408,17 +464,12 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
                         }
                     }
                 }),
-        };
-        if let Err(e) = res {
-            tracing::debug!(error = %e, "monitor query failed; reconnecting");
-            client = None;
         }
-    }
 }
 
 /// Delete PUBLISHED rows older than `retention`, a thousand at a time, once a
 /// minute (DELETEs are not in the publication: nothing is streamed).
-async fn sweep_retention(url: String, retention: Duration, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+async fn sweep_retention(db: db::Db, retention: Duration, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(Duration::from_secs(60));
     let mut client: Option<tokio_postgres::Client> = None;
     loop {
@@ -427,7 +478,7 @@ async fn sweep_retention(url: String, retention: Duration, metrics: Arc<Metrics>
             _ = stop.wait_for(|s| *s) => return,
         }
         if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db::connect(&url).await.ok();
+            client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
         match sweep_once(c, retention).await {

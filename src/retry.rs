@@ -77,6 +77,44 @@ pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
     base.saturating_mul(factor).min(cap)
 }
 
+/// The wait before reconnecting after a failed replication session or
+/// connection: 250 ms doubling to 10 s over consecutive failures. A session
+/// that streamed for [`Reconnect::STABLE`] or longer was healthy: the count
+/// starts again, so a server restart hours later is followed by a prompt
+/// reconnect rather than the cap.
+#[derive(Debug, Default, Clone)]
+pub struct Reconnect {
+    failures: u32,
+}
+
+impl Reconnect {
+    pub const BASE: Duration = Duration::from_millis(250);
+    pub const CAP: Duration = Duration::from_secs(10);
+    /// A session streaming this long counts as healthy.
+    pub const STABLE: Duration = Duration::from_secs(5);
+
+    /// A connection or round failed: how long to wait before the next.
+    pub fn failed(&mut self) -> Duration {
+        let wait = backoff(self.failures, Self::BASE, Self::CAP);
+        self.failures = self.failures.saturating_add(1);
+        wait
+    }
+
+    /// Work succeeded: the next failure waits [`Reconnect::BASE`] again.
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+
+    /// A replication session ended with an error after streaming for
+    /// `streamed_for` (`None`: it never started streaming).
+    pub fn session_ended(&mut self, streamed_for: Option<Duration>) -> Duration {
+        if streamed_for.is_some_and(|d| d >= Self::STABLE) {
+            self.succeeded();
+        }
+        self.failed()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +145,21 @@ mod tests {
         assert_eq!(b(3), Duration::from_millis(800));
         assert_eq!(b(10), Duration::from_secs(5));
         assert_eq!(b(u32::MAX), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn reconnect_backoff_grows_then_resets_after_a_healthy_session() {
+        let mut r = Reconnect::default();
+        let waits: Vec<Duration> = (0..8).map(|_| r.session_ended(None)).collect();
+        assert_eq!(waits[0], Duration::from_millis(250));
+        assert_eq!(waits[1], Duration::from_millis(500));
+        assert_eq!(waits[7], Duration::from_secs(10));
+        // Short sessions are not healthy: still at the cap.
+        assert_eq!(r.session_ended(Some(Duration::from_secs(1))), Duration::from_secs(10));
+        // Twenty seconds of streaming: back to the start.
+        assert_eq!(r.session_ended(Some(Duration::from_secs(20))), Duration::from_millis(250));
+        assert_eq!(r.session_ended(None), Duration::from_millis(500));
+        r.succeeded();
+        assert_eq!(r.failed(), Duration::from_millis(250));
     }
 }

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, Notify};
 use tokio_postgres::GenericClient;
 
 use crate::event::DeadReason;
@@ -28,12 +28,14 @@ pub enum Outcome {
 #[derive(Debug)]
 pub struct Settlement {
     pub id: i64,
+    /// The inserting transaction, for a row read from the stream.
+    pub xid: Option<u32>,
     /// `None`: not tied to the stream's watermark (table path).
     pub txn: Option<TxnSeq>,
     pub destination: Arc<str>,
     pub outcome: Outcome,
     /// Returned to the pipeline's budget of unsettled events when dropped.
-    pub permit: Option<OwnedSemaphorePermit>,
+    pub permit: Option<crate::budget::Permit>,
     /// A deferred event of a streaming lane: told once it is marked.
     pub lane: Option<Arc<LaneState>>,
 }
@@ -61,56 +63,89 @@ UPDATE outbox o
  WHERE o.id = u.id AND o.status = 'NEW'
 RETURNING o.id";
 
-/// How long [`mark`] waits for rows it was told about to become visible.
+/// How long [`mark`] waits, at most, for a row whose transaction is not
+/// visible yet (a safety net: that window lasts microseconds).
 const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Of the rows a mark did not update, in one statement: whether the row is
+/// there and NEW (mark it again now), and whether its inserting transaction
+/// is visible to this statement's snapshot. Visible and not NEW (or gone):
+/// it was settled before (a replay, the table path), or deleted (by its own
+/// transaction or a later one) — nothing to wait for. Not visible: the
+/// commit was decoded before it left the server's proc array; wait.
+///
+/// The stream gives 32-bit xids; they are widened against the snapshot's
+/// xmax (a committed transaction is less than 2^31 behind it).
+const MISSING_SQL: &str = "
+SELECT u.id,
+       EXISTS (SELECT 1 FROM outbox o WHERE o.id = u.id AND o.status = 'NEW') AS pending,
+       u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
+                         AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)) AS visible
+  FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid)
+ CROSS JOIN (SELECT pg_current_snapshot() AS snap,
+                    pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
+ CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d";
+
+/// What one [`mark`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MarkReport {
+    /// Rows updated.
+    pub marked: u64,
+    /// Rows found settled already or deleted: nothing to record.
+    pub gone: u64,
+    /// Times it waited for a transaction to become visible.
+    pub waits: u32,
+}
 
 /// Mark a set of settlements in one statement, and make sure it took.
 ///
-/// A row the statement did not update is either settled already (a replay, or
-/// the table path got there first), or it belongs to a transaction whose
-/// commit record the stream has decoded but which is not yet visible to new
-/// snapshots: PostgreSQL writes the commit to WAL before it leaves the proc
-/// array, and a deferred row can reach the settler inside that window. Such
-/// rows are marked again, after a short wait, until they are visible.
-pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<u64, tokio_postgres::Error> {
+/// A row the statement did not update was settled already, was deleted, or
+/// belongs to a transaction whose commit the stream decoded before it became
+/// visible to new snapshots. One query ([`MISSING_SQL`]) tells them apart:
+/// only the last is waited for, so a deleted row costs that one query.
+pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<MarkReport, tokio_postgres::Error> {
     let marked = mark_once(client, batch, backoff).await?;
-    let mut count = marked.len();
-    if count == batch.len() {
-        return Ok(count as u64);
-    }
+    let mut report = MarkReport { marked: marked.len() as u64, ..Default::default() };
+    let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
     let started = std::time::Instant::now();
     let mut wait = Duration::from_millis(1);
-    let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
-    loop {
-        // Rows no longer NEW were settled before (a replay, or the table
-        // path got there first): nothing to do for them.
+    while !rest.is_empty() {
         let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-        let settled: HashSet<i64> = client
-            .query("SELECT id FROM outbox WHERE id = ANY($1) AND status <> 'NEW'", &[&ids])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        rest.retain(|s| !settled.contains(&s.id));
+        let xids: Vec<Option<i64>> = rest.iter().map(|s| s.xid.map(i64::from)).collect();
+        let mut pending = HashSet::new();
+        let mut invisible = HashSet::new();
+        for r in client.query(MISSING_SQL, &[&ids, &xids]).await? {
+            let (id, is_new, visible): (i64, bool, bool) = (r.get(0), r.get(1), r.get(2));
+            if is_new {
+                pending.insert(id);
+            } else if !visible {
+                invisible.insert(id);
+            }
+        }
+        report.gone += rest.iter().filter(|s| !pending.contains(&s.id) && !invisible.contains(&s.id)).count() as u64;
+        rest.retain(|s| pending.contains(&s.id) || invisible.contains(&s.id));
+        if !pending.is_empty() {
+            let todo: Vec<Settlement> = rest.iter().filter(|s| pending.contains(&s.id)).map(Settlement::shallow).collect();
+            let now = mark_once(client, &todo, backoff).await?;
+            report.marked += now.len() as u64;
+            rest.retain(|s| !now.contains(&s.id));
+        }
         if rest.is_empty() {
-            return Ok(count as u64);
+            break;
         }
         if started.elapsed() > VISIBILITY_DEADLINE {
             let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-            tracing::warn!(?ids, "outbox rows to be marked are not in the table (deleted?); nothing left to mark");
-            return Ok(count as u64);
+            tracing::warn!(?ids, "outbox rows to be marked did not become visible; nothing left to mark");
+            break;
         }
-        // Not visible yet (or visible only since the UPDATE's snapshot):
-        // mark them again.
+        report.waits += 1;
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_millis(100));
-        let now = mark_once(client, &rest, backoff).await?;
-        count += now.len();
-        rest.retain(|s| !now.contains(&s.id));
-        if rest.is_empty() {
-            return Ok(count as u64);
-        }
     }
+    if report.gone > 0 {
+        tracing::debug!(rows = report.gone, "outbox rows settled before or deleted: nothing to mark");
+    }
+    Ok(report)
 }
 
 impl Settlement {
@@ -118,6 +153,7 @@ impl Settlement {
     fn shallow(&self) -> Settlement {
         Settlement {
             id: self.id,
+            xid: self.xid,
             txn: None,
             destination: Arc::clone(&self.destination),
             outcome: self.outcome.clone(),

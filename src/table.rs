@@ -46,6 +46,9 @@ pub struct TableLaneConfig {
     pub source: Source,
     /// Rows claimed per transaction.
     pub claim_limit: usize,
+    /// Bytes (bodies and attributes) one claim holds in memory at most; the
+    /// first row is taken whatever its size.
+    pub claim_bytes: u64,
     /// Sleep between claims when the last one was not full.
     pub poll_interval: Duration,
     pub linger: Duration,
@@ -70,14 +73,14 @@ pub struct Round {
 /// aborted claim leaves its rows NEW.
 pub async fn run_table_lane(
     cfg: TableLaneConfig,
-    database_url: String,
+    db: db::Db,
     publisher: Arc<dyn Publisher>,
     metrics: Arc<Metrics>,
     state: Option<Arc<LaneState>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
-    let mut failures = 0u32;
+    let mut reconnect = crate::retry::Reconnect::default();
     // The outcome of the last round that sent anything: "sends succeed".
     let mut sends_ok = true;
     loop {
@@ -85,12 +88,11 @@ pub async fn run_table_lane(
             return;
         }
         if client.as_ref().is_none_or(|c| c.is_closed()) {
-            match db::connect(&database_url).await {
+            match db.connect().await {
                 Ok(c) => client = Some(c),
                 Err(e) => {
-                    failures += 1;
                     tracing::warn!(destination = %cfg.name, error = %e, "table path cannot connect; retrying");
-                    if sleep_or_stop(crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10)), &mut stop).await {
+                    if sleep_or_stop(reconnect.failed(), &mut stop).await {
                         return;
                     }
                     continue;
@@ -101,16 +103,15 @@ pub async fn run_table_lane(
         let round = match claim_round(c, &cfg, &publisher, &metrics).await {
             Ok(r) => r,
             Err(e) => {
-                failures += 1;
-                tracing::warn!(destination = %cfg.name, error = %e, "table path round failed; its rows stay NEW and are claimed again");
+                tracing::warn!(destination = %cfg.name, error = %db::describe(&e), "table path round failed; its rows stay NEW and are claimed again");
                 client = None;
-                if sleep_or_stop(crate::retry::backoff(failures.min(6), Duration::from_millis(250), Duration::from_secs(10)), &mut stop).await {
+                if sleep_or_stop(reconnect.failed(), &mut stop).await {
                     return;
                 }
                 continue;
             }
         };
-        failures = 0;
+        reconnect.succeeded();
         if round.handled > 0 && round.handled > round.dead {
             let ok = round.deferred == 0;
             if ok != sends_ok {
@@ -160,11 +161,14 @@ pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio
     Ok(row.is_none())
 }
 
+/// The claim locks rows and reads their sizes, not their bodies; the bodies
+/// of the rows that fit in `claim_bytes` are read next ([`fetch_sql`]).
 fn claim_sql(source: Source, fifo: bool) -> String {
-    let mut sql = format!(
-        "SELECT {OUTBOX_COLUMNS}, next_attempt_at IS NULL OR next_attempt_at <= now()
+    let mut sql = String::from(
+        "SELECT id, octet_length(body)::bigint + coalesce(octet_length(attributes::text), 0)::bigint,
+                next_attempt_at IS NULL OR next_attempt_at <= now(), group_key
            FROM outbox
-          WHERE destination = $1 AND status = 'NEW'"
+          WHERE destination = $1 AND status = 'NEW'",
     );
     if source == Source::Spool {
         sql += " AND next_attempt_at IS NOT NULL";
@@ -176,6 +180,38 @@ fn claim_sql(source: Source, fifo: bool) -> String {
     }
     sql += " ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
     sql
+}
+
+/// The full rows of the chosen ids, in id order.
+fn fetch_sql() -> String {
+    format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE id = ANY($1) ORDER BY id")
+}
+
+/// Of the locked rows (id, size, due, group) in id order: the due ones to
+/// send now, while their sizes fit in `budget` (the first always does). On a
+/// FIFO queue a group whose earlier row is not due, or did not fit, holds its
+/// later rows back.
+fn due_within_budget(locked: &[tokio_postgres::Row], fifo: bool, budget: u64) -> Vec<i64> {
+    let mut ids = Vec::new();
+    let mut used = 0u64;
+    let mut waiting_groups: HashSet<Option<String>> = HashSet::new();
+    let mut full = false;
+    for r in locked {
+        let (id, size, due, group): (i64, i64, bool, Option<String>) = (r.get(0), r.get(1), r.get(2), r.get(3));
+        let size = size.max(0) as u64;
+        full = full || (!ids.is_empty() && used + size > budget);
+        if fifo {
+            if !due || full || waiting_groups.contains(&group) {
+                waiting_groups.insert(group);
+                continue;
+            }
+        } else if !due || full {
+            continue;
+        }
+        used += size;
+        ids.push(id);
+    }
+    ids
 }
 
 /// One claim: lock due rows, send them, mark every outcome, commit.
@@ -195,27 +231,19 @@ pub async fn claim_round(
             return Ok(Round::default());
         }
     }
-    let rows = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
-    let mut round = Round { claimed: rows.len(), ..Default::default() };
+    let locked = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
+    let mut round = Round { claimed: locked.len(), ..Default::default() };
+    let ids = due_within_budget(&locked, fifo, cfg.claim_bytes);
+    let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
-    let mut waiting_groups: HashSet<String> = HashSet::new();
     for r in &rows {
         let ev = OutboxEvent::from_row(r);
-        let due: bool = r.get(7);
-        if fifo {
-            let g = ev.group_key.clone().unwrap_or_default();
-            if !due || waiting_groups.contains(&g) {
-                waiting_groups.insert(g);
-                continue;
-            }
-        } else if !due {
-            continue;
-        }
         match prepare(Arc::new(ev), &cfg.queue) {
             Ok(entry) => items.push(LaneItem::new(entry, None, None)),
             Err(reason) => settled.push(Settlement {
                 id: r.get(0),
+                xid: None,
                 txn: None,
                 destination: Arc::clone(&cfg.name),
                 outcome: Outcome::Dead(reason),
@@ -282,7 +310,7 @@ SELECT destination FROM d WHERE destination IS NOT NULL";
 /// mode only rows handed to the table are this sweeper's (the stream judges
 /// the rest itself). Runs every few seconds until `stop`.
 pub async fn run_unknown_destination_sweeper(
-    database_url: String,
+    db: db::Db,
     configured: Vec<String>,
     source: Source,
     metrics: Arc<Metrics>,
@@ -294,7 +322,7 @@ pub async fn run_unknown_destination_sweeper(
             return;
         }
         if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db::connect(&database_url).await.ok();
+            client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
         if let Err(e) = sweep_unknown_destinations(c, &configured, source, &metrics).await {

@@ -333,19 +333,58 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     let writer = db.client().await;
     writer.batch_execute("BEGIN; INSERT INTO outbox (event_id, destination, body) VALUES ('late', 'a', 'x')").await.unwrap();
     let id: i64 = writer.query_one("SELECT id FROM outbox WHERE event_id = 'late'", &[]).await.unwrap().get(0);
+    let xid = stream_xid(&writer).await;
     let marker = db.client().await;
     let task = tokio::spawn(async move {
-        let s = Settlement { id, txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None };
+        let s = Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None };
         mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     writer.batch_execute("COMMIT").await.unwrap();
-    assert_eq!(task.await.unwrap(), 1, "the row was marked once it became visible");
+    let report = task.await.unwrap();
+    assert_eq!(report.marked, 1, "the row was marked once it became visible: {report:?}");
+    assert!(report.waits > 0, "{report:?}");
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
 
     // A row settled before (a replay) is left as it is.
     let c = db.client().await;
-    let s = Settlement { id, txn: None, destination: Arc::from("a"), outcome: Outcome::Dead(outbox_relay::event::DeadReason::new("x", "y")), permit: None, lane: None };
-    assert_eq!(mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap(), 0);
+    let s = Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Dead(outbox_relay::event::DeadReason::new("x", "y")), permit: None, lane: None };
+    let report = mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
+    assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
+}
+
+/// The low 32 bits of the current transaction's id, as pgoutput's Begin gives it.
+async fn stream_xid(c: &tokio_postgres::Client) -> u32 {
+    let full: i64 = c.query_one("SELECT txid_current()", &[]).await.unwrap().get(0);
+    (full & 0xFFFF_FFFF) as u32
+}
+
+/// A row deleted before it was marked costs one query, not a wait: the
+/// inserting transaction is visible, so its absence means it was deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marking_a_deleted_row_does_not_wait() {
+    use outbox_relay::settle::{mark, Backoff, Outcome, Settlement};
+    let db = TestDb::new("vanished").await;
+    let c = db.client().await;
+    c.batch_execute("BEGIN").await.unwrap();
+    let xid = stream_xid(&c).await;
+    let ids: Vec<i64> = c
+        .query("INSERT INTO outbox (event_id, destination, body) SELECT 'v' || i, 'a', 'x' FROM generate_series(1, 3) i RETURNING id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // The first row is deleted by its own transaction (transient), the second later.
+    c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[0]]).await.unwrap();
+    c.batch_execute("COMMIT").await.unwrap();
+    c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
+    let batch: Vec<Settlement> = ids
+        .iter()
+        .map(|&id| Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None })
+        .collect();
+    let report = mark(&c, &batch, Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
+    assert_eq!(report, outbox_relay::settle::MarkReport { marked: 1, gone: 2, waits: 0 });
+    assert_eq!(db.count("status = 'PUBLISHED'").await, 1);
 }

@@ -39,6 +39,8 @@ struct Inner {
     /// Queues that fail every call with this error until fixed.
     broken: HashMap<String, CallError>,
     calls: usize,
+    /// Calls begun, including those held at the gate.
+    started: usize,
     batch_sizes: Vec<usize>,
 }
 
@@ -92,6 +94,11 @@ impl MemoryPublisher {
         self.inner.lock().unwrap().calls
     }
 
+    /// Calls begun, including those waiting at a closed gate.
+    pub fn calls_started(&self) -> usize {
+        self.inner.lock().unwrap().started
+    }
+
     pub fn batch_sizes(&self) -> Vec<usize> {
         self.inner.lock().unwrap().batch_sizes.clone()
     }
@@ -108,6 +115,7 @@ impl Publisher for MemoryPublisher {
     }
 
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        self.inner.lock().unwrap().started += 1;
         let gate = self.gate.lock().unwrap().clone();
         if let Some(g) = gate {
             let _permit = g.acquire().await.map_err(|_| CallError::transport("gate closed"))?;

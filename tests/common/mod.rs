@@ -272,7 +272,7 @@ pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
 
 /// Run a relay that must refuse to start; the error it gives, as text.
 pub async fn start_up_error(config: Config, publisher: Arc<dyn Publisher>) -> String {
-    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, async {}).await.unwrap_err().to_string()
+    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, std::future::pending()).await.unwrap_err().to_string()
 }
 
 /// Wait until `cond` holds, polling; panic with `what` at the deadline.

@@ -1,0 +1,82 @@
+//! The bound on the relay's memory: events read from the slot (or the
+//! slot's snapshot) but not settled yet, counted twice, in events and in
+//! bytes. Reading waits for room; settling gives it back.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// What one unsettled event holds of the budget; returned when dropped.
+#[derive(Debug)]
+pub struct Permit {
+    _event: OwnedSemaphorePermit,
+    _bytes: OwnedSemaphorePermit,
+}
+
+/// `max_unsettled_events` and `max_unsettled_bytes`.
+#[derive(Debug, Clone)]
+pub struct Budget {
+    events: Arc<Semaphore>,
+    bytes: Arc<Semaphore>,
+    max_bytes: u32,
+}
+
+impl Budget {
+    pub fn new(max_events: usize, max_bytes: u64) -> Self {
+        let max_bytes = max_bytes.clamp(1, u64::from(u32::MAX)) as u32;
+        Self {
+            events: Arc::new(Semaphore::new(max_events.max(1))),
+            bytes: Arc::new(Semaphore::new(max_bytes as usize)),
+            max_bytes,
+        }
+    }
+
+    /// Wait for room for one event of `size` bytes. An event larger than
+    /// the whole byte budget takes all of it, so it still goes through, alone.
+    pub async fn acquire(&self, size: usize) -> Permit {
+        let want = size.clamp(1, self.max_bytes as usize) as u32;
+        let event = Arc::clone(&self.events).acquire_owned().await.expect("the budget is never closed");
+        let bytes = Arc::clone(&self.bytes).acquire_many_owned(want).await.expect("the budget is never closed");
+        Permit { _event: event, _bytes: bytes }
+    }
+
+    /// Bytes not held by any unsettled event.
+    pub fn available_bytes(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    /// Events the budget has room for.
+    pub fn available_events(&self) -> usize {
+        self.events.available_permits()
+    }
+}
+
+/// Events from the replication client's buffer sized so that, at the
+/// largest SQS message (1 MiB), the buffer holds no more than the byte
+/// budget: between 16 and 1,024 events.
+pub fn replication_buffer_events(max_unsettled_bytes: u64) -> usize {
+    (max_unsettled_bytes >> 20).clamp(16, 1_024) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn bytes_bound_events_and_a_huge_event_passes_alone() {
+        let b = Budget::new(100, 1_000);
+        let a = b.acquire(600).await;
+        assert_eq!(b.available_bytes(), 400);
+        // 500 bytes do not fit beside the 600 until those are settled.
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), b.acquire(500)).await;
+        assert!(waiting.is_err());
+        drop(a);
+        let big = b.acquire(1_000_000).await;
+        assert_eq!(b.available_bytes(), 0);
+        assert_eq!(b.available_events(), 99);
+        drop(big);
+        assert_eq!(b.available_bytes(), 1_000);
+        assert_eq!(replication_buffer_events(64 << 20), 64);
+        assert_eq!(replication_buffer_events(1 << 20), 16);
+    }
+}
