@@ -277,6 +277,7 @@ async fn shutdown_during_a_queue_outage_is_prompt_and_loses_nothing() {
     let asked = Instant::now();
     tokio::time::timeout(Duration::from_secs(10), relay.stop()).await.expect("the relay stops");
     let took = asked.elapsed();
+    eprintln!("shutdown with the queue down and the budget full: {took:?}");
     assert!(took < Duration::from_secs(4), "stopping took {took:?}");
 
     p.fix_queue(Q);
