@@ -18,7 +18,7 @@
 //! - scaling: throughput and RSS over row counts and destination counts.
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 
 use std::collections::BTreeMap;
@@ -33,8 +33,8 @@ use common::*;
 use hdrhistogram::Histogram;
 use outbox_relay::config::Mode;
 use outbox_relay::event::{Entry, QueueInfo};
-use outbox_relay::publisher::sqs::SqsPublisher;
-use outbox_relay::publisher::{CallError, EntryResult, Publisher};
+use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;
 
 #[derive(Parser, Clone)]
@@ -78,7 +78,8 @@ fn self_cpu() -> f64 {
 /// (busy, total) jiffies of the whole machine, from /proc/stat.
 fn machine_jiffies() -> (u64, u64) {
     let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let v: Vec<u64> = s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> =
+        s.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
     let total: u64 = v.iter().take(8).sum();
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
     (total - idle, total)
@@ -228,7 +229,8 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let recv_s = t.elapsed().as_secs_f64();
     assert!(st.success(), "pg_recvlogical failed: {st:?}");
 
-    let queues: Vec<(String, String)> = (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
+    let queues: Vec<(String, String)> =
+        (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
@@ -248,23 +250,29 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let c = db.client().await;
     c.batch_execute("UPDATE outbox SET status = 'NEW', published_at = NULL, attempts = 0").await.unwrap();
     c.batch_execute("VACUUM outbox").await.unwrap();
-    let ids: Vec<(i64, String)> = c.query("SELECT id, destination FROM outbox ORDER BY id", &[]).await.unwrap().iter().map(|r| (r.get(0), r.get(1))).collect();
-    let backoff = outbox_relay::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
+    let ids: Vec<(i64, String)> = c
+        .query("SELECT id, destination FROM outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let backoff = outbox_relay::pipeline::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
     let t = Instant::now();
-    for chunk in ids.chunks(outbox_relay::settle::MAX_FLUSH) {
-        let batch: Vec<outbox_relay::settle::Settlement> = chunk
+    for chunk in ids.chunks(outbox_relay::pipeline::settle::MAX_FLUSH) {
+        let batch: Vec<outbox_relay::pipeline::settle::Settlement> = chunk
             .iter()
-            .map(|(id, d)| outbox_relay::settle::Settlement {
+            .map(|(id, d)| outbox_relay::pipeline::settle::Settlement {
                 id: *id,
                 xid: None,
                 txn: None,
                 destination: Arc::from(d.as_str()),
-                outcome: outbox_relay::settle::Outcome::Published,
+                outcome: outbox_relay::pipeline::settle::Outcome::Published,
                 permit: None,
                 lane: None,
             })
             .collect();
-        outbox_relay::settle::mark(&c, &batch, backoff).await.unwrap();
+        outbox_relay::pipeline::settle::mark(&c, &batch, backoff).await.unwrap();
     }
     let mark_only = ids.len() as f64 / t.elapsed().as_secs_f64();
     Decode {
@@ -310,7 +318,11 @@ async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, conc
                 for i in start..(start + 10).min(n) {
                     let body = format!("{:x<size$}", format!("raw{i}:"));
                     req = req.entries(
-                        aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder().id((i - start).to_string()).message_body(body).build().unwrap(),
+                        aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                            .id((i - start).to_string())
+                            .message_body(body)
+                            .build()
+                            .unwrap(),
                     );
                 }
                 req.send().await.unwrap();
@@ -383,7 +395,10 @@ async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64) 
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
     cfg.mode = mode;
-    let timed = Arc::new(Timed { inner: sqs.clone(), hist: Mutex::new(Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()) });
+    let timed = Arc::new(Timed {
+        inner: sqs.clone(),
+        hist: Mutex::new(Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()),
+    });
     let relay = start(cfg, timed.clone());
     if mode == Mode::Cdc {
         wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
@@ -452,7 +467,15 @@ async fn drain(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d
 }
 
 /// [`drain`] with extra environment for the relay process.
-async fn drain_with(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d: usize, env: &[(&str, &str)]) -> Drain {
+async fn drain_with(
+    a: &Args,
+    sqs: &SqsPublisher,
+    case: &str,
+    mode: &str,
+    n: usize,
+    d: usize,
+    env: &[(&str, &str)],
+) -> Drain {
     let db = TestDb::new("bench_drain").await;
     if mode == "cdc" {
         create_slot(&db, &db.slot).await;
@@ -510,7 +533,12 @@ async fn lane_down(a: &Args, sqs: &SqsPublisher, n: usize) -> LaneDown {
     let db = TestDb::new("bench_down").await;
     let queues = create_queues(sqs, 2).await;
     let addr = free_addr();
-    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &format!("metrics_addr = \"{addr}\"\nlane_stall_timeout = \"5s\""));
+    let cfg = RelayConfig::new(
+        &db,
+        "cdc",
+        &dests(&queues),
+        &format!("metrics_addr = \"{addr}\"\nlane_stall_timeout = \"5s\""),
+    );
     let relay = cfg.spawn();
     wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
     sqs.client().delete_queue().queue_url(&queues[1].1).send().await.unwrap();
@@ -617,11 +645,18 @@ async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -
 fn machine() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())))
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string()))
+        })
         .unwrap_or_default();
     let mem_kb: u64 = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("MemTotal:").map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0))))
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("MemTotal:").map(|v| v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0))
+            })
+        })
         .unwrap_or(0);
     json!({
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
@@ -651,7 +686,10 @@ async fn main() {
         println!("| max_unsettled_bytes | rows | body bytes | seconds | peak unsettled events | peak RSS MB |");
         println!("|---|---|---|---|---|---|");
         for l in large {
-            println!("| {} | {} | {} | {} | {} | {} |", l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb);
+            println!(
+                "| {} | {} | {} | {} | {} | {} |",
+                l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb
+            );
         }
         println!();
     };
@@ -678,7 +716,16 @@ async fn main() {
         drain(&a, &sqs, "backlog", "cdc", backlog, a.destinations).await,
         drain(&a, &sqs, "backlog", "polling", backlog, a.destinations).await,
         // The same drain on a one-thread runtime, side by side.
-        drain_with(&a, &sqs, "backlog, --worker-threads 1", "cdc", backlog, a.destinations, &[("OUTBOX_RELAY_WORKER_THREADS", "1")]).await,
+        drain_with(
+            &a,
+            &sqs,
+            "backlog, --worker-threads 1",
+            "cdc",
+            backlog,
+            a.destinations,
+            &[("OUTBOX_RELAY_WORKER_THREADS", "1")],
+        )
+        .await,
         drain(&a, &sqs, "backlog (again)", "cdc", backlog, a.destinations).await,
     ];
     eprintln!("bench: backlog drains done ({:.0} s)", started.elapsed().as_secs_f64());
@@ -698,13 +745,20 @@ async fn main() {
     }
     eprintln!("bench: scaling done ({:.0} s)", started.elapsed().as_secs_f64());
 
-    let at = |mode: &str, rate: u64| lat.iter().find(|l| l.mode == mode && l.rows_per_s_target == rate).cloned().unwrap();
+    let at =
+        |mode: &str, rate: u64| lat.iter().find(|l| l.mode == mode && l.rows_per_s_target == rate).cloned().unwrap();
     let (c1, p1) = (at("cdc", 1000), at("polling", 1000));
     let relay_vs_recv = dec.relay_null_rows_per_s / dec.recvlogical_rows_per_s;
     let relay_vs_raw = sqsc.relay_msgs_per_s / sqsc.raw_msgs_per_s;
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
 
-    println!("outbox-relay bench ({}), row {} B, {} destinations, backlog transactions of {} rows", if q { "quick" } else { "full" }, a.row_size, a.destinations, a.txn_size);
+    println!(
+        "outbox-relay bench ({}), row {} B, {} destinations, backlog transactions of {} rows",
+        if q { "quick" } else { "full" },
+        a.row_size,
+        a.destinations,
+        a.txn_size
+    );
     println!();
     println!("| ceiling | limit | relay | ratio | target |");
     println!("|---|---|---|---|---|");
@@ -728,13 +782,19 @@ async fn main() {
     println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms |");
     println!("|---|---|---|---|---|---|---|---|");
     for l in &lat {
-        println!("| {} | {} | {:.0} | {} | {} | {} | {} | {} |", l.mode, l.rows_per_s_target, l.rows_per_s_achieved, l.rows, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms);
+        println!(
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} |",
+            l.mode, l.rows_per_s_target, l.rows_per_s_achieved, l.rows, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+        );
     }
     println!();
     println!("| run | mode | rows | destinations | seconds | rows/s | CPU s / 100k | peak RSS MB |");
     println!("|---|---|---|---|---|---|---|---|");
     for d in &drains {
-        println!("| {} | {} | {} | {} | {} | {} | {} | {} |", d.case, d.mode, d.rows, d.destinations, d.seconds, d.rows_per_s, d.cpu_s_per_100k, d.peak_rss_mb);
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            d.case, d.mode, d.rows, d.destinations, d.seconds, d.rows_per_s, d.cpu_s_per_100k, d.peak_rss_mb
+        );
     }
     println!(
         "| one lane's queue gone | cdc | {} | 2 | {} | - | {} | {} |",

@@ -10,7 +10,12 @@ mod common;
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let kills = args.iter().position(|a| a == "--kills").and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(10);
+    let kills = args
+        .iter()
+        .position(|a| a == "--kills")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
     let (mut times, total, unique) = common::takeover::run(kills).await;
     let ms: Vec<u128> = times.iter().map(|d| d.as_millis()).collect();
     times.sort();

@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use outbox_relay::consumer::queue::SqsQueue;
 use outbox_relay::consumer::worker::Worker;
 use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
-use outbox_relay::publisher::sqs::SqsPublisher;
+use outbox_relay::publish::sqs::SqsPublisher;
 use tokio_postgres::Transaction;
 
 struct Effect;
@@ -41,7 +41,9 @@ fn arg(name: &str) -> Option<String> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .init();
     let database_url = arg("--database-url").ok_or_else(|| anyhow::anyhow!("--database-url is required"))?;
     let queue_url = arg("--queue-url").ok_or_else(|| anyhow::anyhow!("--queue-url is required"))?;
     let concurrency: usize = arg("--concurrency").map(|s| s.parse()).transpose()?.unwrap_or(16);
@@ -55,7 +57,8 @@ async fn main() -> anyhow::Result<()> {
     let stop = || async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    let main = Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.client().clone(), &queue_url)), concurrency);
+    let main =
+        Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.client().clone(), &queue_url)), concurrency);
     let metrics = Arc::clone(&main.metrics);
     let dlq = arg("--dlq-url").map(|url| {
         let mut w = Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.client().clone(), url)), 2);

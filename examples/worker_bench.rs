@@ -48,7 +48,8 @@ async fn jobs(db: &common::TestDb, tag: &str, n: usize) -> Vec<String> {
 
 async fn drain(db: &common::TestDb, queue: Arc<dyn Queue>, n: usize, concurrency: usize) -> f64 {
     let consumer = Arc::new(
-        Consumer::new(Consumer::pool(&db.url, concurrency * 2 + 2).unwrap(), ConsumerConfig::default()).handle("noop", Noop),
+        Consumer::new(Consumer::pool(&db.url, concurrency * 2 + 2).unwrap(), ConsumerConfig::default())
+            .handle("noop", Noop),
     );
     let started = Instant::now();
     let w = common::jobs::RunningWorker::start(Worker::new(consumer, queue, concurrency), Duration::from_secs(1));
@@ -84,7 +85,11 @@ async fn main() {
         let mut req = sqs.client().send_message_batch().queue_url(&url);
         for (i, b) in chunk.iter().enumerate() {
             req = req.entries(
-                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(b).build().unwrap(),
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(b)
+                    .build()
+                    .unwrap(),
             );
         }
         req.send().await.unwrap();

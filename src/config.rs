@@ -28,9 +28,7 @@ impl FromStr for Mode {
             "cdc" => Ok(Mode::Cdc),
             "polling" => Ok(Mode::Polling),
             "auto" => Ok(Mode::Auto),
-            _ => Err(ConfigError::Invalid(format!(
-                "mode {s:?} is not one of cdc, polling, auto"
-            ))),
+            _ => Err(ConfigError::Invalid(format!("mode {s:?} is not one of cdc, polling, auto"))),
         }
     }
 }
@@ -186,34 +184,22 @@ impl Config {
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let file = match path {
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                    path: p.display().to_string(),
-                    source,
-                })?;
-                toml::from_str::<FileConfig>(&text).map_err(|e| ConfigError::Parse {
-                    path: p.display().to_string(),
-                    message: toml_error(&text, &e),
-                })?
+                let text = std::fs::read_to_string(p)
+                    .map_err(|source| ConfigError::Read { path: p.display().to_string(), source })?;
+                toml::from_str::<FileConfig>(&text)
+                    .map_err(|e| ConfigError::Parse { path: p.display().to_string(), message: toml_error(&text, &e) })?
             }
             None => FileConfig::default(),
         };
-        let env: BTreeMap<String, String> = std::env::vars()
-            .filter(|(k, _)| k.starts_with(ENV_PREFIX))
-            .collect();
+        let env: BTreeMap<String, String> = std::env::vars().filter(|(k, _)| k.starts_with(ENV_PREFIX)).collect();
         Config::resolve(file, &env, overrides)
     }
 
     /// Merge file, environment (`OUTBOX_RELAY_*` variables) and overrides, and
     /// validate the result.
-    pub fn resolve(
-        mut file: FileConfig,
-        env: &BTreeMap<String, String>,
-        o: &Overrides,
-    ) -> Result<Config, ConfigError> {
+    pub fn resolve(mut file: FileConfig, env: &BTreeMap<String, String>, o: &Overrides) -> Result<Config, ConfigError> {
         let get = |k: &str| env.get(&format!("{ENV_PREFIX}{k}")).cloned();
-        let pick = |cli: &Option<String>, key: &str, file: Option<String>| {
-            cli.clone().or_else(|| get(key)).or(file)
-        };
+        let pick = |cli: &Option<String>, key: &str, file: Option<String>| cli.clone().or_else(|| get(key)).or(file);
         for (k, v) in env {
             if let Some(name) = k.strip_prefix("OUTBOX_RELAY_DESTINATIONS_") {
                 file.destinations.insert(name.to_ascii_lowercase(), v.clone());
@@ -246,12 +232,14 @@ impl Config {
             .or(file.sqs.region)
             .or_else(|| std::env::var("AWS_REGION").ok())
             .unwrap_or_else(|| "us-east-1".into());
-        let sqs_endpoint_url = pick(&o.sqs_endpoint_url, "SQS_ENDPOINT_URL", file.sqs.endpoint_url)
-            .filter(|s| !s.is_empty());
+        let sqs_endpoint_url =
+            pick(&o.sqs_endpoint_url, "SQS_ENDPOINT_URL", file.sqs.endpoint_url).filter(|s| !s.is_empty());
         let sqs_assume_role_arn = get("SQS_ASSUME_ROLE_ARN").or(file.sqs.assume_role_arn).filter(|s| !s.is_empty());
         if let Some(arn) = &sqs_assume_role_arn {
             if !arn.starts_with("arn:") {
-                return Err(ConfigError::Invalid(format!("sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay")));
+                return Err(ConfigError::Invalid(format!(
+                    "sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay"
+                )));
             }
         }
         if file.destinations.is_empty() {
@@ -275,8 +263,10 @@ impl Config {
         let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
         let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
         let linger = d("linger", "LINGER", file.linger)?;
-        let max_in_flight_batches = number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
-        let max_unsettled_events = number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events)?;
+        let max_in_flight_batches =
+            number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
+        let max_unsettled_events =
+            number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events)?;
         let max_unsettled_bytes = size("max_unsettled_bytes", get("MAX_UNSETTLED_BYTES").or(file.max_unsettled_bytes))?;
         let lane_stall_timeout = d("lane_stall_timeout", "LANE_STALL_TIMEOUT", file.lane_stall_timeout)?;
         let max_retained_wal = size("max_retained_wal", get("MAX_RETAINED_WAL").or(file.max_retained_wal))?;
@@ -342,16 +332,12 @@ const DURATIONS: &[(&str, &str, Duration, Duration)] = &[
 ];
 
 /// Every count key: default, least and most.
-const NUMBERS: &[(&str, usize, usize, usize)] = &[
-    ("max_in_flight_batches", 8, 1, 256),
-    ("max_unsettled_events", 20_000, 1, 10_000_000),
-];
+const NUMBERS: &[(&str, usize, usize, usize)] =
+    &[("max_in_flight_batches", 8, 1, 256), ("max_unsettled_events", 20_000, 1, 10_000_000)];
 
 /// Every size key: default, least and most (bytes).
-const SIZES: &[(&str, &str, u64, u64)] = &[
-    ("max_retained_wal", "256MB", 1 << 20, 1 << 50),
-    ("max_unsettled_bytes", "64MB", 1 << 20, 64 << 30),
-];
+const SIZES: &[(&str, &str, u64, u64)] =
+    &[("max_retained_wal", "256MB", 1 << 20, 1 << 50), ("max_unsettled_bytes", "64MB", 1 << 20, 64 << 30)];
 
 fn duration(key: &str, v: Option<String>) -> Result<Duration, ConfigError> {
     let (_, default, min, max) = *DURATIONS.iter().find(|l| l.0 == key).expect("every duration key has its limits");
@@ -406,7 +392,9 @@ pub fn bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
         _ => 0,
     };
     match num.parse::<u64>() {
-        Ok(n) if mult > 0 && n > 0 => n.checked_mul(mult).ok_or_else(|| ConfigError::Invalid(format!("{key} = {s:?} is too large"))),
+        Ok(n) if mult > 0 && n > 0 => {
+            n.checked_mul(mult).ok_or_else(|| ConfigError::Invalid(format!("{key} = {s:?} is too large")))
+        }
         _ => Err(ConfigError::Invalid(format!("{key} = {s:?} is not a size such as 256MB or 1GB"))),
     }
 }
@@ -414,9 +402,7 @@ pub fn bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
 fn number(key: &str, env: Option<String>, file: Option<usize>) -> Result<usize, ConfigError> {
     let (_, default, min, max) = *NUMBERS.iter().find(|l| l.0 == key).expect("every count key has its limits");
     let n = match env {
-        Some(s) => s
-            .parse()
-            .map_err(|_| ConfigError::Invalid(format!("{key} = {s:?} is not a whole number")))?,
+        Some(s) => s.parse().map_err(|_| ConfigError::Invalid(format!("{key} = {s:?} is not a whole number")))?,
         None => file.unwrap_or(default),
     };
     if n < min || n > max {
@@ -517,7 +503,11 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         assert_eq!(c.retention, Some(Duration::from_secs(7 * 86_400)));
         let env: BTreeMap<String, String> = [("OUTBOX_RELAY_RETENTION".to_string(), "off".to_string())].into();
         assert_eq!(Config::resolve(file(BASE), &env, &Overrides::default()).unwrap().retention, None);
-        let e = Config::resolve(file(&format!("retry_base = \"10s\"\nretry_max = \"1s\"\n{BASE}")), &BTreeMap::new(), &Overrides::default());
+        let e = Config::resolve(
+            file(&format!("retry_base = \"10s\"\nretry_max = \"1s\"\n{BASE}")),
+            &BTreeMap::new(),
+            &Overrides::default(),
+        );
         assert!(e.unwrap_err().to_string().contains("at most retry_max"));
         assert_eq!(c.max_unsettled_bytes, 64 << 20);
         assert_eq!((c.connect_timeout, c.query_timeout), (Duration::from_secs(10), Duration::from_secs(30)));
@@ -551,16 +541,25 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
             ("max_in_flight_batches = 0", "max_in_flight_batches = 0 is out of range: it must be from 1 to 256"),
             ("max_in_flight_batches = 100000", "max_in_flight_batches = 100000 is out of range"),
             ("max_unsettled_events = 0", "max_unsettled_events = 0 is out of range"),
-            ("max_unsettled_bytes = \"1kB\"", "max_unsettled_bytes = \"1kB\" is out of range: it must be from 1MB to 64GB"),
+            (
+                "max_unsettled_bytes = \"1kB\"",
+                "max_unsettled_bytes = \"1kB\" is out of range: it must be from 1MB to 64GB",
+            ),
             ("max_retained_wal = \"10\"", "max_retained_wal = \"10\" is out of range"),
         ];
         for (line, expected) in cases {
             let e = err(line);
             assert!(e.contains(expected), "{line}: {e}");
         }
-        let ok = Config::resolve(file(&format!("linger = \"0s\"\nmax_unsettled_bytes = \"8MB\"\n{BASE}")), &env, &Overrides::default()).unwrap();
+        let ok = Config::resolve(
+            file(&format!("linger = \"0s\"\nmax_unsettled_bytes = \"8MB\"\n{BASE}")),
+            &env,
+            &Overrides::default(),
+        )
+        .unwrap();
         assert_eq!((ok.linger, ok.max_unsettled_bytes), (Duration::ZERO, 8 << 20));
-        let by_env: BTreeMap<String, String> = [("OUTBOX_RELAY_HEARTBEAT_INTERVAL".to_string(), "0s".to_string())].into();
+        let by_env: BTreeMap<String, String> =
+            [("OUTBOX_RELAY_HEARTBEAT_INTERVAL".to_string(), "0s".to_string())].into();
         let e = Config::resolve(file(BASE), &by_env, &Overrides::default()).unwrap_err().to_string();
         assert!(e.contains("heartbeat_interval = \"0s\" is out of range"), "{e}");
     }

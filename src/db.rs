@@ -73,7 +73,10 @@ pub struct Db {
 
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Db").field("url", &crate::pgconn::redact(&self.url)).field("deadlines", &self.deadlines).finish()
+        f.debug_struct("Db")
+            .field("url", &crate::pgconn::redact(&self.url))
+            .field("deadlines", &self.deadlines)
+            .finish()
     }
 }
 
@@ -117,7 +120,11 @@ impl Db {
     }
 
     /// [`within`](Self::within) for a tokio-postgres future.
-    pub async fn query<T>(&self, what: &str, fut: impl Future<Output = Result<T, tokio_postgres::Error>>) -> Result<T, DbError> {
+    pub async fn query<T>(
+        &self,
+        what: &str,
+        fut: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, DbError> {
         self.within(what, async { fut.await.map_err(DbError::from) }).await
     }
 }
@@ -130,15 +137,16 @@ pub async fn connect(url: &str) -> Result<Client, DbError> {
 
 /// Connect within `deadline` (TCP, TLS and authentication together).
 pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
-    let tls = crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
+    let tls =
+        crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
     let attempt = tokio::time::timeout(deadline, target.pg.connect(tls)).await.map_err(|_| DbError::Timeout {
         server: target.server(),
         what: "connecting (TCP, TLS and authentication)".into(),
         after: deadline,
         key: "connect_timeout",
     })?;
-    let (client, conn) =
-        attempt.map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
+    let (client, conn) = attempt
+        .map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "postgres connection closed");
@@ -170,19 +178,13 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, DbError> {
     tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox_relay_migrations'))", &[]).await?;
     let mut applied = Vec::new();
     for (version, name, sql) in MIGRATIONS {
-        let done = tx
-            .query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[version])
-            .await?
-            .is_some();
+        let done =
+            tx.query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[version]).await?.is_some();
         if done {
             continue;
         }
         tx.batch_execute(sql).await?;
-        tx.execute(
-            "INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, $2)",
-            &[version, name],
-        )
-        .await?;
+        tx.execute("INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
         applied.push(*version);
     }
     tx.commit().await?;
@@ -194,7 +196,8 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
     let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;
     if outbox.and_then(|r| r.get::<_, Option<String>>(0)).is_none() {
         return Err(DbError::Check(
-            "the outbox table does not exist in this database: run `outbox-relay migrate --database-url ...` first".into(),
+            "the outbox table does not exist in this database: run `outbox-relay migrate --database-url ...` first"
+                .into(),
         ));
     }
     let row = client
@@ -204,7 +207,8 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
         )
         .await?;
     let (user, select, update): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-    let missing: Vec<&str> = [("SELECT", select), ("UPDATE", update)].iter().filter(|(_, ok)| !ok).map(|(p, _)| *p).collect();
+    let missing: Vec<&str> =
+        [("SELECT", select), ("UPDATE", update)].iter().filter(|(_, ok)| !ok).map(|(p, _)| *p).collect();
     if !missing.is_empty() {
         return Err(DbError::Check(format!(
             "role {user:?} lacks {} on the outbox table: GRANT {} ON outbox TO {user}",
@@ -229,9 +233,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
         )));
     }
     check_outbox_table(client).await?;
-    let publ = client
-        .query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication])
-        .await?;
+    let publ = client.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication]).await?;
     if publ.is_none() {
         return Err(DbError::Check(format!(
             "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')"
@@ -245,9 +247,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
         .await?;
     let (user, can): (String, bool) = (row.get(0), row.get(1));
     if !can {
-        return Err(DbError::Check(format!(
-            "role {user:?} may not replicate: ALTER ROLE {user} REPLICATION"
-        )));
+        return Err(DbError::Check(format!("role {user:?} may not replicate: ALTER ROLE {user} REPLICATION")));
     }
     Ok(())
 }

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+pub use crate::policy::dead::{DeadCode, DeadReason};
+
 /// A committed outbox row, as read from the slot or the table.
 #[derive(Debug, Clone)]
 pub struct OutboxEvent {
@@ -84,25 +86,6 @@ pub struct Entry {
     pub dedup_id: Option<String>,
 }
 
-/// Why a row will never be sent. `code` is the metric label and the prefix of
-/// `last_error`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadReason {
-    pub code: &'static str,
-    pub detail: String,
-}
-
-impl DeadReason {
-    pub fn new(code: &'static str, detail: impl Into<String>) -> Self {
-        Self { code, detail: detail.into() }
-    }
-
-    /// The text stored in `outbox.last_error`.
-    pub fn last_error(&self) -> String {
-        format!("{}: {}", self.code, self.detail)
-    }
-}
-
 /// SQS's limit on attributes per message.
 pub const MAX_ATTRIBUTES: usize = 10;
 
@@ -138,7 +121,7 @@ pub fn dedup_id(event_id: &str) -> String {
 /// `{"DataType": "String|Number[.label]", "StringValue": "..."}`.
 pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
     use serde_json::value::RawValue;
-    let bad = |d: String| DeadReason::new("invalid_attributes", d);
+    let bad = |d: String| DeadReason::new(DeadCode::InvalidAttributes, d);
     let top: &RawValue = serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
     let obj: std::collections::BTreeMap<String, &RawValue> = match top.get().trim_start().as_bytes().first() {
         Some(b'n') => return Ok(Vec::new()),
@@ -166,7 +149,7 @@ pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
         }
         if let Some((i, c)) = first_invalid_char(&value) {
             return Err(DeadReason::new(
-                "invalid_characters",
+                DeadCode::InvalidCharacters,
                 format!("attribute {name:?} has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
             ));
         }
@@ -247,11 +230,10 @@ fn validate_attribute_name(name: &str) -> Result<(), String> {
 /// Validate `event` for `queue` and build its entry, or say why it is DEAD.
 pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, DeadReason> {
     if event.body.is_empty() {
-        return Err(DeadReason::new("empty_body", "SQS refuses an empty message body"));
+        return Err(DeadReason::new(DeadCode::EmptyBody, "SQS refuses an empty message body"));
     }
     if let Some((i, c)) = first_invalid_char(&event.body) {
-        return Err(DeadReason::new(
-            "invalid_characters",
+        return Err(DeadReason::new(DeadCode::InvalidCharacters,
             format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
         ));
     }
@@ -259,31 +241,22 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         Some(json) => parse_attributes(json)?,
         None => Vec::new(),
     };
-    let size = event.body.len()
-        + attributes
-            .iter()
-            .map(|a| a.name.len() + a.data_type.len() + a.value.len())
-            .sum::<usize>();
+    let size =
+        event.body.len() + attributes.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
     if size > queue.max_message_size {
-        return Err(DeadReason::new(
-            "too_large",
-            format!(
-                "message is {size} bytes with its attributes; the queue allows {}",
-                queue.max_message_size
-            ),
+        return Err(DeadReason::new(DeadCode::TooLarge,
+            format!("message is {size} bytes with its attributes; the queue allows {}", queue.max_message_size),
         ));
     }
     let (group_id, dedup) = if queue.fifo {
         let group = match &event.group_key {
             None => {
-                return Err(DeadReason::new(
-                    "fifo_without_group",
+                return Err(DeadReason::new(DeadCode::FifoWithoutGroup,
                     "the destination is a FIFO queue and the row has no group_key",
                 ))
             }
             Some(g) if !is_sqs_token(g) => {
-                return Err(DeadReason::new(
-                    "invalid_group_key",
+                return Err(DeadReason::new(DeadCode::InvalidGroupKey,
                     "group_key must be 1 to 128 letters, digits or ASCII punctuation",
                 ))
             }
@@ -324,7 +297,7 @@ mod tests {
         assert_eq!(first_invalid_char("\u{1f}"), Some((0, '\u{1f}')));
         assert_eq!(first_invalid_char("x\u{FFFE}"), Some((1, '\u{FFFE}')));
         let dead = prepare(ev(1, "bad\u{7}bell"), &q(false, 1000)).unwrap_err();
-        assert_eq!(dead.code, "invalid_characters");
+        assert_eq!(dead.code, DeadCode::InvalidCharacters);
         assert!(dead.last_error().contains("U+0007"));
     }
 
@@ -336,16 +309,14 @@ mod tests {
         // body 2 + ("k" 1 + "String" 6 + "vv" 2) + ("n" 1 + "Number" 6 + "12" 2)
         assert_eq!(entry.size, 2 + 9 + 9);
         let dead = prepare(Arc::new(e), &q(false, 19)).unwrap_err();
-        assert_eq!(dead.code, "too_large");
+        assert_eq!(dead.code, DeadCode::TooLarge);
     }
 
     #[test]
     fn attributes_rules() {
         assert!(parse_attributes(r#"{"a": {"DataType": "Number.int", "StringValue": "3"}}"#).is_ok());
-        let eleven: String = format!(
-            "{{{}}}",
-            (0..11).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(",")
-        );
+        let eleven: String =
+            format!("{{{}}}", (0..11).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(","));
         assert!(parse_attributes(&eleven).unwrap_err().detail.contains("at most 10"));
         assert!(parse_attributes("[1]").is_err());
         assert!(parse_attributes(r#"{"AWS.x": "v"}"#).is_err());
@@ -357,7 +328,10 @@ mod tests {
 
     #[test]
     fn numbers_keep_their_exact_text() {
-        let a = parse_attributes(r#"{"big": 123456789012345678901234567890, "frac": 12345678901234.56789, "e": -1.5e-7, "z": 0}"#).unwrap();
+        let a = parse_attributes(
+            r#"{"big": 123456789012345678901234567890, "frac": 12345678901234.56789, "e": -1.5e-7, "z": 0}"#,
+        )
+        .unwrap();
         let v = |n: &str| a.iter().find(|x| x.name == n).map(|x| (x.data_type.as_str(), x.value.as_str())).unwrap();
         assert_eq!(v("big"), ("Number", "123456789012345678901234567890"));
         assert_eq!(v("frac"), ("Number", "12345678901234.56789"));
@@ -367,14 +341,15 @@ mod tests {
         let d38 = "1".repeat(38);
         assert!(parse_attributes(&format!(r#"{{"n": {d38}000}}"#)).is_ok());
         let e = parse_attributes(&format!(r#"{{"n": {d38}1}}"#)).unwrap_err();
-        assert_eq!(e.code, "invalid_attributes");
+        assert_eq!(e.code, DeadCode::InvalidAttributes);
         assert!(e.detail.contains("39 significant digits"), "{e:?}");
         assert!(parse_attributes(r#"{"n": 1e126}"#).unwrap_err().detail.contains("outside SQS's range"));
         assert!(parse_attributes(r#"{"n": 9.99e125}"#).is_ok());
         assert!(parse_attributes(r#"{"n": 1e-129}"#).unwrap_err().detail.contains("outside SQS's range"));
         assert!(parse_attributes(r#"{"n": 1e-128}"#).is_ok());
         // The explicit form is checked the same way.
-        let explicit = |v: &str| parse_attributes(&format!(r#"{{"n": {{"DataType": "Number.price", "StringValue": "{v}"}}}}"#));
+        let explicit =
+            |v: &str| parse_attributes(&format!(r#"{{"n": {{"DataType": "Number.price", "StringValue": "{v}"}}}}"#));
         assert_eq!(explicit("00012.50").unwrap()[0].value, "00012.50");
         assert!(explicit("twelve").unwrap_err().detail.contains("not a decimal number"));
         assert!(explicit("1.2.3").is_err());
@@ -385,14 +360,14 @@ mod tests {
     #[test]
     fn fifo_needs_a_group_and_gets_a_dedup_id() {
         let dead = prepare(ev(1, "x"), &q(true, 1000)).unwrap_err();
-        assert_eq!(dead.code, "fifo_without_group");
+        assert_eq!(dead.code, DeadCode::FifoWithoutGroup);
         let mut e = (*ev(1, "x")).clone();
         e.group_key = Some("customer-7".into());
         let entry = prepare(Arc::new(e.clone()), &q(true, 1000)).unwrap();
         assert_eq!(entry.group_id.as_deref(), Some("customer-7"));
         assert_eq!(entry.dedup_id.as_deref(), Some("e:1:0"));
         e.group_key = Some("has space".into());
-        assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, "invalid_group_key");
+        assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, DeadCode::InvalidGroupKey);
     }
 
     #[test]

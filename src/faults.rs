@@ -7,6 +7,9 @@
 //! status update to PostgreSQL. The `fail` crate's action syntax applies, so
 //! `lane::after_send=3*off->return` dies at the fourth successful send.
 
+/// Whether this build has the fail points (the `failpoints` feature).
+pub const ENABLED: bool = cfg!(feature = "failpoints");
+
 /// The points the relay and the measurement define, in pipeline order.
 pub const POINTS: &[&str] = &[
     // Application side (the measurement's child processes).

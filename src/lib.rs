@@ -1,32 +1,35 @@
 //! outbox-relay: committed outbox rows in PostgreSQL, read through a logical
 //! replication slot, published to Amazon SQS; the slot's LSN is confirmed only
-//! once the messages are published and their rows marked.
+//! once the messages are published and their rows settled.
 //!
-//! The pipeline, one module a stage:
-//! [`cdc`] (slot → decoded outbox rows) → [`event`] (row → validated SQS entry,
-//! or DEAD) → [`lane`] (per-destination batching, several batches in flight)
-//! → [`publisher`] (the network call) with [`retry`] (the one place that decides
-//! what is retried) → [`settle`] (rows marked in bulk) → [`watermark`] (the LSN
-//! that may be confirmed).
+//! The layout is the pipeline:
+//!
+//! - [`source`]: where events come from — [`source::cdc`] (the slot:
+//!   session, slot, row mapping) and [`source::table`] (polling and the spool
+//!   drain).
+//! - [`pipeline`]: the stages both sources share — [`pipeline::route`]
+//!   (validate for the queue, or DEAD) → [`pipeline::lane`] (batch, several
+//!   batches in flight, reconcile per entry) → [`publish`] (the network call)
+//!   → [`pipeline::settle`] (recorded in bulk) → [`pipeline::watermark`] (the
+//!   LSN that may be confirmed), within [`pipeline::budget`].
+//! - [`policy`]: the decisions made in one place each — retry classification
+//!   and every backoff, DEAD reasons, spooling.
+//! - [`runtime`]: the process around it — start-up, leadership, monitor,
+//!   retention; [`ops`]: what operators run (`status`, `slot`, `dead`).
 
-pub mod batch;
-pub mod budget;
-pub mod cdc;
 pub mod config;
 pub mod consumer;
 pub mod db;
 pub mod event;
 pub mod faults;
-pub mod lane;
 pub mod metrics;
 pub mod ops;
 pub mod pgconn;
-pub mod publisher;
-pub mod relay;
-pub mod retry;
-pub mod settle;
-pub mod table;
-pub mod watermark;
+pub mod pipeline;
+pub mod policy;
+pub mod publish;
+pub mod runtime;
+pub mod source;
 
 pub use config::Config;
-pub use relay::{run, RelayHandle};
+pub use runtime::{run, RelayHandle};

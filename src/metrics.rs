@@ -75,9 +75,7 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Arc<Self> {
         let registry = Registry::new();
-        let lat = vec![
-            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-        ];
+        let lat = vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
         let m = Metrics {
             slot_lag_bytes: IntGauge::new(SLOT_LAG_BYTES, "Current WAL position minus the slot's confirmed flush LSN").unwrap(),
             slot_retained_wal_bytes: IntGauge::new(SLOT_RETAINED_WAL_BYTES, "Current WAL position minus the slot's restart LSN").unwrap(),

@@ -194,7 +194,8 @@ pub fn parse(url: &str) -> Result<Target, String> {
         _ => return Err(format!("database_url {shown}: sslcert and sslkey go together")),
     };
     let plain = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
-    let mut pg = tokio_postgres::Config::from_str(&plain).map_err(|e| format!("database_url {shown} is not a valid PostgreSQL URL: {e}"))?;
+    let mut pg = tokio_postgres::Config::from_str(&plain)
+        .map_err(|e| format!("database_url {shown} is not a valid PostgreSQL URL: {e}"))?;
     let host = match pg.get_hosts().first() {
         Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
         #[cfg(unix)]
@@ -285,7 +286,9 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     use rustls::pki_types::pem::PemObject;
-    let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path).map_err(|e| format!("sslrootcert/sslcert {}: {e}", path.display()))?.collect();
+    let certs: Result<Vec<_>, _> = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("sslrootcert/sslcert {}: {e}", path.display()))?
+        .collect();
     let certs = certs.map_err(|e| format!("{}: not a PEM certificate file: {e}", path.display()))?;
     if certs.is_empty() {
         return Err(format!("{}: no certificate in it", path.display()));
@@ -323,10 +326,18 @@ pub fn tls_config(t: &Target) -> Result<ClientConfig, String> {
             .build()
             .map_err(|e| e.to_string())?;
         let check_name = t.ssl == SslMode::VerifyFull;
-        builder.dangerous().with_custom_certificate_verifier(Arc::new(Verifier { webpki: Some(webpki), check_name, provider }))
+        builder.dangerous().with_custom_certificate_verifier(Arc::new(Verifier {
+            webpki: Some(webpki),
+            check_name,
+            provider,
+        }))
     } else {
         // prefer / require without a CA: encrypted, not authenticated (libpq's behaviour).
-        builder.dangerous().with_custom_certificate_verifier(Arc::new(Verifier { webpki: None, check_name: false, provider }))
+        builder.dangerous().with_custom_certificate_verifier(Arc::new(Verifier {
+            webpki: None,
+            check_name: false,
+            provider,
+        }))
     };
     match &t.client_cert {
         Some((cert, key)) => {
@@ -367,11 +378,21 @@ impl ServerCertVerifier for Verifier {
         }
     }
 
-    fn verify_tls12_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
-    fn verify_tls13_signature(&self, message: &[u8], cert: &CertificateDer<'_>, dss: &DigitallySignedStruct) -> Result<HandshakeSignatureValid, rustls::Error> {
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
     }
 
@@ -395,14 +416,22 @@ pub fn explain(t: &Target, e: &tokio_postgres::Error) -> String {
         src = s.source();
     }
     let lower = text.to_ascii_lowercase();
-    let hint = if lower.contains("unknownissuer") || lower.contains("unknown issuer") || lower.contains("badsignature") {
-        format!(" — TLS: the server's certificate is not signed by a CA in {} (sslmode={})", t.root_cert.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the system store".into()), t.ssl)
+    let hint = if lower.contains("unknownissuer") || lower.contains("unknown issuer") || lower.contains("badsignature")
+    {
+        format!(
+            " — TLS: the server's certificate is not signed by a CA in {} (sslmode={})",
+            t.root_cert.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "the system store".into()),
+            t.ssl
+        )
     } else if lower.contains("notvalidforname") || lower.contains("not valid for name") {
         format!(" — TLS: the server's certificate does not name host {:?} (sslmode=verify-full checks the host name; use the name in the certificate, or verify-ca)", t.host)
     } else if lower.contains("expired") {
         " — TLS: the server's certificate has expired".to_string()
     } else if text.contains("server does not support TLS") {
-        format!(" — TLS: sslmode={} but the server does not offer TLS (set ssl=on on the server, or lower sslmode)", t.ssl)
+        format!(
+            " — TLS: sslmode={} but the server does not offer TLS (set ssl=on on the server, or lower sslmode)",
+            t.ssl
+        )
     } else if text.contains("password authentication failed") || text.contains("28P01") {
         format!(" — authentication: wrong password for user {:?}", t.user)
     } else if text.contains("password missing") {
@@ -419,7 +448,9 @@ mod tests {
 
     #[test]
     fn url_parameters_and_sslmodes() {
-        let t = parse("postgres://app:pw@db.example:6432/shop?sslmode=verify-full&sslrootcert=/ca.pem&application_name=x").unwrap();
+        let t =
+            parse("postgres://app:pw@db.example:6432/shop?sslmode=verify-full&sslrootcert=/ca.pem&application_name=x")
+                .unwrap();
         assert_eq!((t.host.as_str(), t.port, t.user.as_str(), t.dbname.as_str()), ("db.example", 6432, "app", "shop"));
         assert_eq!(t.ssl, SslMode::VerifyFull);
         assert_eq!(t.root_cert.as_deref(), Some(Path::new("/ca.pem")));
@@ -437,7 +468,10 @@ mod tests {
         let cases = [
             ("postgres://u:hunter2@h:5432/d", "postgres://u:***@h:5432/d"),
             ("postgres://u@h/d?password=hunter2", "postgres://u@h/d?password=***"),
-            ("postgres://u@h/d?sslmode=require&sslpassword=hunter2&application_name=x", "postgres://u@h/d?sslmode=require&sslpassword=***&application_name=x"),
+            (
+                "postgres://u@h/d?sslmode=require&sslpassword=hunter2&application_name=x",
+                "postgres://u@h/d?sslmode=require&sslpassword=***&application_name=x",
+            ),
             ("postgres://u@h/d?PASSWORD=hunter2", "postgres://u@h/d?PASSWORD=***"),
             ("postgres://u@h/d?password_file=/run/secret", "postgres://u@h/d?password_file=/run/secret"),
             ("host=h user=u password=hunter2 dbname=d", "host=h user=u password=*** dbname=d"),

@@ -13,7 +13,9 @@ use common::jobs::{effects, effects_db, Effect, RunningWorker};
 use common::*;
 use outbox_relay::consumer::queue::{MemoryQueue, Queue, SqsQueue};
 use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob};
+use outbox_relay::consumer::{
+    enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob,
+};
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 
@@ -87,7 +89,10 @@ async fn job_state(db: &TestDb, job_id: &str) -> (String, i32, i32, Option<Strin
     let r = db
         .client()
         .await
-        .query_one("SELECT status, attempt_count, redrive_generation, dead_reason FROM jobs WHERE job_id = $1", &[&job_id])
+        .query_one(
+            "SELECT status, attempt_count, redrive_generation, dead_reason FROM jobs WHERE job_id = $1",
+            &[&job_id],
+        )
         .await
         .unwrap();
     (r.get(0), r.get(1), r.get(2), r.get(3))
@@ -111,14 +116,17 @@ async fn enqueue_is_idempotent_and_refuses_a_different_payload_under_the_same_id
     assert_eq!(db.count(&format!("event_id = 'ship:{id}:0'")).await, 1);
     // An explicit id reused for other work is an error.
     let other = serde_json::json!({"order": 43});
-    let mine = NewJob { kind: "ship", payload: &payload, destination: "jobs", group_key: None, job_id: Some("order-42") };
+    let mine =
+        NewJob { kind: "ship", payload: &payload, destination: "jobs", group_key: None, job_id: Some("order-42") };
     enqueue(&c, &mine).await.unwrap();
     let err = enqueue(&c, &NewJob { payload: &other, ..mine.clone() }).await.unwrap_err();
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{err}");
     // The job and its event commit together or not at all.
     let tx = c.transaction().await.unwrap();
     let p = serde_json::json!({"order": 44});
-    enqueue(&tx, &NewJob { kind: "ship", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    enqueue(&tx, &NewJob { kind: "ship", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(db.count("true").await, 2);
     let n: i64 = c.query_one("SELECT count(*) FROM jobs", &[]).await.unwrap().get(0);
@@ -143,7 +151,9 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
 
     // Sequentially: the second delivery finds the job terminal.
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..2 {
         sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
@@ -156,7 +166,9 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
 
     // Concurrently: 8 copies processed at once.
     let p = serde_json::json!({"n": 2});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..8 {
         sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
@@ -179,7 +191,13 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
     }
     let wins = outcomes.iter().filter(|d| matches!(d, Disposition::Succeeded { .. })).count();
     assert_eq!(wins, 1, "{outcomes:?}");
-    assert!(outcomes.iter().all(|d| matches!(d, Disposition::Succeeded { .. } | Disposition::TerminalSkip | Disposition::Busy { .. } | Disposition::Fenced)), "{outcomes:?}");
+    assert!(
+        outcomes.iter().all(|d| matches!(
+            d,
+            Disposition::Succeeded { .. } | Disposition::TerminalSkip | Disposition::Busy { .. } | Disposition::Fenced
+        )),
+        "{outcomes:?}"
+    );
     assert_eq!(effects(&db, &format!("job_id = '{id}'")).await, 1);
     assert_eq!(job_state(&db, &id).await.0, "SUCCEEDED");
 }
@@ -196,15 +214,23 @@ async fn hundred_jobs_each_delivered_twice_through_the_relay_and_a_worker() {
     let mut ids = Vec::new();
     for n in 0..100 {
         let p = serde_json::json!({"n": n});
-        ids.push(enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap());
+        ids.push(
+            enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+                .await
+                .unwrap(),
+        );
     }
-    wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 100 }).await;
+    wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 100 })
+        .await;
     for id in &ids {
         let b = body(&db, id, 0).await;
         sqs.client().send_message().queue_url(&q).message_body(b).send().await.unwrap();
     }
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(2)).handle("effect", Effect));
-    let worker = RunningWorker::start(Worker::new(cons, Arc::new(SqsQueue::new(sqs.client().clone(), &q)), 8), Duration::from_secs(1));
+    let worker = RunningWorker::start(
+        Worker::new(cons, Arc::new(SqsQueue::new(sqs.client().clone(), &q)), 8),
+        Duration::from_secs(1),
+    );
     let metrics = Arc::clone(&worker.metrics);
     wait_for("200 deliveries disposed of", Duration::from_secs(90), || async {
         metrics.count("succeeded") + metrics.count("terminal_skip") >= 200
@@ -213,7 +239,15 @@ async fn hundred_jobs_each_delivered_twice_through_the_relay_and_a_worker() {
     worker.stop().await;
     eprintln!("{}", metrics.render());
     assert_eq!(effects(&db, "true").await, 100);
-    assert_eq!(effects(&db, "true").await, db.client().await.query_one("SELECT count(DISTINCT job_id) FROM business_effects", &[]).await.unwrap().get::<_, i64>(0));
+    assert_eq!(
+        effects(&db, "true").await,
+        db.client()
+            .await
+            .query_one("SELECT count(DISTINCT job_id) FROM business_effects", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    );
     assert_eq!(metrics.count("succeeded"), 100);
     assert_eq!(metrics.count("terminal_skip"), 100);
     let deletes = metrics.count("succeeded") + metrics.count("terminal_skip");
@@ -230,9 +264,14 @@ async fn a_stale_generation_cannot_close_a_redriven_job() {
     let gate = Arc::new(Notify::new());
     let started = Arc::new(Notify::new());
     let queue = MemoryQueue::new(Duration::from_secs(30));
-    let old = Arc::new(consumer(&db, "old", Duration::from_secs(30)).handle("effect", Gated { gate: Arc::clone(&gate), started: Arc::clone(&started) }));
+    let old = Arc::new(
+        consumer(&db, "old", Duration::from_secs(30))
+            .handle("effect", Gated { gate: Arc::clone(&gate), started: Arc::clone(&started) }),
+    );
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let gen0 = body(&db, &id, 0).await;
     queue.send(&gen0);
     let m0 = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
@@ -268,23 +307,30 @@ async fn an_early_retry_only_changes_visibility() {
     let db = setup("early").await;
     let c = db.client().await;
     let runs = Arc::new(AtomicUsize::new(0));
-    let mut cons = consumer(&db, "w", Duration::from_secs(30)).handle("effect", Flaky { fails: 1, runs: Arc::clone(&runs) });
+    let mut cons =
+        consumer(&db, "w", Duration::from_secs(30)).handle("effect", Flaky { fails: 1, runs: Arc::clone(&runs) });
     cons.config.retry_base = Duration::from_secs(60);
     cons.config.retry_max = Duration::from_secs(60);
     let queue = MemoryQueue::new(Duration::from_secs(30));
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let b = body(&db, &id, 0).await;
     queue.send(&b);
     let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
-    let Disposition::Retried { after, .. } = cons.process(&queue, &m).await.unwrap() else { panic!("expected a retry") };
+    let Disposition::Retried { after, .. } = cons.process(&queue, &m).await.unwrap() else {
+        panic!("expected a retry")
+    };
     assert!(after >= Duration::from_secs(30) && after <= Duration::from_secs(60), "{after:?}");
     // A copy arriving before the retry is due: visibility only.
     queue.send(&b);
     let early = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
     let (_, _, changes_before) = queue.counters();
     match cons.process(&queue, &early).await.unwrap() {
-        Disposition::NotDue { after: remaining } => assert!(remaining <= after && remaining > Duration::from_secs(25), "{remaining:?}"),
+        Disposition::NotDue { after: remaining } => {
+            assert!(remaining <= after && remaining > Duration::from_secs(25), "{remaining:?}")
+        }
         other => panic!("expected NotDue, got {other:?}"),
     }
     assert_eq!(queue.counters().2, changes_before + 1, "one visibility change");
@@ -322,17 +368,26 @@ async fn a_poison_message_ends_in_the_dlq_and_its_job_dead() {
         .unwrap();
     let c = db.client().await;
     let p = serde_json::json!({"poison": true});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
     sqs.client().send_message().queue_url(&q).message_body("not a job message").send().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
-    let cons = Arc::new(consumer(&db, "w", Duration::from_secs(1)).handle("effect", Flaky { fails: usize::MAX, runs: Arc::clone(&runs) }));
+    let cons = Arc::new(
+        consumer(&db, "w", Duration::from_secs(1))
+            .handle("effect", Flaky { fails: usize::MAX, runs: Arc::clone(&runs) }),
+    );
     let main = SqsQueue::new(sqs.client().clone(), &q);
     let dead_letters = SqsQueue::new(sqs.client().clone(), &dlq);
     let mut in_dlq = Vec::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while in_dlq.len() < 2 {
-        assert!(std::time::Instant::now() < deadline, "messages never reached the DLQ; handler ran {} times", runs.load(Ordering::SeqCst));
+        assert!(
+            std::time::Instant::now() < deadline,
+            "messages never reached the DLQ; handler ran {} times",
+            runs.load(Ordering::SeqCst)
+        );
         for m in main.receive(10, Duration::from_secs(1)).await.unwrap() {
             cons.process(&main, &m).await.unwrap();
         }
@@ -359,7 +414,9 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     sqs.client().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "2").send().await.unwrap();
     let c = db.client().await;
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
 
     // Worker 1 claims and hangs; then it is killed (its task and connections go).
@@ -397,7 +454,9 @@ async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
     let c = db.client().await;
     let queue = MemoryQueue::new(Duration::from_secs(30));
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let b = body(&db, &id, 0).await;
     // A worker claims and dies mid-handler.
     queue.send(&b);

@@ -13,7 +13,9 @@ use async_trait::async_trait;
 use common::jobs::{effects_db, Effect};
 use common::*;
 use outbox_relay::consumer::queue::{MemoryQueue, Queue};
-use outbox_relay::consumer::{enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob};
+use outbox_relay::consumer::{
+    enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob,
+};
 use proptest::prelude::*;
 use tokio_postgres::Transaction;
 
@@ -79,21 +81,21 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let c = w.db.client().await;
     let case = w.n.fetch_add(1, Ordering::Relaxed);
     let payload = serde_json::json!({"case": case});
-    let id = enqueue(&c, &NewJob { kind: "k", payload: &payload, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+    let id = enqueue(&c, &NewJob { kind: "k", payload: &payload, destination: "jobs", group_key: None, job_id: None })
+        .await
+        .unwrap();
     let queue = MemoryQueue::new(Duration::from_secs(3600));
     let mut worker_no = 0;
     for op in ops {
         match op {
             Op::Deliver(deliveries) => {
-                let generation: i32 = c.query_one("SELECT redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
+                let generation: i32 =
+                    c.query_one("SELECT redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
                 let mut tasks = Vec::new();
                 for (b, stale) in deliveries {
                     let g = if stale && generation > 0 { generation - 1 } else { generation };
-                    let body: String = c
-                        .query_one("SELECT outbox_job_message($1, 'k', $2)", &[&id, &g])
-                        .await
-                        .unwrap()
-                        .get(0);
+                    let body: String =
+                        c.query_one("SELECT outbox_job_message($1, 'k', $2)", &[&id, &g]).await.unwrap().get(0);
                     queue.send(body);
                     let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
                     worker_no += 1;
@@ -142,7 +144,12 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
             )
             .await
             .unwrap();
-        prop_assert!(twice.is_empty(), "generation {} has {} effects", twice[0].get::<_, i32>(0), twice[0].get::<_, i64>(1));
+        prop_assert!(
+            twice.is_empty(),
+            "generation {} has {} effects",
+            twice[0].get::<_, i32>(0),
+            twice[0].get::<_, i64>(1)
+        );
     }
     let r = c.query_one("SELECT status, redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap();
     let (status, generation): (String, i32) = (r.get(0), r.get(1));

@@ -66,10 +66,7 @@ async fn thousands_of_rows(mode: Mode) {
     .unwrap();
 
     let total_good = 200 + 4 * (500 + 300 + 200) + 2;
-    wait_for("every row settled", Duration::from_secs(120), || async {
-        db.count("status = 'NEW'").await == 0
-    })
-    .await;
+    wait_for("every row settled", Duration::from_secs(120), || async { db.count("status = 'NEW'").await == 0 }).await;
     assert_eq!(db.count("status = 'PUBLISHED'").await, total_good as i64);
     let c2 = db.client().await;
     let dead: HashMap<String, String> = c2

@@ -29,7 +29,15 @@ fn every_scenario_keeps_its_guarantee() {
     assert_eq!(scenarios["dual_write_baseline"]["missing_messages"], 3);
     assert_eq!(scenarios["dual_write_baseline"]["missing_publish_intents"], 3);
     for (name, c) in scenarios {
-        for key in ["missing_publish_intents", "partial_commits", "missing_messages", "duplicate_messages", "duplicate_business_effects", "duplicate_terminal_skips", "message_deletes"] {
+        for key in [
+            "missing_publish_intents",
+            "partial_commits",
+            "missing_messages",
+            "duplicate_messages",
+            "duplicate_business_effects",
+            "duplicate_terminal_skips",
+            "message_deletes",
+        ] {
             assert!(c[key].is_u64(), "{name}.{key} is a counter: {c}");
         }
         if name != "dual_write_baseline" {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use outbox_relay::publisher::memory::MemoryPublisher;
+use outbox_relay::publish::memory::MemoryPublisher;
 
 const Q: &str = "http://memory.invalid/orders";
 
@@ -32,7 +32,10 @@ async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
     let mut cfg = config(&db, &[("orders", Q)]);
     cfg.takeover_timeout = Duration::from_secs(1);
     let relay = start(cfg.clone(), Arc::new(p.clone()));
-    wait_for("leading", Duration::from_secs(30), || async { gauge(&relay.metrics.render(), "outbox_relay_is_leader ") == Some(1.0) }).await;
+    wait_for("leading", Duration::from_secs(30), || async {
+        gauge(&relay.metrics.render(), "outbox_relay_is_leader ") == Some(1.0)
+    })
+    .await;
     // A second relay with the same config waits.
     let standby = start(cfg, Arc::new(p.clone()));
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -51,7 +54,8 @@ async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
     assert_eq!(killed, 1);
     wait_for("old leader stepped down", Duration::from_secs(10), || async {
         let m = relay.metrics.render();
-        gauge(&m, "outbox_relay_is_leader ") == Some(0.0) || gauge(&m, "outbox_relay_leader_changes_total ") >= Some(2.0)
+        gauge(&m, "outbox_relay_is_leader ") == Some(0.0)
+            || gauge(&m, "outbox_relay_leader_changes_total ") >= Some(2.0)
     })
     .await;
     wait_for("someone leads again", Duration::from_secs(20), || async {
@@ -61,7 +65,10 @@ async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
     .await;
     let c = db.client().await;
     insert_rows(&c, "after", "orders", 100, None).await;
-    wait_for("rows published by the new leader", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    wait_for("rows published by the new leader", Duration::from_secs(30), || async {
+        db.count("status = 'NEW'").await == 0
+    })
+    .await;
     let bodies: std::collections::HashSet<String> = p.sent(Q).into_iter().map(|s| s.body).collect();
     assert_eq!(bodies.len(), 100);
     relay.stop().await;
@@ -116,7 +123,12 @@ async fn readiness_fails_while_the_slot_does_not_advance_under_lag() {
     })
     .await;
     let (_, body) = http_get(&addr, "/metrics");
-    for name in ["outbox_relay_slot_wal_status{status=\"reserved\"} 1", "outbox_relay_is_leader 1", "outbox_relay_heartbeat_rtt_seconds", "process_resident_memory_bytes"] {
+    for name in [
+        "outbox_relay_slot_wal_status{status=\"reserved\"} 1",
+        "outbox_relay_is_leader 1",
+        "outbox_relay_heartbeat_rtt_seconds",
+        "process_resident_memory_bytes",
+    ] {
         assert!(body.contains(name), "/metrics lacks {name}");
     }
     relay.stop().await;
@@ -145,7 +157,9 @@ fn names_in(expr: &str, out: &mut Vec<String>) {
 fn alert_rules_and_dashboard_name_only_exported_metrics() {
     let exported = outbox_relay::metrics::Metrics::new().names();
     let root = env!("CARGO_MANIFEST_DIR");
-    let alerts: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(format!("{root}/deploy/prometheus-alerts.yml")).unwrap()).unwrap();
+    let alerts: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(format!("{root}/deploy/prometheus-alerts.yml")).unwrap())
+            .unwrap();
     let mut named = Vec::new();
     let mut rules = 0;
     for g in alerts["groups"].as_sequence().unwrap() {
@@ -156,7 +170,9 @@ fn alert_rules_and_dashboard_name_only_exported_metrics() {
         }
     }
     assert!(rules >= 8);
-    let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(format!("{root}/deploy/grafana-dashboard.json")).unwrap()).unwrap();
+    let dash: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{root}/deploy/grafana-dashboard.json")).unwrap())
+            .unwrap();
     for p in dash["panels"].as_array().unwrap() {
         for t in p["targets"].as_array().unwrap() {
             names_in(t["expr"].as_str().unwrap(), &mut named);
@@ -165,7 +181,14 @@ fn alert_rules_and_dashboard_name_only_exported_metrics() {
     for n in &named {
         assert!(exported.contains(n), "{n} is named in deploy/ but not exported");
     }
-    for must in ["outbox_relay_slot_lag_bytes", "outbox_relay_slot_active", "outbox_relay_slot_wal_status", "outbox_relay_events_dead_total", "outbox_relay_oldest_unpublished_seconds", "outbox_relay_is_leader"] {
+    for must in [
+        "outbox_relay_slot_lag_bytes",
+        "outbox_relay_slot_active",
+        "outbox_relay_slot_wal_status",
+        "outbox_relay_events_dead_total",
+        "outbox_relay_oldest_unpublished_seconds",
+        "outbox_relay_is_leader",
+    ] {
         assert!(named.iter().any(|n| n == must), "no alert or panel uses {must}");
     }
 }
@@ -223,7 +246,10 @@ async fn two_sharded_relays_over_disjoint_destinations_deliver_every_row_to_its_
     for (q, d, n) in [(qa, "a", 230), (qb, "b", 200), (qc, "c", 230)] {
         let got = bodies(q);
         assert_eq!(got.len(), n, "queue {q}");
-        assert!(got.iter().all(|b| b.starts_with(d) || b.starts_with(&format!("early_{d}"))), "{q} got another shard's row");
+        assert!(
+            got.iter().all(|b| b.starts_with(d) || b.starts_with(&format!("early_{d}"))),
+            "{q} got another shard's row"
+        );
     }
     r1.stop().await;
     r2.stop().await;

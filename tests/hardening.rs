@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::process::{relay_bin, RelayProcess};
 use common::*;
-use outbox_relay::publisher::memory::MemoryPublisher;
-use outbox_relay::publisher::CallError;
+use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_relay::publish::CallError;
 
 const Q: &str = "http://memory.invalid/orders";
 const SECRET: &str = "Hunter2Secret";
@@ -126,7 +126,10 @@ async fn sigterm_during_a_hung_start_up_stops_at_once() {
     let url = format!("postgres://app@127.0.0.1:{}/app", server.port);
     let cfg = ConfigFile::new(&config_text(&url, "connect_timeout = \"10m\""));
     let relay = RelayProcess::spawn(&cfg.path, &[]);
-    wait_for("the relay connects to the silent server", Duration::from_secs(20), || async { server.connections() >= 1 }).await;
+    wait_for("the relay connects to the silent server", Duration::from_secs(20), || async {
+        server.connections() >= 1
+    })
+    .await;
     let asked = Instant::now();
     let status = relay.terminate(Duration::from_secs(10)).await.expect("run ends after SIGTERM, not killed");
     assert!(status.success(), "{status:?}");
@@ -149,12 +152,15 @@ async fn sigterm_during_a_hung_start_up_stops_at_once() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _ = migrate.kill();
+    let _ = migrate.wait();
     assert_eq!(code.and_then(|c| c.code()), Some(130), "migrate stops on SIGTERM");
 }
 
 #[test]
 fn zero_durations_are_refused_at_start_up() {
-    for (line, key) in [("heartbeat_interval = \"0s\"", "heartbeat_interval"), ("poll_interval = \"0s\"", "poll_interval")] {
+    for (line, key) in
+        [("heartbeat_interval = \"0s\"", "heartbeat_interval"), ("poll_interval = \"0s\"", "poll_interval")]
+    {
         let cfg = ConfigFile::new(&config_text("postgres://app@127.0.0.1:1/app", line));
         let (out, _) = run_bin(&["run", "--config", cfg.arg()], &[], Duration::from_secs(20));
         assert_eq!(out.status.code(), Some(2));
@@ -173,7 +179,11 @@ fn secrets_never_show_in_logs_or_errors() {
     let server = SilentServer::start();
     let url = format!("postgres://app@127.0.0.1:{}/app?password={SECRET}", server.port);
     let cfg = ConfigFile::new(&config_text(&url, "connect_timeout = \"500ms\""));
-    for args in [&["run", "--config", cfg.arg()][..], &["status", "--config", cfg.arg()][..], &["migrate", "--database-url", &url][..]] {
+    for args in [
+        &["run", "--config", cfg.arg()][..],
+        &["status", "--config", cfg.arg()][..],
+        &["migrate", "--database-url", &url][..],
+    ] {
         let (out, _) = run_bin(args, &[], Duration::from_secs(20));
         let all = text(&out);
         assert!(!all.contains(SECRET), "{args:?} shows the secret: {all}");
@@ -228,7 +238,11 @@ async fn secrets_never_show_in_a_real_run_or_status() {
     let logs = text(&out);
     assert!(logs.contains("starting") && logs.contains("password=***"), "{logs}");
     assert!(!logs.contains(SECRET), "the run's logs show the secret");
-    for args in [&["status", "--config", cfg.arg()][..], &["status", "--json", "--config", cfg.arg()][..], &["dead", "list", "--config", cfg.arg()][..]] {
+    for args in [
+        &["status", "--config", cfg.arg()][..],
+        &["status", "--json", "--config", cfg.arg()][..],
+        &["dead", "list", "--config", cfg.arg()][..],
+    ] {
         let (out, _) = run_bin(args, &[("PGPASSWORD", SECRET)], Duration::from_secs(30));
         assert!(out.status.success(), "{args:?}: {}", text(&out));
         assert!(!text(&out).contains(SECRET), "{args:?} shows the secret");
@@ -273,7 +287,10 @@ async fn shutdown_during_a_queue_outage_is_prompt_and_loses_nothing() {
     let relay = start(cfg.clone(), Arc::new(p.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     insert_rows(&db.client().await, "o", "orders", 200, None).await;
-    wait_for("the budget is full", Duration::from_secs(30), || async { in_flight(&relay.metrics) >= 50 && p.calls() > 2 }).await;
+    wait_for("the budget is full", Duration::from_secs(30), || async {
+        in_flight(&relay.metrics) >= 50 && p.calls() > 2
+    })
+    .await;
     let asked = Instant::now();
     tokio::time::timeout(Duration::from_secs(10), relay.stop()).await.expect("the relay stops");
     let took = asked.elapsed();
@@ -282,7 +299,10 @@ async fn shutdown_during_a_queue_outage_is_prompt_and_loses_nothing() {
 
     p.fix_queue(Q);
     let relay = start(cfg, Arc::new(p.clone()));
-    wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 200 }).await;
+    wait_for("every row published", Duration::from_secs(60), || async {
+        db.count("status = 'PUBLISHED'").await == 200
+    })
+    .await;
     relay.stop().await;
     let mut ids: Vec<i64> = p.sent(Q).iter().map(|s| s.outbox_id).collect();
     ids.sort();
@@ -313,11 +333,16 @@ async fn unsettled_events_are_bounded_in_bytes() {
     // 2 MiB hold 7 bodies of 256 KiB (each also counts its small overhead).
     wait_for("the byte budget is full", Duration::from_secs(30), || async { in_flight(&relay.metrics) >= 7 }).await;
     for _ in 0..10 {
-        assert!(in_flight(&relay.metrics) <= 8, "{} unsettled events of 256 KiB with a 2 MiB budget", in_flight(&relay.metrics));
+        assert!(
+            in_flight(&relay.metrics) <= 8,
+            "{} unsettled events of 256 KiB with a 2 MiB budget",
+            in_flight(&relay.metrics)
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     p.open_gate();
-    wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 40 }).await;
+    wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 40 })
+        .await;
     relay.stop().await;
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use outbox_relay::publisher::memory::{Fault, MemoryPublisher};
+use outbox_relay::publish::memory::{Fault, MemoryPublisher};
 
 const Q: &str = "http://memory.invalid/orders";
 const Q2: &str = "http://memory.invalid/billing";
@@ -32,10 +32,12 @@ async fn confirmed_lsn_never_passes_an_event_whose_publish_is_blocked() {
     p.close_gate();
     insert_rows(&c, "blocked", "orders", 3, None).await;
     let blocked_end = db.current_lsn().await; // the end of the blocked transaction
-    // Later transactions, heartbeats and other tables keep the WAL moving.
+                                              // Later transactions, heartbeats and other tables keep the WAL moving.
     for i in 0..5 {
         insert_rows(&c, &format!("later{i}"), "billing", 10, None).await;
-        c.batch_execute("CREATE TABLE IF NOT EXISTS noise (x int); INSERT INTO noise SELECT generate_series(1, 1000)").await.unwrap();
+        c.batch_execute("CREATE TABLE IF NOT EXISTS noise (x int); INSERT INTO noise SELECT generate_series(1, 1000)")
+            .await
+            .unwrap();
     }
     // Several status intervals and heartbeats pass while the gate is closed.
     for _ in 0..10 {
@@ -82,7 +84,7 @@ async fn a_partially_failed_batch_resends_only_the_failed_entries() {
     // First call: entries 1 and 3 are throttled (retryable), entry 5 is refused for good.
     p.push_fault(Fault::FailEntries { positions: vec![1, 3], code: "RequestThrottled".into(), sender_fault: true });
     // Second call (the two throttled entries, alone): fails whole, nothing sent.
-    p.push_fault(Fault::FailCall(outbox_relay::publisher::CallError::transport("connection reset")));
+    p.push_fault(Fault::FailCall(outbox_relay::publish::CallError::transport("connection reset")));
     // Third call (the same two again): the first is refused for good, the second sent.
     p.push_fault(Fault::FailEntries { positions: vec![0], code: "InvalidMessageContents".into(), sender_fault: true });
     let mut cfg = config(&db, &[("orders", Q)]);
@@ -102,13 +104,12 @@ async fn a_partially_failed_batch_resends_only_the_failed_entries() {
     assert_eq!(sent.len(), 9, "{counts:?}");
     assert!(counts.values().all(|&n| n == 1), "an entry was sent twice: {counts:?}");
     assert_eq!(db.count("status = 'PUBLISHED'").await, 9);
-    let dead: String = c
-        .query_one("SELECT last_error FROM outbox WHERE status = 'DEAD'", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let dead: String = c.query_one("SELECT last_error FROM outbox WHERE status = 'DEAD'", &[]).await.unwrap().get(0);
     assert!(dead.starts_with("sqs_rejected: InvalidMessageContents"), "{dead}");
-    assert!(relay.metrics.render().contains("outbox_relay_sqs_entry_failures_total{code=\"RequestThrottled\",destination=\"orders\"} 2"));
+    assert!(relay
+        .metrics
+        .render()
+        .contains("outbox_relay_sqs_entry_failures_total{code=\"RequestThrottled\",destination=\"orders\"} 2"));
     relay.stop().await;
 }
 
@@ -129,7 +130,11 @@ async fn rows_settled_before_a_crash_are_not_sent_again() {
     })
     .await;
     relay.abort();
-    c.batch_execute("UPDATE outbox SET status = 'PUBLISHED', published_at = now() WHERE event_id LIKE 'r:%' AND id % 2 = 0").await.unwrap();
+    c.batch_execute(
+        "UPDATE outbox SET status = 'PUBLISHED', published_at = now() WHERE event_id LIKE 'r:%' AND id % 2 = 0",
+    )
+    .await
+    .unwrap();
     assert!(db.confirmed_flush_lsn().await <= confirmed_before + 1_000_000);
 
     let p2 = publisher();

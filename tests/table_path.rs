@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use outbox_relay::config::Mode;
-use outbox_relay::publisher::memory::MemoryPublisher;
-use outbox_relay::publisher::CallError;
+use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_relay::publish::CallError;
 
 const A: &str = "http://memory.invalid/a";
 const B: &str = "http://memory.invalid/b";
@@ -35,7 +35,14 @@ async fn a_sick_lane_spools_the_slot_moves_on_and_it_streams_again_once_drained(
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let c = db.client().await;
 
-    p.break_queue(B, CallError { code: "AWS.SimpleQueueService.NonExistentQueue".into(), message: "gone".into(), sender_fault: true });
+    p.break_queue(
+        B,
+        CallError {
+            code: "AWS.SimpleQueueService.NonExistentQueue".into(),
+            message: "gone".into(),
+            sender_fault: true,
+        },
+    );
     for k in 0..10 {
         insert_rows(&c, &format!("a{k}"), "a", 50, None).await;
         insert_rows(&c, &format!("b{k}"), "b", 50, None).await;
@@ -68,7 +75,8 @@ async fn a_sick_lane_spools_the_slot_moves_on_and_it_streams_again_once_drained(
     .await;
 
     p.fix_queue(B);
-    wait_for("b drained from the table", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    wait_for("b drained from the table", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 })
+        .await;
     wait_for("b streams again", Duration::from_secs(30), || async {
         gauge(&relay.metrics.render(), "outbox_relay_lane_spooled{destination=\"b\"}") == Some(0.0)
     })
@@ -192,7 +200,11 @@ fn cli(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
         .envs(env.iter().copied())
         .output()
         .unwrap();
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,7 +237,8 @@ async fn dead_redrive_sends_a_fixed_row_again_and_status_json_is_stable() {
 
     let (ok, out, _) = cli(&["status", "--json"], &env);
     assert!(ok);
-    let s: outbox_relay::ops::Status = serde_json::from_str(&out).expect("status --json parses into its documented type");
+    let s: outbox_relay::ops::Status =
+        serde_json::from_str(&out).expect("status --json parses into its documented type");
     assert_eq!((s.format, s.mode.as_str(), s.effective_mode.as_str()), (1, "cdc", "cdc"));
     assert!(s.slot.exists && s.slot.active == Some(true));
     let a = s.destinations.iter().find(|d| d.destination == "a").unwrap();
@@ -284,7 +297,7 @@ async fn retention_deletes_only_old_published_rows() {
     .unwrap();
     let old = db.count("status = 'PUBLISHED' AND published_at < now() - interval '7 days'").await;
     let before = db.count("true").await;
-    let n = outbox_relay::relay::sweep_once(&c, Duration::from_secs(7 * 86_400)).await.unwrap();
+    let n = outbox_relay::runtime::sweep_once(&c, Duration::from_secs(7 * 86_400)).await.unwrap();
     assert_eq!(n as i64, old);
     assert_eq!(db.count("true").await, before - old);
     assert_eq!(db.count("status = 'PUBLISHED' AND published_at < now() - interval '7 days'").await, 0);
@@ -315,7 +328,8 @@ async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may
     cfg.mode = Mode::Auto;
     let relay = start(cfg, Arc::new(p.clone()));
     insert_rows(&c, "y", "a", 100, None).await;
-    wait_for("published by the stream", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    wait_for("published by the stream", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 })
+        .await;
     let m = relay.metrics.render();
     assert!(m.contains("outbox_relay_mode{mode=\"cdc\"} 1"), "{m}");
     assert!(db.confirmed_flush_lsn().await > 0);
@@ -328,15 +342,26 @@ async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may
 /// is visible to other sessions; marking must wait for it, not skip it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_a_row_not_yet_visible_waits_for_it() {
-    use outbox_relay::settle::{mark, Backoff, Outcome, Settlement};
+    use outbox_relay::pipeline::settle::{mark, Backoff, Outcome, Settlement};
     let db = TestDb::new("visible").await;
     let writer = db.client().await;
-    writer.batch_execute("BEGIN; INSERT INTO outbox (event_id, destination, body) VALUES ('late', 'a', 'x')").await.unwrap();
+    writer
+        .batch_execute("BEGIN; INSERT INTO outbox (event_id, destination, body) VALUES ('late', 'a', 'x')")
+        .await
+        .unwrap();
     let id: i64 = writer.query_one("SELECT id FROM outbox WHERE event_id = 'late'", &[]).await.unwrap().get(0);
     let xid = stream_xid(&writer).await;
     let marker = db.client().await;
     let task = tokio::spawn(async move {
-        let s = Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None };
+        let s = Settlement {
+            id,
+            xid: Some(xid),
+            txn: None,
+            destination: Arc::from("a"),
+            outcome: Outcome::Published,
+            permit: None,
+            lane: None,
+        };
         mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -348,7 +373,15 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
 
     // A row settled before (a replay) is left as it is.
     let c = db.client().await;
-    let s = Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Dead(outbox_relay::event::DeadReason::new("x", "y")), permit: None, lane: None };
+    let s = Settlement {
+        id,
+        xid: Some(xid),
+        txn: None,
+        destination: Arc::from("a"),
+        outcome: Outcome::Dead(outbox_relay::policy::dead::DeadReason::new(outbox_relay::policy::dead::DeadCode::SqsRejected, "y")),
+        permit: None,
+        lane: None,
+    };
     let report = mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
     assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
@@ -364,7 +397,7 @@ async fn stream_xid(c: &tokio_postgres::Client) -> u32 {
 /// inserting transaction is visible, so its absence means it was deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_a_deleted_row_does_not_wait() {
-    use outbox_relay::settle::{mark, Backoff, Outcome, Settlement};
+    use outbox_relay::pipeline::settle::{mark, Backoff, Outcome, Settlement};
     let db = TestDb::new("vanished").await;
     let c = db.client().await;
     c.batch_execute("BEGIN").await.unwrap();
@@ -382,9 +415,17 @@ async fn marking_a_deleted_row_does_not_wait() {
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
     let batch: Vec<Settlement> = ids
         .iter()
-        .map(|&id| Settlement { id, xid: Some(xid), txn: None, destination: Arc::from("a"), outcome: Outcome::Published, permit: None, lane: None })
+        .map(|&id| Settlement {
+            id,
+            xid: Some(xid),
+            txn: None,
+            destination: Arc::from("a"),
+            outcome: Outcome::Published,
+            permit: None,
+            lane: None,
+        })
         .collect();
     let report = mark(&c, &batch, Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
-    assert_eq!(report, outbox_relay::settle::MarkReport { marked: 1, gone: 2, waits: 0 });
+    assert_eq!(report, outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, waits: 0 });
     assert_eq!(db.count("status = 'PUBLISHED'").await, 1);
 }

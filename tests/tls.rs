@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use outbox_relay::config::{Config, FileConfig, Overrides};
 use outbox_relay::db;
-use outbox_relay::publisher::memory::MemoryPublisher;
+use outbox_relay::publish::memory::MemoryPublisher;
 
 const Q: &str = "http://memory.invalid/orders";
 
@@ -89,7 +89,9 @@ async fn certificate_checks_fail_with_the_check_that_failed() {
     assert!(e.contains("does not name host \"127.0.0.1\""), "{e}");
     assert!(!e.contains(pw), "{e}");
     // verify-ca checks the chain only.
-    let c = db::connect(&url("127.0.0.1", &role, pw, &db, &format!("sslmode=verify-ca&sslrootcert={}", ca()))).await.unwrap();
+    let c = db::connect(&url("127.0.0.1", &role, pw, &db, &format!("sslmode=verify-ca&sslrootcert={}", ca())))
+        .await
+        .unwrap();
     let on: bool = c.query_one("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", &[]).await.unwrap().get(0);
     assert!(on);
     // A CA that did not sign the server's certificate.
@@ -100,7 +102,10 @@ async fn certificate_checks_fail_with_the_check_that_failed() {
         .to_string();
     assert!(e.contains("not signed by a CA in"), "{e}");
     // A CA file that is not there or not PEM.
-    let e = db::connect(&url("localhost", &role, pw, &db, "sslmode=verify-full&sslrootcert=/nonexistent/ca.crt")).await.unwrap_err().to_string();
+    let e = db::connect(&url("localhost", &role, pw, &db, "sslmode=verify-full&sslrootcert=/nonexistent/ca.crt"))
+        .await
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("/nonexistent/ca.crt"), "{e}");
     // sslmode=disable for a scram_users member: the server's pg_hba refuses.
     let e = db::connect(&url("localhost", &role, pw, &db, "sslmode=disable")).await.unwrap_err().to_string();
@@ -128,7 +133,8 @@ async fn a_wrong_password_and_missing_passwords_fail_cleanly_and_passwords_come_
     let dir = std::env::temp_dir().join(format!("pw-{}", db.name));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("secret"), format!("{pw}\n")).unwrap();
-    std::fs::write(dir.join("pgpass"), format!("# comment\nother:*:*:*:nope\nlocalhost:{}:*:{role}:{pw}\n", port())).unwrap();
+    std::fs::write(dir.join("pgpass"), format!("# comment\nother:*:*:*:nope\nlocalhost:{}:*:{role}:{pw}\n", port()))
+        .unwrap();
     let base = format!("postgres://{role}@localhost:{}/{}?{params}", port(), db.name);
     db::connect(&format!("{base}&password_file={}", dir.join("secret").display())).await.unwrap();
     db::connect(&format!("{base}&passfile={}", dir.join("pgpass").display())).await.unwrap();
@@ -159,14 +165,18 @@ async fn fake_server(answer: Option<u8>) -> u16 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn require_against_a_server_without_tls_and_a_hang_up_fail_cleanly() {
     let no_tls = fake_server(Some(b'N')).await;
-    let e = db::connect(&format!("postgres://u:topsecret@127.0.0.1:{no_tls}/d?sslmode=require")).await.unwrap_err().to_string();
-    assert!(e.contains("does not offer TLS"), "{e}");
-    assert!(!e.contains("topsecret"), "{e}");
-    let hang_up = fake_server(None).await;
-    let e = db::connect(&format!("postgres://u:topsecret@127.0.0.1:{hang_up}/d?sslmode=verify-full&sslrootcert={}", ca()))
+    let e = db::connect(&format!("postgres://u:topsecret@127.0.0.1:{no_tls}/d?sslmode=require"))
         .await
         .unwrap_err()
         .to_string();
+    assert!(e.contains("does not offer TLS"), "{e}");
+    assert!(!e.contains("topsecret"), "{e}");
+    let hang_up = fake_server(None).await;
+    let e =
+        db::connect(&format!("postgres://u:topsecret@127.0.0.1:{hang_up}/d?sslmode=verify-full&sslrootcert={}", ca()))
+            .await
+            .unwrap_err()
+            .to_string();
     assert!(e.starts_with("cannot connect to PostgreSQL"), "{e}");
     assert!(!e.contains("topsecret"), "{e}");
     // The replication connection too.
@@ -261,13 +271,20 @@ async fn the_password_never_appears_in_logs_status_or_errors() {
     let (stdout, stderr) = (out_reader.join().unwrap(), err_reader.join().unwrap());
     if streamed.is_err() {
         let tail: Vec<&str> = stderr.lines().filter(|l| !l.contains("\"DEBUG\"")).rev().take(40).collect();
-        panic!("relay did not publish within 30 s; its last log lines:\n{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+        panic!(
+            "relay did not publish within 30 s; its last log lines:\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        );
     }
     let out = std::process::Output { status, stdout: stdout.into_bytes(), stderr: stderr.into_bytes() };
     assert!(out.status.success(), "{:?}", out.status);
     seen += &String::from_utf8_lossy(&out.stdout);
     seen += &String::from_utf8_lossy(&out.stderr);
-    assert!(seen.contains("streaming") && seen.contains("cannot connect"), "the output was captured: {}", &seen[..seen.len().min(2000)]);
+    assert!(
+        seen.contains("streaming") && seen.contains("cannot connect"),
+        "the output was captured: {}",
+        &seen[..seen.len().min(2000)]
+    );
     assert!(!seen.contains(pw), "the password leaked: {}", seen.lines().find(|l| l.contains(pw)).unwrap_or_default());
     c.batch_execute(&format!("DROP OWNED BY {role}")).await.unwrap();
 }

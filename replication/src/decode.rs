@@ -47,9 +47,9 @@ impl TupleValue {
     /// The value as UTF-8 text, when it is a text value.
     pub fn as_str(&self) -> Option<Result<&str, DecodeError>> {
         match self {
-            TupleValue::Text(b) => Some(
-                std::str::from_utf8(b).map_err(|_| DecodeError::NotUtf8 { what: "text value" }),
-            ),
+            TupleValue::Text(b) => {
+                Some(std::str::from_utf8(b).map_err(|_| DecodeError::NotUtf8 { what: "text value" }))
+            }
             _ => None,
         }
     }
@@ -159,10 +159,7 @@ pub fn decode(data: &Bytes) -> Result<LogicalMessage, DecodeError> {
             end_lsn: r.lsn("Commit end LSN")?,
             commit_time: r.i64("Commit time")?,
         },
-        b'O' => LogicalMessage::Origin {
-            commit_lsn: r.lsn("Origin commit LSN")?,
-            name: r.cstr("Origin name")?,
-        },
+        b'O' => LogicalMessage::Origin { commit_lsn: r.lsn("Origin commit LSN")?, name: r.cstr("Origin name")? },
         b'R' => {
             let oid = r.u32("Relation OID")?;
             let namespace = r.cstr("Relation namespace")?;
@@ -179,13 +176,7 @@ pub fn decode(data: &Bytes) -> Result<LogicalMessage, DecodeError> {
                     type_modifier: r.i32("column type modifier")?,
                 });
             }
-            LogicalMessage::Relation(Arc::new(Relation {
-                oid,
-                namespace,
-                name,
-                replica_identity,
-                columns,
-            }))
+            LogicalMessage::Relation(Arc::new(Relation { oid, namespace, name, replica_identity, columns }))
         }
         b'Y' => LogicalMessage::Type {
             oid: r.u32("Type OID")?,
@@ -195,10 +186,7 @@ pub fn decode(data: &Bytes) -> Result<LogicalMessage, DecodeError> {
         b'I' => {
             let relation = r.u32("Insert relation OID")?;
             match r.u8("Insert tuple marker")? {
-                b'N' => LogicalMessage::Insert {
-                    relation,
-                    new: r.tuple()?,
-                },
+                b'N' => LogicalMessage::Insert { relation, new: r.tuple()? },
                 m => return Err(DecodeError::UnexpectedMarker(m, "Insert")),
             }
         }
@@ -213,12 +201,7 @@ pub fn decode(data: &Bytes) -> Result<LogicalMessage, DecodeError> {
                     m => return Err(DecodeError::UnexpectedMarker(m, "Update")),
                 }
             };
-            LogicalMessage::Update {
-                relation,
-                key,
-                old,
-                new,
-            }
+            LogicalMessage::Update { relation, key, old, new }
         }
         b'D' => {
             let relation = r.u32("Delete relation OID")?;
@@ -330,11 +313,7 @@ impl Reader<'_> {
         }
         let n = v as usize;
         if n.saturating_mul(min_size) > self.remaining() {
-            return Err(DecodeError::Truncated {
-                what,
-                need: n.saturating_mul(min_size),
-                have: self.remaining(),
-            });
+            return Err(DecodeError::Truncated { what, need: n.saturating_mul(min_size), have: self.remaining() });
         }
         Ok(n)
     }
@@ -350,10 +329,7 @@ impl Reader<'_> {
 
     fn cstr(&mut self, what: &'static str) -> Result<String, DecodeError> {
         let rest = &self.buf[self.pos..];
-        let end = rest
-            .iter()
-            .position(|&b| b == 0)
-            .ok_or(DecodeError::Unterminated { what })?;
+        let end = rest.iter().position(|&b| b == 0).ok_or(DecodeError::Unterminated { what })?;
         let s = std::str::from_utf8(&rest[..end]).map_err(|_| DecodeError::NotUtf8 { what })?;
         let s = s.to_owned();
         self.pos += end + 1;
@@ -363,10 +339,7 @@ impl Reader<'_> {
     fn tuple(&mut self) -> Result<Tuple, DecodeError> {
         let n = self.count("tuple column count", 1)?;
         if n > MAX_COLUMNS {
-            return Err(DecodeError::Invalid {
-                what: "tuple column count",
-                value: n as i64,
-            });
+            return Err(DecodeError::Invalid { what: "tuple column count", value: n as i64 });
         }
         let mut values = Vec::with_capacity(n);
         for _ in 0..n {

@@ -13,9 +13,7 @@ mod decode;
 mod lsn;
 mod relation_cache;
 
-pub use decode::{
-    decode, Column, DecodeError, LogicalMessage, Relation, Tuple, TupleValue, MAX_COLUMNS,
-};
+pub use decode::{decode, Column, DecodeError, LogicalMessage, Relation, Tuple, TupleValue, MAX_COLUMNS};
 pub use lsn::{Lsn, ParseLsnError};
 pub use relation_cache::RelationCache;
 

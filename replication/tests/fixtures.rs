@@ -7,24 +7,15 @@ use replication::{decode, DecodeError, LogicalMessage, RelationCache, TupleValue
 fn load(name: &str) -> Vec<Bytes> {
     let path = format!("{}/tests/fixtures/{name}.hex", env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| Bytes::from(hex_decode(l.trim())))
-        .collect()
+    text.lines().filter(|l| !l.trim().is_empty()).map(|l| Bytes::from(hex_decode(l.trim()))).collect()
 }
 
 fn hex_decode(s: &str) -> Vec<u8> {
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-        .collect()
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
 }
 
 fn decode_all(name: &str) -> Vec<LogicalMessage> {
-    load(name)
-        .iter()
-        .map(|b| decode(b).unwrap_or_else(|e| panic!("{name}: {e}")))
-        .collect()
+    load(name).iter().map(|b| decode(b).unwrap_or_else(|e| panic!("{name}: {e}"))).collect()
 }
 
 fn text(v: &TupleValue) -> &str {
@@ -45,8 +36,18 @@ fn outbox_inserts_and_messages() {
     assert_eq!(
         names,
         [
-            "id", "event_id", "destination", "body", "group_key", "attributes", "created_at",
-            "status", "attempts", "next_attempt_at", "last_error", "published_at"
+            "id",
+            "event_id",
+            "destination",
+            "body",
+            "group_key",
+            "attributes",
+            "created_at",
+            "status",
+            "attempts",
+            "next_attempt_at",
+            "last_error",
+            "published_at"
         ]
     );
     assert!(rel.columns[0].key && !rel.columns[1].key);

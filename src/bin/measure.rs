@@ -5,11 +5,12 @@
 //!     cargo run --release --features failpoints --bin measure -- --repetitions 100
 //!
 //! Exits 1 when a must-be-zero cell is not zero. Built only with the
-//! `failpoints` feature; the relay binary it spawns must be built with it too
-//! (the same cargo command builds both).
+//! `failpoints` feature; the relay binary it spawns must have the fail points
+//! too: it checks (`outbox-relay --built-with-failpoints`) and builds it with
+//! them when it does not.
 
 #[path = "../../tests/common/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 
 use std::process::ExitCode;
@@ -41,6 +42,34 @@ struct Args {
     keep_stack: bool,
 }
 
+/// The relay binary beside this one must have the fail points: a binary
+/// built without them would silently not fail where planned. If it lacks
+/// them (or is missing), build it with them, with the cargo that built us.
+fn ensure_failpoint_relay() -> Result<(), String> {
+    let relay = common::process::relay_bin();
+    let has = |p: &std::path::Path| {
+        std::process::Command::new(p).arg("--built-with-failpoints").status().map(|s| s.success()).unwrap_or(false)
+    };
+    if has(&relay) {
+        return Ok(());
+    }
+    eprintln!("measure: {} lacks the fail points; building it with --features failpoints", relay.display());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let built = std::process::Command::new(cargo)
+        .args(["build", "--release", "--features", "failpoints", "--bin", "outbox-relay", "--manifest-path", manifest])
+        .status()
+        .map_err(|e| format!("cannot run cargo to build the fail-point relay: {e}"))?;
+    if built.success() && has(&relay) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} has no fail points even after building it; run `cargo build --release --features failpoints --bin outbox-relay`",
+            relay.display()
+        ))
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
@@ -54,6 +83,10 @@ async fn main() -> ExitCode {
         };
     }
     let args = Args::parse();
+    if let Err(e) = ensure_failpoint_relay() {
+        eprintln!("measure: {e}");
+        return ExitCode::FAILURE;
+    }
     // A stack of its own: one scenario restarts PostgreSQL.
     let stack_guard = common::process::StackGuard::own("measure", "OUTBOX_RELAY_MEASURE_STACK_DIR", args.keep_stack);
     let params = faults::Params {

@@ -68,7 +68,11 @@ pub async fn enqueue<C: GenericClient>(client: &C, job: &NewJob<'_>) -> Result<S
 
 /// The id `enqueue` gives this work (computed by the database, so every
 /// language agrees).
-pub async fn job_id<C: GenericClient>(client: &C, kind: &str, payload: &serde_json::Value) -> Result<String, tokio_postgres::Error> {
+pub async fn job_id<C: GenericClient>(
+    client: &C,
+    kind: &str,
+    payload: &serde_json::Value,
+) -> Result<String, tokio_postgres::Error> {
     Ok(client.query_one("SELECT outbox_job_id($1, $2)", &[&kind, payload]).await?.get(0))
 }
 
@@ -141,17 +145,28 @@ pub trait Handler: Send + Sync + 'static {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Disposition {
     /// Claimed, handled, SUCCEEDED; message deleted.
-    Succeeded { rescued: bool },
+    Succeeded {
+        rescued: bool,
+    },
     /// Handler asked to retry: job PENDING until `after`; message hidden as long.
-    Retried { after: Duration, rescued: bool },
+    Retried {
+        after: Duration,
+        rescued: bool,
+    },
     /// Handler failed permanently (or the job was cancelled): DEAD; message deleted.
-    Dead { reason: String },
+    Dead {
+        reason: String,
+    },
     /// Job already SUCCEEDED or DEAD: deleted without running.
     TerminalSkip,
     /// A retry not yet due: visibility changed to the remaining time.
-    NotDue { after: Duration },
+    NotDue {
+        after: Duration,
+    },
     /// Another worker holds a live lease: message hidden until it expires.
-    Busy { after: Duration },
+    Busy {
+        after: Duration,
+    },
     /// A CAS found the job changed under us (claimed by another, redriven,
     /// rescued): nothing else was done.
     Fenced,
@@ -236,7 +251,8 @@ struct Seen {
     lease_in: Option<f64>,
 }
 
-const FENCE: &str = "job_id = $1 AND claimed_by = $2 AND status = 'CLAIMED' AND attempt_count = $3 AND redrive_generation = $4";
+const FENCE: &str =
+    "job_id = $1 AND claimed_by = $2 AND status = 'CLAIMED' AND attempt_count = $3 AND redrive_generation = $4";
 
 impl Consumer {
     pub fn new(pool: deadpool_postgres::Pool, config: ConsumerConfig) -> Self {
@@ -343,7 +359,14 @@ impl Consumer {
                     AND ((status = 'PENDING' AND (next_attempt_at IS NULL OR next_attempt_at <= now()))
                       OR (status = 'CLAIMED' AND lease_expires_at <= now()))
               RETURNING attempt_count, payload, cancel_requested",
-                &[&m.job_id, &self.config.worker_id, &job.status, &job.attempts, &m.generation, &self.config.lease.as_secs_f64()],
+                &[
+                    &m.job_id,
+                    &self.config.worker_id,
+                    &job.status,
+                    &job.attempts,
+                    &m.generation,
+                    &self.config.lease.as_secs_f64(),
+                ],
             )
             .await?;
         let Some(row) = claimed else {
@@ -376,7 +399,14 @@ impl Consumer {
         rescued: bool,
     ) -> Result<Disposition, ConsumerError> {
         let (cancel_tx, cancel_rx) = watch::channel(false);
-        let job = Job { job_id: m.job_id.clone(), kind: m.kind.clone(), payload, attempt, generation: m.generation, cancelled: cancel_rx };
+        let job = Job {
+            job_id: m.job_id.clone(),
+            kind: m.kind.clone(),
+            payload,
+            attempt,
+            generation: m.generation,
+            cancelled: cancel_rx,
+        };
         // The lease heartbeat: extends the lease and the message's visibility
         // together, and tells the handler when it was cancelled or fenced.
         let heartbeat = {
@@ -426,7 +456,8 @@ impl Consumer {
             Ok(r) => r,
             Err(_) => Err(HandlerError::Retry("handler panicked".into())),
         };
-        let fence: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&m.job_id, &self.config.worker_id, &attempt, &m.generation];
+        let fence: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&m.job_id, &self.config.worker_id, &attempt, &m.generation];
         match result {
             Ok(()) => {
                 let n = tx
@@ -505,7 +536,8 @@ impl Consumer {
     async fn reject_stale(&self, m: &JobMessage) -> Result<(), ConsumerError> {
         let mut c = self.conn().await?;
         let tx = c.transaction().await?;
-        let row = tx.query_opt("SELECT redrive_generation FROM jobs WHERE job_id = $1 FOR UPDATE", &[&m.job_id]).await?;
+        let row =
+            tx.query_opt("SELECT redrive_generation FROM jobs WHERE job_id = $1 FOR UPDATE", &[&m.job_id]).await?;
         if let Some(r) = row {
             if r.get::<_, i32>(0) == m.generation {
                 tx.execute(
@@ -524,7 +556,7 @@ impl Consumer {
     /// `retry_base × 2^(attempt-1)`, capped at `retry_max`, jittered over its
     /// upper half so retries of many jobs spread out.
     pub fn backoff(&self, attempt: i32) -> Duration {
-        let exp = crate::retry::backoff((attempt - 1).max(0) as u32, self.config.retry_base, self.config.retry_max);
+        let exp = crate::policy::retry::backoff((attempt - 1).max(0) as u32, self.config.retry_base, self.config.retry_max);
         let half = exp / 2;
         half + Duration::from_secs_f64(rand::rng().random::<f64>() * half.as_secs_f64())
     }

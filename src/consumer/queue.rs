@@ -150,7 +150,13 @@ impl MemoryQueue {
         let mut i = self.inner.lock().unwrap();
         let id = i.next_id;
         i.next_id += 1;
-        i.messages.push_back(Stored { id, body: body.into(), visible_at: Instant::now(), receive_count: 0, receipt: String::new() });
+        i.messages.push_back(Stored {
+            id,
+            body: body.into(),
+            visible_at: Instant::now(),
+            receive_count: 0,
+            receipt: String::new(),
+        });
         drop(i);
         self.notify.notify_waiters();
     }
@@ -191,7 +197,11 @@ impl MemoryQueue {
             m.receive_count += 1;
             m.visible_at = now + self.visibility;
             m.receipt = format!("{}:{}", m.id, m.receive_count);
-            out.push(ReceivedMessage { body: m.body.clone(), receipt: m.receipt.clone(), receive_count: m.receive_count });
+            out.push(ReceivedMessage {
+                body: m.body.clone(),
+                receipt: m.receipt.clone(),
+                receive_count: m.receive_count,
+            });
         }
         i.deliveries += out.len() as u64;
         if !moved.is_empty() {

@@ -35,12 +35,22 @@ pub struct WorkerMetrics {
 impl WorkerMetrics {
     pub fn new() -> Arc<Self> {
         let m = WorkerMetrics {
-            outcomes: IntCounterVec::new(Opts::new(OUTCOMES_TOTAL, "Received messages, by what became of them"), &["outcome"]).unwrap(),
+            outcomes: IntCounterVec::new(
+                Opts::new(OUTCOMES_TOTAL, "Received messages, by what became of them"),
+                &["outcome"],
+            )
+            .unwrap(),
             claimed: IntCounter::new(CLAIMED_TOTAL, "Jobs claimed (handler started)").unwrap(),
             rescued: IntCounter::new(RESCUED_TOTAL, "Claims that took over an expired lease").unwrap(),
-            errors: IntCounter::new(ERRORS_TOTAL, "Messages left for redelivery after a database or queue error").unwrap(),
-            dlq: IntCounterVec::new(Opts::new(DLQ_TOTAL, "Dead-letter messages, by what became of them"), &["outcome"]).unwrap(),
-            process_seconds: HistogramVec::new(HistogramOpts::new(PROCESS_SECONDS, "Receipt to disposition of one message"), &["outcome"]).unwrap(),
+            errors: IntCounter::new(ERRORS_TOTAL, "Messages left for redelivery after a database or queue error")
+                .unwrap(),
+            dlq: IntCounterVec::new(Opts::new(DLQ_TOTAL, "Dead-letter messages, by what became of them"), &["outcome"])
+                .unwrap(),
+            process_seconds: HistogramVec::new(
+                HistogramOpts::new(PROCESS_SECONDS, "Receipt to disposition of one message"),
+                &["outcome"],
+            )
+            .unwrap(),
             registry: Registry::new(),
         };
         m.registry.register(Box::new(m.outcomes.clone())).unwrap();
@@ -78,7 +88,14 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(consumer: Arc<Consumer>, queue: Arc<dyn Queue>, concurrency: usize) -> Self {
-        Self { consumer, queue, concurrency: concurrency.max(1), wait: Duration::from_secs(20), metrics: WorkerMetrics::new(), dlq: false }
+        Self {
+            consumer,
+            queue,
+            concurrency: concurrency.max(1),
+            wait: Duration::from_secs(20),
+            metrics: WorkerMetrics::new(),
+            dlq: false,
+        }
     }
 
     /// Receive and process until `shutdown` resolves, then finish the
@@ -134,14 +151,26 @@ impl Worker {
                     } else {
                         match consumer.process(&*queue, &msg).await {
                             Ok(d) => {
-                                if matches!(d, Disposition::Succeeded { .. } | Disposition::Retried { .. } | Disposition::Dead { .. }) {
+                                if matches!(
+                                    d,
+                                    Disposition::Succeeded { .. }
+                                        | Disposition::Retried { .. }
+                                        | Disposition::Dead { .. }
+                                ) {
                                     metrics.claimed.inc();
                                 }
-                                if matches!(d, Disposition::Succeeded { rescued: true } | Disposition::Retried { rescued: true, .. }) {
+                                if matches!(
+                                    d,
+                                    Disposition::Succeeded { rescued: true }
+                                        | Disposition::Retried { rescued: true, .. }
+                                ) {
                                     metrics.rescued.inc();
                                 }
                                 metrics.outcomes.with_label_values(&[d.label()]).inc();
-                                metrics.process_seconds.with_label_values(&[d.label()]).observe(started.elapsed().as_secs_f64());
+                                metrics
+                                    .process_seconds
+                                    .with_label_values(&[d.label()])
+                                    .observe(started.elapsed().as_secs_f64());
                             }
                             Err(e) => {
                                 tracing::warn!(error = %e, "message left for redelivery");

@@ -148,7 +148,10 @@ impl Scenario {
             }
             Scenario::ConsumerDuplicateDelivery => {
                 need(c.duplicate_business_effects == 0, format!("{} duplicate effects", c.duplicate_business_effects));
-                need(c.duplicate_terminal_skips == n, format!("{} terminal skips, expected {n}", c.duplicate_terminal_skips));
+                need(
+                    c.duplicate_terminal_skips == n,
+                    format!("{} terminal skips, expected {n}", c.duplicate_terminal_skips),
+                );
                 need(c.message_deletes == 2 * n, format!("{} deletes, expected {}", c.message_deletes, 2 * n));
             }
             Scenario::ConsumerKilledMidHandler => {
@@ -195,7 +198,9 @@ pub async fn run_all(p: &Params) -> Vec<(Scenario, Counters)> {
 pub async fn run(s: Scenario, p: &Params) -> Counters {
     match s {
         Scenario::DualWriteBaseline => app_child_scenario(p, "dual-write", "dual_write::before_send").await,
-        Scenario::DieBetweenJobAndOutboxInsert => app_child_scenario(p, "between-inserts", "enqueue::between_inserts").await,
+        Scenario::DieBetweenJobAndOutboxInsert => {
+            app_child_scenario(p, "between-inserts", "enqueue::between_inserts").await
+        }
         Scenario::DieAfterCommitRelayAfterwards => app_child_scenario(p, "after-commit", "enqueue::after_commit").await,
         Scenario::RelayKilledAfterSendBeforeMark => relay_fail_point(p, "lane::after_send").await,
         Scenario::RelayKilledAfterMarkBeforeConfirm => relay_fail_point(p, "cdc::before_confirm").await,
@@ -255,7 +260,11 @@ pub async fn child(args: &[String]) -> anyhow::Result<()> {
             let tag = arg(2)?;
             let tx = c.transaction().await?;
             let payload = serde_json::json!({ "tag": tag });
-            enqueue(&tx, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None }).await?;
+            enqueue(
+                &tx,
+                &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None },
+            )
+            .await?;
             tx.commit().await?;
             crash_point("enqueue::after_commit");
         }
@@ -281,8 +290,14 @@ pub async fn child(args: &[String]) -> anyhow::Result<()> {
 /// Spawn `measure child ...` with `FAILPOINTS`; true if it died like kill -9.
 async fn spawn_child(p: &Params, args: &[&str], failpoints: &str) -> bool {
     let mut cmd = tokio::process::Command::new(&p.child_bin);
-    cmd.arg("child").args(args).env("FAILPOINTS", failpoints).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
-    let out = tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.expect("child finishes within 60 s").unwrap();
+    cmd.arg("child")
+        .args(args)
+        .env("FAILPOINTS", failpoints)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let out =
+        tokio::time::timeout(Duration::from_secs(60), cmd.output()).await.expect("child finishes within 60 s").unwrap();
     let died = died_like_kill_9(&out.status);
     if !died {
         eprintln!("measure: child {args:?} did not die: {:?} {}", out.status, String::from_utf8_lossy(&out.stderr));
@@ -295,7 +310,12 @@ async fn spawn_child(p: &Params, args: &[&str], failpoints: &str) -> bool {
 
 /// Receive from `urls` until every body in `expected` arrived (or the
 /// deadline), then until a round comes back empty. All bodies received.
-pub async fn collect(sqs: &SqsPublisher, urls: &[String], expected: &HashSet<String>, deadline: Duration) -> Vec<String> {
+pub async fn collect(
+    sqs: &SqsPublisher,
+    urls: &[String],
+    expected: &HashSet<String>,
+    deadline: Duration,
+) -> Vec<String> {
     let end = Instant::now() + deadline;
     let mut got: Vec<String> = Vec::new();
     let mut seen: HashSet<String> = HashSet::new();
@@ -336,7 +356,8 @@ async fn receive_batch(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Vec<String
 fn tally(c: &mut Counters, expected: &HashSet<String>, got: &[String]) {
     let unique: HashSet<&String> = got.iter().collect();
     c.missing_messages += expected.iter().filter(|e| !unique.contains(e)).count() as u64;
-    c.duplicate_messages += (got.len() - unique.len()) as u64 + unique.iter().filter(|b| !expected.contains(**b)).count() as u64;
+    c.duplicate_messages +=
+        (got.len() - unique.len()) as u64 + unique.iter().filter(|b| !expected.contains(**b)).count() as u64;
 }
 
 async fn bodies(db: &TestDb, where_clause: &str) -> HashSet<String> {
@@ -378,9 +399,16 @@ async fn settled(db: &TestDb, where_clause: &str, lsn: u64, deadline: Duration) 
     while Instant::now() < end {
         let ok = async {
             let c = outbox_relay::db::connect(&db.url).await.ok()?;
-            let new: i64 = c.query_one(&format!("SELECT count(*) FROM outbox WHERE status = 'NEW' AND ({where_clause})"), &[]).await.ok()?.get(0);
+            let new: i64 = c
+                .query_one(&format!("SELECT count(*) FROM outbox WHERE status = 'NEW' AND ({where_clause})"), &[])
+                .await
+                .ok()?
+                .get(0);
             let conf: Option<i64> = c
-                .query_opt("SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1", &[&db.slot])
+                .query_opt(
+                    "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&db.slot],
+                )
                 .await
                 .ok()?
                 .and_then(|r| r.get(0));
@@ -443,9 +471,16 @@ async fn app_child_scenario(p: &Params, mode: &str, point: &str) -> Counters {
     match mode {
         "dual-write" => {
             // No outbox: a job whose message is not in the queue is lost.
-            let expected: HashSet<String> =
-                db.client().await.query("SELECT job_id FROM jobs", &[]).await.unwrap().into_iter().map(|r| r.get(0)).collect();
-            let got = collect(&sqs, &[q.clone()], &expected, Duration::from_secs(3)).await;
+            let expected: HashSet<String> = db
+                .client()
+                .await
+                .query("SELECT job_id FROM jobs", &[])
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|r| r.get(0))
+                .collect();
+            let got = collect(&sqs, std::slice::from_ref(&q), &expected, Duration::from_secs(3)).await;
             tally(&mut c, &expected, &got);
         }
         "between-inserts" => {
@@ -458,7 +493,7 @@ async fn app_child_scenario(p: &Params, mode: &str, point: &str) -> Counters {
             let relay = relay_cfg.spawn();
             settled(&db, "true", lsn, Duration::from_secs(120)).await;
             let expected = bodies(&db, "true").await;
-            let got = collect(&sqs, &[q.clone()], &expected, Duration::from_secs(60)).await;
+            let got = collect(&sqs, std::slice::from_ref(&q), &expected, Duration::from_secs(60)).await;
             relay.terminate(Duration::from_secs(15)).await;
             tally(&mut c, &expected, &got);
             c.dead_rows = db.count("status = 'DEAD'").await as u64;
@@ -579,7 +614,10 @@ async fn relay_killed_mid_batch(p: &Params) -> Counters {
         tally(&mut c, &expected, &got);
     }
     c.dead_rows = db.count("status = 'DEAD'").await as u64;
-    c.extra.insert("mean_lanes_in_flight_at_kill".into(), round1(lanes_at_kill.iter().sum::<f64>() / lanes_at_kill.len().max(1) as f64));
+    c.extra.insert(
+        "mean_lanes_in_flight_at_kill".into(),
+        round1(lanes_at_kill.iter().sum::<f64>() / lanes_at_kill.len().max(1) as f64),
+    );
     c
 }
 
@@ -718,7 +756,8 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
     let hold_sick = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
     let writer = {
-        let (c, stop, hold, written) = (db.client().await, Arc::clone(&stop), Arc::clone(&hold_sick), Arc::clone(&written));
+        let (c, stop, hold, written) =
+            (db.client().await, Arc::clone(&stop), Arc::clone(&hold_sick), Arc::clone(&written));
         let lanes: Vec<String> = sick.iter().map(|(l, _)| l.clone()).collect();
         tokio::spawn(async move {
             let mut k = 0u64;
@@ -739,7 +778,9 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
             }
         })
     };
-    let epoch = |c: Client| async move { c.query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[]).await.unwrap().get::<_, f64>(0) };
+    let epoch = |c: Client| async move {
+        c.query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[]).await.unwrap().get::<_, f64>(0)
+    };
     tokio::time::sleep(Duration::from_secs(3)).await;
     let mut windows = Vec::new();
     let mut c = Counters { repetitions: p.repetitions as u64, ..Default::default() };
@@ -819,8 +860,12 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
     c.committed = expected_all.len() as u64;
     tally(&mut c, &expected_all, &got);
     let healthy_expected = bodies(&db, "destination = 'h'").await;
-    let healthy_got: HashSet<String> = received.lock().unwrap().get("h").cloned().unwrap_or_default().into_iter().collect();
-    c.extra.insert("healthy_lane_missing".into(), healthy_expected.iter().filter(|b| !healthy_got.contains(*b)).count() as f64);
+    let healthy_got: HashSet<String> =
+        received.lock().unwrap().get("h").cloned().unwrap_or_default().into_iter().collect();
+    c.extra.insert(
+        "healthy_lane_missing".into(),
+        healthy_expected.iter().filter(|b| !healthy_got.contains(*b)).count() as f64,
+    );
     c.dead_rows = db.count("status = 'DEAD'").await as u64;
     // Every mark counts an attempt: a row deferred to the table and sent later has two or more.
     c.extra.insert("rows_deferred_to_table".into(), db.count("attempts > 1").await as f64);
@@ -892,7 +937,9 @@ async fn consumer_duplicate_delivery(p: &Params) -> Counters {
     let w = db.client().await;
     for i in 0..n {
         let payload = serde_json::json!({ "dup": i });
-        enqueue(&w, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+        enqueue(&w, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None })
+            .await
+            .unwrap();
     }
     let lsn = db.current_lsn().await;
     settled(&db, "true", lsn, Duration::from_secs(120)).await;
@@ -902,12 +949,22 @@ async fn consumer_duplicate_delivery(p: &Params) -> Counters {
     for chunk in all.chunks(10) {
         let mut req = sqs.client().send_message_batch().queue_url(&q);
         for (i, b) in chunk.iter().enumerate() {
-            req = req.entries(aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(b).build().unwrap());
+            req = req.entries(
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(b)
+                    .build()
+                    .unwrap(),
+            );
         }
         req.send().await.unwrap();
     }
     let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.client().clone(), &q), deletes: AtomicU64::new(0) });
-    let worker = Worker::new(Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)), queue.clone(), 8);
+    let worker = Worker::new(
+        Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)),
+        queue.clone(),
+        8,
+    );
     let worker = RunningWorker::start(worker, Duration::from_secs(1));
     let metrics = Arc::clone(&worker.metrics);
     let end = Instant::now() + Duration::from_secs(120);
@@ -948,7 +1005,12 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
     let w = db.client().await;
     for rep in 0..p.repetitions {
         let payload = serde_json::json!({ "killed": rep });
-        let id = enqueue(&w, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None }).await.unwrap();
+        let id = enqueue(
+            &w,
+            &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None },
+        )
+        .await
+        .unwrap();
         c.committed += 1;
         let body: String = w.query_one("SELECT outbox_job_message($1, 'effect', 0)", &[&id]).await.unwrap().get(0);
         sqs.client().send_message().queue_url(&q).message_body(body).send().await.unwrap();
@@ -972,11 +1034,14 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
         rescue_ms.push(died.elapsed().as_secs_f64() * 1000.0);
         worker.stop().await;
         let n_effects = effects(&db, &format!("job_id = '{id}'")).await;
-        let attempts: i32 = w.query_one("SELECT attempt_count FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
+        let attempts: i32 =
+            w.query_one("SELECT attempt_count FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
         if state == "SUCCEEDED" && n_effects == 1 && attempts == 2 && metrics.rescued.get() == 1 {
             once += 1;
         } else {
-            eprintln!("measure: consumer_killed_mid_handler: job {id}: {state}, {n_effects} effects, {attempts} attempts");
+            eprintln!(
+                "measure: consumer_killed_mid_handler: job {id}: {state}, {n_effects} effects, {attempts} attempts"
+            );
         }
         if state != "SUCCEEDED" {
             c.missing_messages += 1;

@@ -45,7 +45,12 @@ pub async fn effects_db(test: &str) -> TestDb {
 pub fn consumer(url: &str, worker: &str, lease: Duration) -> Consumer {
     Consumer::new(
         Consumer::pool(url, 16).unwrap(),
-        ConsumerConfig { worker_id: worker.into(), lease, retry_base: Duration::from_millis(200), retry_max: Duration::from_secs(2) },
+        ConsumerConfig {
+            worker_id: worker.into(),
+            lease,
+            retry_base: Duration::from_millis(200),
+            retry_max: Duration::from_secs(2),
+        },
     )
 }
 

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use outbox_relay::config::{Config, FileConfig, Overrides};
 use outbox_relay::metrics::Metrics;
-use outbox_relay::publisher::sqs::SqsPublisher;
-use outbox_relay::publisher::Publisher;
+use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::Publisher;
 use outbox_relay::{db, RelayHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
@@ -38,11 +38,7 @@ pub fn stack() -> &'static Stack {
     STACK.get_or_init(|| {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
         let out = std::process::Command::new("bash").arg(script).arg("up").output().expect("run scripts/dev-stack");
-        assert!(
-            out.status.success(),
-            "scripts/dev-stack up failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "scripts/dev-stack up failed:\n{}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8(out.stdout).unwrap();
         let get = |k: &str| {
             text.lines()
@@ -210,7 +206,12 @@ pub async fn receive_round(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Result
 
 /// Receive (and delete) until `expect` messages came or `deadline` passed:
 /// body and `MessageGroupId` of each; bodies carry the event id in tests.
-pub async fn receive_all(sqs: &SqsPublisher, url: &str, expect: usize, deadline: Duration) -> Vec<(String, Option<String>)> {
+pub async fn receive_all(
+    sqs: &SqsPublisher,
+    url: &str,
+    expect: usize,
+    deadline: Duration,
+) -> Vec<(String, Option<String>)> {
     let end = Instant::now() + deadline;
     let mut out = Vec::new();
     while out.len() < expect && Instant::now() < end {
@@ -237,7 +238,7 @@ pub fn config(db: &TestDb, destinations: &[(&str, &str)]) -> Config {
 pub struct Running {
     pub metrics: Arc<Metrics>,
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), outbox_relay::relay::RelayError>>,
+    task: tokio::task::JoinHandle<Result<(), outbox_relay::runtime::RelayError>>,
 }
 
 impl Running {
@@ -272,7 +273,10 @@ pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
 
 /// Run a relay that must refuse to start; the error it gives, as text.
 pub async fn start_up_error(config: Config, publisher: Arc<dyn Publisher>) -> String {
-    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, std::future::pending()).await.unwrap_err().to_string()
+    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, std::future::pending())
+        .await
+        .unwrap_err()
+        .to_string()
 }
 
 /// Wait until `cond` holds, polling; panic with `what` at the deadline.

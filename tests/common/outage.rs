@@ -112,11 +112,16 @@ pub async fn run(p: Params) -> Report {
             let mut tick = tokio::time::interval(Duration::from_millis(250));
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
-                let before: i64 = c.query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[]).await.unwrap().get(0);
-                c.execute("INSERT INTO noise SELECT repeat(md5(i::text), 32) FROM generate_series(1, $1) i", &[&rows_per_tick])
-                    .await
-                    .unwrap();
-                let after: i64 = c.query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[]).await.unwrap().get(0);
+                let before: i64 =
+                    c.query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[]).await.unwrap().get(0);
+                c.execute(
+                    "INSERT INTO noise SELECT repeat(md5(i::text), 32) FROM generate_series(1, $1) i",
+                    &[&rows_per_tick],
+                )
+                .await
+                .unwrap();
+                let after: i64 =
+                    c.query_one("SELECT (pg_current_wal_lsn() - '0/0')::bigint", &[]).await.unwrap().get(0);
                 written.fetch_add((after - before) as u64, Ordering::Relaxed);
             }
         })
@@ -173,7 +178,10 @@ pub async fn run(p: Params) -> Report {
             .query("SELECT min(event_id) || '..' || max(event_id) || ' ids ' || min(id) || '..' || max(id) || ' created ' || min(extract(epoch FROM created_at)::float8)::text FROM outbox WHERE status = 'NEW'", &[])
             .await
             .unwrap();
-        state.push(format!("stuck: {} (deleted at {t_delete}, recreated at {t_recreate})", stuck[0].get::<_, String>(0)));
+        state.push(format!(
+            "stuck: {} (deleted at {t_delete}, recreated at {t_recreate})",
+            stuck[0].get::<_, String>(0)
+        ));
         panic!("rows still NEW 120 s after the queue came back:\n{}\n{}", state.join("\n"), relay.metrics.render());
     }
     sampler.abort();

@@ -188,7 +188,8 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
     // After the command name: state is field 3, utime 14, stime 15 (1-based).
     let cpu = (fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?) / ticks;
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let hwm_kb: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    let hwm_kb: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some((cpu, hwm_kb * 1024))
 }
 
@@ -203,8 +204,9 @@ impl StackGuard {
     /// `override_var`, else /tmp/outbox-relay-<name>-<pid>. Call before the
     /// first [`stack`]; `keep` leaves it running afterwards.
     pub fn own(name: &str, override_var: &str, keep: bool) -> StackGuard {
-        let dir = std::env::var(override_var)
-            .unwrap_or_else(|_| format!("{}/outbox-relay-{name}-{}", std::env::temp_dir().display(), std::process::id()));
+        let dir = std::env::var(override_var).unwrap_or_else(|_| {
+            format!("{}/outbox-relay-{name}-{}", std::env::temp_dir().display(), std::process::id())
+        });
         std::env::set_var("OUTBOX_RELAY_STACK_DIR", dir);
         StackGuard { keep }
     }

@@ -66,7 +66,9 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     let mut unique: HashSet<String> = HashSet::new();
     let end = Instant::now() + Duration::from_secs(120);
     while unique.len() < total && Instant::now() < end {
-        unique.extend(receive_all(&sqs, &q, total - unique.len(), Duration::from_secs(5)).await.into_iter().map(|(b, _)| b));
+        unique.extend(
+            receive_all(&sqs, &q, total - unique.len(), Duration::from_secs(5)).await.into_iter().map(|(b, _)| b),
+        );
     }
     for r in relays {
         r.kill();

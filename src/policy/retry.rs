@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::publisher::CallError;
+use crate::publish::CallError;
 
 /// What to do with a failed entry or call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

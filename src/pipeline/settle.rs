@@ -9,9 +9,9 @@ use tokio::sync::{mpsc, Notify};
 use tokio_postgres::GenericClient;
 
 use crate::event::DeadReason;
-use crate::lane::LaneState;
+use crate::pipeline::lane::LaneState;
 use crate::metrics::Metrics;
-use crate::watermark::{TxnSeq, Watermark};
+use crate::pipeline::watermark::{TxnSeq, Watermark};
 
 /// How one event ended, as far as this relay is concerned.
 #[derive(Debug, Clone)]
@@ -35,7 +35,7 @@ pub struct Settlement {
     pub destination: Arc<str>,
     pub outcome: Outcome,
     /// Returned to the pipeline's budget of unsettled events when dropped.
-    pub permit: Option<crate::budget::Permit>,
+    pub permit: Option<crate::pipeline::budget::Permit>,
     /// A deferred event of a streaming lane: told once it is marked.
     pub lane: Option<Arc<LaneState>>,
 }
@@ -103,7 +103,11 @@ pub struct MarkReport {
 /// belongs to a transaction whose commit the stream decoded before it became
 /// visible to new snapshots. One query ([`MISSING_SQL`]) tells them apart:
 /// only the last is waited for, so a deleted row costs that one query.
-pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<MarkReport, tokio_postgres::Error> {
+pub async fn mark<C: GenericClient>(
+    client: &C,
+    batch: &[Settlement],
+    backoff: Backoff,
+) -> Result<MarkReport, tokio_postgres::Error> {
     let marked = mark_once(client, batch, backoff).await?;
     let mut report = MarkReport { marked: marked.len() as u64, ..Default::default() };
     let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
@@ -125,7 +129,8 @@ pub async fn mark<C: GenericClient>(client: &C, batch: &[Settlement], backoff: B
         report.gone += rest.iter().filter(|s| !pending.contains(&s.id) && !invisible.contains(&s.id)).count() as u64;
         rest.retain(|s| pending.contains(&s.id) || invisible.contains(&s.id));
         if !pending.is_empty() {
-            let todo: Vec<Settlement> = rest.iter().filter(|s| pending.contains(&s.id)).map(Settlement::shallow).collect();
+            let todo: Vec<Settlement> =
+                rest.iter().filter(|s| pending.contains(&s.id)).map(Settlement::shallow).collect();
             let now = mark_once(client, &todo, backoff).await?;
             report.marked += now.len() as u64;
             rest.retain(|s| !now.contains(&s.id));
@@ -163,7 +168,11 @@ impl Settlement {
     }
 }
 
-async fn mark_once<C: GenericClient>(client: &C, batch: &[Settlement], backoff: Backoff) -> Result<HashSet<i64>, tokio_postgres::Error> {
+async fn mark_once<C: GenericClient>(
+    client: &C,
+    batch: &[Settlement],
+    backoff: Backoff,
+) -> Result<HashSet<i64>, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
@@ -204,8 +213,8 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
         match &s.outcome {
             Outcome::Published => metrics.events_published.with_label_values(&[&s.destination]).inc(),
             Outcome::Dead(r) => {
-                tracing::warn!(id = s.id, destination = %s.destination, reason = r.code, detail = %r.detail, "outbox row marked DEAD");
-                metrics.events_dead.with_label_values(&[&s.destination, r.code]).inc();
+                tracing::warn!(id = s.id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
+                metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
             }
             Outcome::Deferred(e) => {
                 tracing::debug!(id = s.id, destination = %s.destination, error = %e, "outbox row deferred to the table");

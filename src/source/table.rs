@@ -26,10 +26,10 @@ use tokio_postgres::Client;
 
 use crate::db;
 use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
-use crate::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
+use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
-use crate::publisher::Publisher;
-use crate::settle::{mark, record, Backoff, Outcome, Settlement};
+use crate::publish::Publisher;
+use crate::pipeline::settle::{mark, record, Backoff, Outcome, Settlement};
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +80,7 @@ pub async fn run_table_lane(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
-    let mut reconnect = crate::retry::Reconnect::default();
+    let mut reconnect = crate::policy::retry::Reconnect::default();
     // The outcome of the last round that sent anything: "sends succeed".
     let mut sends_ok = true;
     loop {
@@ -225,7 +225,8 @@ pub async fn claim_round(
     let tx = client.transaction().await?;
     if fifo {
         let key = format!("outbox_relay:{}", cfg.name);
-        let got: bool = tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&key]).await?.get(0);
+        let got: bool =
+            tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&key]).await?.get(0);
         if !got {
             tx.commit().await?;
             return Ok(Round::default());
@@ -266,7 +267,8 @@ pub async fn claim_round(
             retry: RetryPolicy::ToTable,
             stall_timeout: None,
         };
-        let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
+        let lane =
+            tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
         for item in items {
             // Capacity is the number of items: never waits.
             let _ = item_tx.send(item).await;

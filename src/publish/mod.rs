@@ -1,6 +1,6 @@
 //! The network call: one `SendMessageBatch`, and `GetQueueAttributes` at
 //! start-up. [`sqs::SqsPublisher`] talks to SQS (its SDK retries are off:
-//! [`crate::retry`] is the only place that retries); [`memory::MemoryPublisher`]
+//! [`crate::policy::retry`] is the only place that retries); [`memory::MemoryPublisher`]
 //! keeps messages in memory and injects faults, for tests.
 
 pub mod memory;
@@ -14,11 +14,7 @@ use crate::event::{Entry, QueueInfo};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EntryResult {
     Sent,
-    Failed {
-        code: String,
-        sender_fault: bool,
-        message: String,
-    },
+    Failed { code: String, sender_fault: bool, message: String },
 }
 
 /// A call that failed as a whole: nothing is known to have been accepted.

@@ -11,14 +11,14 @@ use tokio::sync::watch;
 
 use std::sync::atomic::AtomicBool;
 
-use crate::cdc::{run_stream, StreamContext, HEARTBEAT_PREFIX};
-use crate::lane::LaneState;
-use crate::settle::Backoff;
-use crate::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
+use crate::source::cdc::{run_stream, StreamContext, HEARTBEAT_PREFIX};
 use crate::config::{Config, Mode};
 use crate::db;
+use crate::pipeline::lane::LaneState;
 use crate::metrics::Metrics;
-use crate::publisher::Publisher;
+use crate::publish::Publisher;
+use crate::pipeline::settle::Backoff;
+use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -65,7 +65,8 @@ pub async fn run(
         }))
     });
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper = retention.map(|r| tokio::spawn(sweep_retention(config.db(), r, Arc::clone(&metrics), stop_rx.clone())));
+    let sweeper =
+        retention.map(|r| tokio::spawn(sweep_retention(config.db(), r, Arc::clone(&metrics), stop_rx.clone())));
 
     // The table path: every destination in polling mode; the spool drain of
     // every destination in CDC mode (while this relay leads).
@@ -76,7 +77,11 @@ pub async fn run(
         for (name, queue) in &queues {
             let (source, state, poll_interval) = match mode {
                 Mode::Polling => (Source::Poll, None, config.poll_interval),
-                _ => (Source::Spool, Some(Arc::clone(&lanes[name])), config.poll_interval.max(Duration::from_millis(500))),
+                _ => (
+                    Source::Spool,
+                    Some(Arc::clone(&lanes[name])),
+                    config.poll_interval.max(Duration::from_millis(500)),
+                ),
             };
             let cfg = TableLaneConfig {
                 name: Arc::from(name.as_str()),
@@ -89,16 +94,25 @@ pub async fn run(
                 max_in_flight: config.max_in_flight_batches,
                 backoff: Backoff { base: config.retry_base, max: config.retry_max },
             };
-            set.spawn(run_table_lane(cfg, config.db(), Arc::clone(&publisher), Arc::clone(&metrics), state, stop.clone()));
+            set.spawn(run_table_lane(
+                cfg,
+                config.db(),
+                Arc::clone(&publisher),
+                Arc::clone(&metrics),
+                state,
+                stop.clone(),
+            ));
         }
         // Other shards' rows are not unknown: a shard leaves them alone.
-        if !sharded { set.spawn(run_unknown_destination_sweeper(
-            config.db(),
-            queues.keys().cloned().collect(),
-            if mode == Mode::Polling { Source::Poll } else { Source::Spool },
-            Arc::clone(&metrics),
-            stop,
-        )); }
+        if !sharded {
+            set.spawn(run_unknown_destination_sweeper(
+                config.db(),
+                queues.keys().cloned().collect(),
+                if mode == Mode::Polling { Source::Poll } else { Source::Spool },
+                Arc::clone(&metrics),
+                stop,
+            ));
+        }
         set
     };
 
@@ -134,7 +148,7 @@ pub async fn run(
             let watchdog = watch_lock(lock, config.takeover_timeout);
             tokio::pin!(watchdog);
             let mut table_lanes = spawn_table(stop_rx.clone());
-            let mut reconnect = crate::retry::Reconnect::default();
+            let mut reconnect = crate::policy::retry::Reconnect::default();
             let lost = loop {
                 if *stop_rx.borrow() {
                     break false;
@@ -223,7 +237,9 @@ async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics)
         let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
     }
     let mut retention = config.retention;
-    if retention.is_some() && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)? {
+    if retention.is_some()
+        && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)?
+    {
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
@@ -242,7 +258,11 @@ async fn drain_table(set: &mut tokio::task::JoinSet<()>) {
 
 /// Wait until this relay holds the slot's leader lock (a session advisory
 /// lock on a connection of its own); `None` when asked to stop first.
-async fn acquire_leadership(config: &Config, metrics: &Metrics, stop: &mut watch::Receiver<bool>) -> Option<tokio_postgres::Client> {
+async fn acquire_leadership(
+    config: &Config,
+    metrics: &Metrics,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<tokio_postgres::Client> {
     let key = format!("outbox_relay_leader:{}", config.slot);
     let poll = (config.takeover_timeout / 10).max(Duration::from_millis(100));
     let mut waiting = false;
@@ -253,7 +273,13 @@ async fn acquire_leadership(config: &Config, metrics: &Metrics, stop: &mut watch
         let db = config.db();
         match db.connect().await {
             Ok(c) => loop {
-                match db.query("taking the leader lock", c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key])).await {
+                match db
+                    .query(
+                        "taking the leader lock",
+                        c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]),
+                    )
+                    .await
+                {
                     Ok(r) if r.get::<_, bool>(0) => {
                         tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
                         metrics.is_leader.set(1);
@@ -328,7 +354,9 @@ async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(
             outbox_table().await.map_err(startup)?;
             match cdc().await {
                 Ok(sharded) => {
-                    tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
+                    tracing::info!(
+                        "mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)"
+                    );
                     Ok((Mode::Cdc, sharded))
                 }
                 Err(db::DbError::Check(why)) => {
@@ -391,7 +419,12 @@ async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: wa
             client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
-        let res = db.query("running the slot monitor's queries", monitor_step(what, c, &config, mode, &metrics, &mut last_confirmed)).await;
+        let res = db
+            .query(
+                "running the slot monitor's queries",
+                monitor_step(what, c, &config, mode, &metrics, &mut last_confirmed),
+            )
+            .await;
         if let Err(e) = res {
             tracing::debug!(error = %e, "monitor query failed; reconnecting");
             client = None;
@@ -409,7 +442,7 @@ async fn monitor_step(
     metrics: &Metrics,
     last_confirmed: &mut (i64, std::time::Instant),
 ) -> Result<(), tokio_postgres::Error> {
-        match what {
+    match what {
             1 => c
                 .execute(
                     "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",

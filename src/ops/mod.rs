@@ -5,7 +5,7 @@
 use pgwire_replication::ReplicationClient;
 use tokio_postgres::Client;
 
-use crate::cdc::{create_slot_exporting, import_snapshot, replication_config, CdcError};
+use crate::source::cdc::{create_slot_exporting, import_snapshot, replication_config, CdcError};
 use crate::config::{Config, Mode};
 use crate::db;
 
@@ -153,7 +153,10 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
 
 pub fn format_slot(s: &SlotStatus) -> String {
     if !s.exists {
-        return format!("slot {}: does not exist (the relay creates it at start, or `outbox-relay slot create`)\n", s.name);
+        return format!(
+            "slot {}: does not exist (the relay creates it at start, or `outbox-relay slot create`)\n",
+            s.name
+        );
     }
     format!(
         "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}\n",
@@ -207,7 +210,8 @@ pub struct SlotCreated {
 pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     let sql = db::connect(&config.database_url).await?;
     let destinations: Vec<String> = config.destinations.keys().cloned().collect();
-    let exists = sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
+    let exists =
+        sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
     if !exists {
         // A relay's own shard: a publication filtered to its destinations.
         db::check_shard(&sql, &config.publication, &destinations).await?;
@@ -287,7 +291,11 @@ pub struct DeadRow {
     pub created_at: String,
 }
 
-pub async fn dead_list(client: &Client, destination: Option<&str>, limit: i64) -> Result<Vec<DeadRow>, tokio_postgres::Error> {
+pub async fn dead_list(
+    client: &Client,
+    destination: Option<&str>,
+    limit: i64,
+) -> Result<Vec<DeadRow>, tokio_postgres::Error> {
     let rows = client
         .query(
             "SELECT id, destination, event_id, attempts, last_error, created_at::text
@@ -328,7 +336,11 @@ pub fn format_dead(rows: &[DeadRow]) -> String {
 /// DEAD → NEW with attempts reset and `next_attempt_at = now()`, so the table
 /// path (the polling relay, or a CDC relay's spool drain) sends it again.
 /// Returns rows redriven.
-pub async fn dead_redrive(client: &Client, destination: Option<&str>, id: Option<i64>) -> Result<u64, tokio_postgres::Error> {
+pub async fn dead_redrive(
+    client: &Client,
+    destination: Option<&str>,
+    id: Option<i64>,
+) -> Result<u64, tokio_postgres::Error> {
     client
         .execute(
             "UPDATE outbox

@@ -50,10 +50,15 @@ impl SqsPublisher {
         }
         if let Some(url) = endpoint_url {
             loader = loader.endpoint_url(url);
-            let no_credentials = std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none();
+            let no_credentials =
+                std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none();
             if role_arn.is_none() && no_credentials {
                 loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                    "local", "local", None, None, "outbox-relay-local-endpoint",
+                    "local",
+                    "local",
+                    None,
+                    None,
+                    "outbox-relay-local-endpoint",
                 ));
             }
         }
@@ -78,7 +83,9 @@ where
                 sender_fault,
             }
         }
-        SdkError::TimeoutError(_) => CallError { code: "timeout".into(), message: format!("{e:?}"), sender_fault: false },
+        SdkError::TimeoutError(_) => {
+            CallError { code: "timeout".into(), message: format!("{e:?}"), sender_fault: false }
+        }
         _ => CallError::transport(format!("{}", aws_smithy_types::error::display::DisplayErrorContext(&e))),
     }
 }
@@ -96,14 +103,9 @@ impl Publisher for SqsPublisher {
             .await
             .map_err(call_error)?;
         let attrs = out.attributes.unwrap_or_default();
-        let max_message_size = attrs
-            .get(&QueueAttributeName::MaximumMessageSize)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(262_144);
-        let fifo = attrs
-            .get(&QueueAttributeName::FifoQueue)
-            .map(|v| v == "true")
-            .unwrap_or(false)
+        let max_message_size =
+            attrs.get(&QueueAttributeName::MaximumMessageSize).and_then(|v| v.parse().ok()).unwrap_or(262_144);
+        let fifo = attrs.get(&QueueAttributeName::FifoQueue).map(|v| v == "true").unwrap_or(false)
             || queue_url.ends_with(".fifo");
         Ok(QueueInfo { url: queue_url.to_string(), fifo, max_message_size })
     }
@@ -111,9 +113,7 @@ impl Publisher for SqsPublisher {
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let mut req = self.client.send_message_batch().queue_url(queue_url);
         for (i, e) in entries.iter().enumerate() {
-            let mut b = SendMessageBatchRequestEntry::builder()
-                .id(i.to_string())
-                .message_body(e.event.body.clone());
+            let mut b = SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(e.event.body.clone());
             for a in &e.attributes {
                 let v = MessageAttributeValue::builder()
                     .data_type(a.data_type.clone())

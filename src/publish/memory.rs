@@ -56,10 +56,11 @@ impl MemoryPublisher {
     }
 
     pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
-        self.inner.lock().unwrap().queues.insert(
-            url.to_string(),
-            QueueInfo { url: url.to_string(), fifo, max_message_size },
-        );
+        self.inner
+            .lock()
+            .unwrap()
+            .queues
+            .insert(url.to_string(), QueueInfo { url: url.to_string(), fifo, max_message_size });
     }
 
     pub fn push_fault(&self, f: Fault) {
@@ -126,7 +127,7 @@ impl Publisher for MemoryPublisher {
             return Err(e.clone());
         }
         inner.batch_sizes.push(entries.len());
-        assert!(entries.len() <= crate::batch::MAX_BATCH_ENTRIES, "batch over 10 entries");
+        assert!(entries.len() <= crate::pipeline::batch::MAX_BATCH_ENTRIES, "batch over 10 entries");
         let fault = inner.faults.pop_front();
         let failing: Vec<usize> = match &fault {
             Some(Fault::FailCall(e)) => return Err(e.clone()),

@@ -118,10 +118,8 @@ mod tests {
 
     #[test]
     fn fifo_one_per_group_and_never_a_busy_group() {
-        let mut p: VecDeque<_> = [(1, 1), (2, 1), (3, 2), (4, 3), (5, 2)]
-            .into_iter()
-            .map(|(id, g)| entry(id, 10, Some(g)))
-            .collect();
+        let mut p: VecDeque<_> =
+            [(1, 1), (2, 1), (3, 2), (4, 3), (5, 2)].into_iter().map(|(id, g)| entry(id, 10, Some(g))).collect();
         let busy: HashSet<String> = ["g3".to_string()].into();
         let b: Vec<i64> = take_batch(&mut p, &busy).iter().map(|e| e.event.id).collect();
         assert_eq!(b, vec![1, 3]);

@@ -10,7 +10,7 @@
 //! timeout, or that is told to by the session (retained WAL over budget),
 //! **spools**: everything it holds, and everything routed to it afterwards, is
 //! deferred to the table (`next_attempt_at`) and counts as settled, so the
-//! slot moves on. The spool drain ([`crate::table`]) sends those rows and
+//! slot moves on. The spool drain ([`crate::source::table`]) sends those rows and
 //! returns the lane to streaming when its spool is empty and sends succeed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -21,14 +21,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use crate::batch::{full_batch_ready, take_batch, Batchable};
-use crate::budget::Permit;
-use crate::event::{DeadReason, Entry, QueueInfo};
+use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
+use crate::pipeline::budget::Permit;
+use crate::event::{Entry, QueueInfo};
+use crate::policy::dead::{DeadCode, DeadReason};
 use crate::metrics::Metrics;
-use crate::publisher::{EntryResult, Publisher};
-use crate::retry::{backoff, classify_call, classify_entry, Disposition};
-use crate::settle::{Outcome, Settlement};
-use crate::watermark::TxnSeq;
+use crate::publish::{EntryResult, Publisher};
+use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
+use crate::pipeline::settle::{Outcome, Settlement};
+use crate::pipeline::watermark::TxnSeq;
 
 /// An entry on its way through a lane.
 pub struct LaneItem {
@@ -222,7 +223,15 @@ pub async fn run_lane(
     let fifo = cfg.queue.fifo;
     let stall_timeout = cfg.stall_timeout;
     let mut spool_rx = state.as_ref().map(|s| s.subscribe());
-    let ctx = Arc::new(Ctx { cfg, publisher, settle, metrics, state, last_warn: Mutex::new(None), closing: watch::channel(false).0 });
+    let ctx = Arc::new(Ctx {
+        cfg,
+        publisher,
+        settle,
+        metrics,
+        state,
+        last_warn: Mutex::new(None),
+        closing: watch::channel(false).0,
+    });
     let mut pending: VecDeque<LaneItem> = VecDeque::new();
     let mut in_flight: JoinSet<Done> = JoinSet::new();
     let mut in_flight_since: HashMap<tokio::task::Id, Instant> = HashMap::new();
@@ -414,10 +423,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
         // (the SQS client's timeouts bound it): what it published stays
         // published, and only what it did not is deferred to the table.
         let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
-        ctx.metrics
-            .publish_seconds
-            .with_label_values(&[&ctx.cfg.name])
-            .observe(started.elapsed().as_secs_f64());
+        ctx.metrics.publish_seconds.with_label_values(&[&ctx.cfg.name]).observe(started.elapsed().as_secs_f64());
         let mut retry = Vec::new();
         match result {
             Ok(results) => {
@@ -431,7 +437,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
                                 Disposition::Dead => settle(
                                     ctx,
                                     item,
-                                    Outcome::Dead(DeadReason::new("sqs_rejected", format!("{code}: {message}"))),
+                                    Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}"))),
                                 ),
                                 _ => {
                                     tracing::debug!(id = item.entry.event.id, %code, "entry failed, will retry");
@@ -465,7 +471,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
                     }
                     Disposition::Dead => {
                         for item in todo.drain(..) {
-                            let reason = DeadReason::new("sqs_rejected", format!("{}: {}", e.code, e.message));
+                            let reason = DeadReason::new(DeadCode::SqsRejected, format!("{}: {}", e.code, e.message));
                             settle(ctx, item, Outcome::Dead(reason));
                         }
                     }
@@ -514,7 +520,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
 mod tests {
     use super::*;
     use crate::event::{prepare, OutboxEvent};
-    use crate::publisher::memory::MemoryPublisher;
+    use crate::publish::memory::MemoryPublisher;
 
     const Q: &str = "http://memory.invalid/orders";
 
@@ -587,7 +593,7 @@ mod tests {
     async fn a_closing_lane_abandons_retries() {
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
-        p.break_queue(Q, crate::publisher::CallError::transport("connection refused"));
+        p.break_queue(Q, crate::publish::CallError::transport("connection refused"));
         let metrics = Metrics::new();
         let cfg = LaneConfig {
             name: Arc::from("orders"),
@@ -605,7 +611,10 @@ mod tests {
         tx.send(item(1)).await.unwrap();
         until("a failed call", || p.calls() >= 1).await;
         drop(tx);
-        tokio::time::timeout(Duration::from_secs(2), lane).await.expect("the lane ends without waiting out its backoff").unwrap();
+        tokio::time::timeout(Duration::from_secs(2), lane)
+            .await
+            .expect("the lane ends without waiting out its backoff")
+            .unwrap();
         assert!(settle_rx.try_recv().is_err(), "nothing was settled: the entry is read again from the slot");
     }
 }

@@ -1,0 +1,6 @@
+//! Decisions made in one place each: what is retried and how long to wait
+//! ([`retry`]), why a row is DEAD ([`dead`]), when a lane spools ([`spool`]).
+
+pub mod dead;
+pub mod spool;
+pub mod retry;

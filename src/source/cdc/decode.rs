@@ -1,0 +1,124 @@
+//! Replication events to outbox rows: the relation cache, the open
+//! transaction, chunks handed to the router.
+
+
+use pgwire_replication::ReplicationEvent;
+use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache};
+use tokio_postgres::Client;
+
+use crate::event::OutboxEvent;
+use crate::pipeline::watermark::TxnSeq;
+
+use super::*;
+use super::row::row_from_tuple;
+
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Handled {
+    Continue,
+    /// The stream reached its stop position.
+    Stopped,
+}
+
+/// Decoding state of one session: the relation cache and the open transaction.
+pub(crate) struct Decoder {
+    pub(crate) cache: RelationCache,
+    pub(crate) txn: Option<OpenTxn>,
+    pub(crate) startup_lsn: Lsn,
+}
+
+impl Decoder {
+    /// One replication event: transactions are buffered in chunks (by count
+    /// and by bytes) and dispatched to the router; commits move the watermark.
+    pub(crate) async fn handle(
+        &mut self,
+        ev: ReplicationEvent,
+        sql: &Client,
+        router: &mut Router<'_>,
+        ctx: &StreamContext,
+    ) -> Result<Handled, CdcError> {
+        match ev {
+            ReplicationEvent::Begin { final_lsn, commit_time_micros, xid } => {
+                let seq = router.watermark.lock().unwrap().begin();
+                self.txn = Some(OpenTxn {
+                    seq,
+                    xid,
+                    final_lsn: Lsn(final_lsn.0),
+                    commit_time_us: pg_micros_to_unix_micros(commit_time_micros),
+                    buf: Vec::new(),
+                    buf_bytes: 0,
+                });
+            }
+            ReplicationEvent::XLogData { data, .. } => self.xlog(&data, sql, router).await?,
+            ReplicationEvent::Commit { end_lsn, .. } => {
+                let mut t = self.txn.take().ok_or_else(|| CdcError::Protocol("Commit without Begin".into()))?;
+                let buf = std::mem::take(&mut t.buf);
+                router.dispatch(sql, t.seq, t.final_lsn < self.startup_lsn, buf).await?;
+                router.watermark.lock().unwrap().commit(t.seq, Lsn(end_lsn.0));
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                if self.txn.is_none() {
+                    router.watermark.lock().unwrap().observe_idle(Lsn(wal_end.0));
+                }
+            }
+            ReplicationEvent::Message { prefix, content, .. } => {
+                // Heartbeats: their transaction settles empty; the content is
+                // the time they were written.
+                if prefix == HEARTBEAT_PREFIX {
+                    if let Some(sent_us) = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok())
+                    {
+                        let now_us = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_micros() as i64)
+                            .unwrap_or(0);
+                        ctx.metrics.heartbeat_rtt_seconds.set((now_us - sent_us).max(0) as f64 / 1e6);
+                    }
+                }
+            }
+            ReplicationEvent::StoppedAt { .. } => return Ok(Handled::Stopped),
+        }
+        Ok(Handled::Continue)
+    }
+
+    async fn xlog(&mut self, data: &bytes::Bytes, sql: &Client, router: &mut Router<'_>) -> Result<(), CdcError> {
+        let msg = decode(data)?;
+        if self.cache.observe(&msg) {
+            return Ok(());
+        }
+        match msg {
+            LogicalMessage::Insert { relation, new } => {
+                let rel = self
+                    .cache
+                    .get(relation)
+                    .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
+                if rel.name != "outbox" {
+                    return Ok(());
+                }
+                let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
+                let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid))?;
+                t.buf_bytes += row.size();
+                t.buf.push(row);
+                if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
+                    let (seq, final_lsn, buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
+                    t.buf_bytes = 0;
+                    router.dispatch(sql, seq, final_lsn < self.startup_lsn, buf).await?;
+                }
+            }
+            LogicalMessage::Truncate { .. } => {
+                tracing::warn!(
+                    "TRUNCATE of the outbox seen in the stream; rows truncated before being published are gone"
+                );
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+pub(crate) struct OpenTxn {
+    pub(crate) seq: TxnSeq,
+    pub(crate) xid: u32,
+    pub(crate) final_lsn: Lsn,
+    pub(crate) commit_time_us: i64,
+    pub(crate) buf: Vec<OutboxEvent>,
+    pub(crate) buf_bytes: usize,
+}

@@ -1,0 +1,343 @@
+//! The CDC source: the slot's pgoutput stream, decoded, routed to lanes, with
+//! the watermark deciding what is confirmed.
+//!
+//! One call of [`run_stream`] is one replication session. Any error ends it
+//! with everything unsettled abandoned: the slot was never confirmed past
+//! those events, so the next session reads them again (at-least-once), and
+//! rows already marked are filtered out of the replay.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgwire_replication::ReplicationClient;
+use replication::{Lsn, RelationCache};
+use tokio::sync::{mpsc, watch, Notify};
+use tokio::task::JoinSet;
+use tokio_postgres::Client;
+
+use crate::pipeline::budget::Budget;
+use crate::config::Config;
+use crate::db;
+use crate::event::QueueInfo;
+use crate::pipeline::lane::{run_lane, LaneConfig, LaneState, RetryPolicy};
+use crate::metrics::Metrics;
+use crate::publish::Publisher;
+use crate::pipeline::settle::{run_settler, Backoff};
+use crate::pipeline::watermark::Watermark;
+
+mod decode;
+mod row;
+mod session;
+pub(crate) mod slot;
+
+use decode::{Decoder, Handled};
+use session::{open_session, Opened};
+use slot::{catch_up, drop_unfinished_slot, prepare_slot, SlotState};
+pub(crate) use session::replication_config;
+pub(crate) use slot::{create_slot_exporting, import_snapshot};
+pub(crate) use crate::pipeline::route::Router;
+use crate::policy::spool::watch_wal;
+
+/// Events of one transaction are checked against the table and dispatched in
+/// chunks of this many, or of this many bytes, whichever comes first.
+const CHUNK: usize = 1_000;
+const CHUNK_BYTES: usize = 4 << 20;
+/// Items a lane's channel holds (each holds its share of the budget).
+const LANE_CHANNEL: usize = 4_096;
+/// Lanes may lag this long behind a shutdown request before they are abandoned.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+const STATUS_INTERVAL: Duration = Duration::from_millis(500);
+/// Prefix of the heartbeat messages the relay writes.
+pub const HEARTBEAT_PREFIX: &str = "outbox_relay_heartbeat";
+
+impl From<tokio_postgres::Error> for CdcError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        CdcError::Pg(e)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CdcError {
+    #[error("database: {0}")]
+    Db(#[from] db::DbError),
+    #[error("database: {}", db::describe(.0))]
+    Pg(tokio_postgres::Error),
+    #[error("replication: {0}")]
+    Replication(#[from] pgwire_replication::PgWireError),
+    #[error("pgoutput: {0}")]
+    Decode(#[from] replication::DecodeError),
+    #[error("{0}")]
+    Protocol(String),
+    #[error("settlement stopped: {0}")]
+    Settler(String),
+    #[error("routing: {0}")]
+    Route(#[from] crate::pipeline::route::RouteError),
+    /// Shutdown came while a new slot was being caught up.
+    #[error("shutdown interrupted the catch-up")]
+    Interrupted,
+}
+
+/// Everything a session needs that outlives it.
+pub struct StreamContext {
+    pub config: Config,
+    pub queues: BTreeMap<String, QueueInfo>,
+    pub publisher: Arc<dyn Publisher>,
+    pub metrics: Arc<Metrics>,
+    /// Per destination, outliving sessions: streaming or spooling.
+    pub lanes: BTreeMap<String, Arc<LaneState>>,
+    /// This process has streamed from the slot: if it is missing now, it was
+    /// dropped under us.
+    pub slot_seen: AtomicBool,
+    /// A sharded relay (filtered publication) catches up only its destinations.
+    pub shard: Option<Vec<String>>,
+    /// When the current session started streaming (taken by the relay when
+    /// the session ends, to tell a healthy session from a failing one).
+    pub streaming_since: Mutex<Option<std::time::Instant>>,
+}
+
+impl StreamContext {
+    pub fn backoff(&self) -> Backoff {
+        Backoff { base: self.config.retry_base, max: self.config.retry_max }
+    }
+}
+
+/// Run one replication session until `shutdown` turns true (Ok) or an error.
+/// Every step of opening it has a deadline, and `shutdown` is honoured at
+/// every await: opening, catching up, and handing events to a full lane or
+/// budget.
+pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool>) -> Result<(), CdcError> {
+    let opened = tokio::select! {
+        o = open_session(ctx) => o?,
+        _ = shutdown.wait_for(|s| *s) => return Ok(()),
+    };
+    let Opened { sql, mut repl, start_lsn, startup_lsn, catch_up: snapshot } = opened;
+    ctx.slot_seen.store(true, Ordering::Relaxed);
+    ctx.metrics.set_ready(true);
+    *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
+    tracing::info!(slot = %ctx.config.slot, start = %start_lsn, "streaming");
+
+    let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
+    let confirm = Arc::new(Notify::new());
+    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, &watermark, &confirm).await {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = repl.shutdown().await;
+            return Err(e);
+        }
+    };
+    let mut sent = start_lsn;
+    let result = match snapshot {
+        Some((client, consistent)) => {
+            tokio::select! {
+                r = catch_up(&mut pipeline.router, &client, ctx.shard.as_deref(), consistent) => r,
+                _ = shutdown.wait_for(|s| *s) => Err(CdcError::Interrupted),
+            }
+        }
+        None => Ok(()),
+    };
+    if let Err(e) = result {
+        // The new slot's catch-up did not finish: drop the slot, so the next
+        // start creates it again and catches up every NEW row.
+        ctx.metrics.set_ready(false);
+        let _ = repl.shutdown().await;
+        pipeline.lanes.abort_all();
+        pipeline.wal_watch.abort();
+        settler.abort();
+        drop_unfinished_slot(&ctx.config, &sql).await;
+        return if matches!(e, CdcError::Interrupted) { Ok(()) } else { Err(e) };
+    }
+    let result =
+        stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
+    ctx.metrics.set_ready(false);
+    if result.is_ok() {
+        sent = drain(pipeline.router, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.metrics).await;
+        tracing::info!(confirmed = %sent, "replication stopped");
+    }
+    pipeline.lanes.abort_all();
+    settler.abort();
+    pipeline.wal_watch.abort();
+    let _ = repl.shutdown().await;
+    result
+}
+
+/// The running parts of a session: lanes, the router in front of them, and
+/// the WAL watch.
+struct Pipeline<'a> {
+    router: Router<'a>,
+    lanes: JoinSet<()>,
+    wal_watch: tokio::task::JoinHandle<()>,
+}
+
+type Settler = tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>;
+
+/// Start the settler, one lane per destination, the WAL watch, and the router.
+async fn start_pipeline<'a>(
+    ctx: &'a StreamContext,
+    sql: &Client,
+    watermark: &Arc<Mutex<Watermark>>,
+    confirm: &Arc<Notify>,
+) -> Result<(Pipeline<'a>, Settler), CdcError> {
+    let cfg = &ctx.config;
+    let db = cfg.db();
+    let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+    let settler_client = db.connect().await?;
+    let settler = tokio::spawn(run_settler(
+        settler_client,
+        settle_rx,
+        Arc::clone(watermark),
+        Arc::clone(confirm),
+        Arc::clone(&ctx.metrics),
+        ctx.backoff(),
+    ));
+    // Lanes with rows in the table keep spooling until the drain empties it,
+    // so a FIFO group is not overtaken by its own newer events.
+    let spooled: Vec<String> = db
+        .query(
+            "looking for spooled rows",
+            sql.query(
+                "SELECT DISTINCT destination FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NOT NULL",
+                &[],
+            ),
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for (name, state) in &ctx.lanes {
+        state.reset_deferred();
+        if spooled.contains(name) {
+            state.start_spooling("rows of this destination are waiting in the outbox table");
+        }
+    }
+    let wal_watch =
+        tokio::spawn(watch_wal(db, cfg.slot.clone(), cfg.max_retained_wal, ctx.lanes.values().cloned().collect()));
+    let mut lanes = JoinSet::new();
+    let mut lane_tx = HashMap::new();
+    for (name, queue) in &ctx.queues {
+        let (tx, rx) = mpsc::channel(LANE_CHANNEL);
+        lane_tx.insert(name.clone(), tx);
+        let lane_cfg = LaneConfig {
+            name: Arc::from(name.as_str()),
+            queue: queue.clone(),
+            linger: cfg.linger,
+            max_in_flight: cfg.max_in_flight_batches,
+            retry_base: Duration::from_millis(200),
+            retry_cap: Duration::from_secs(10),
+            retry: RetryPolicy::InMemory,
+            stall_timeout: Some(cfg.lane_stall_timeout),
+        };
+        let state = Arc::clone(&ctx.lanes[name]);
+        lanes.spawn(run_lane(
+            lane_cfg,
+            Arc::clone(&ctx.publisher),
+            rx,
+            settle_tx.clone(),
+            Arc::clone(&ctx.metrics),
+            Some(state),
+        ));
+    }
+    let router = Router {
+        queues: &ctx.queues,
+        lanes: lane_tx,
+        states: &ctx.lanes,
+        settle: settle_tx,
+        budget: Budget::new(cfg.max_unsettled_events, cfg.max_unsettled_bytes),
+        watermark: Arc::clone(watermark),
+        metrics: Arc::clone(&ctx.metrics),
+    };
+    Ok((Pipeline { router, lanes, wal_watch }, settler))
+}
+
+/// Graceful end: no more reading; the lanes finish what they hold (within
+/// the grace), the settler marks it, and the last settled position is
+/// confirmed. Returns the confirmed position.
+async fn drain(
+    router: Router<'_>,
+    lanes: &mut JoinSet<()>,
+    settler: &mut Settler,
+    repl: &ReplicationClient,
+    watermark: &Mutex<Watermark>,
+    mut sent: Lsn,
+    metrics: &Metrics,
+) -> Lsn {
+    drop(router);
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while lanes.join_next().await.is_some() {}
+        let _ = settler.await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("in-flight batches abandoned at shutdown; their rows will be sent again");
+    }
+    let before = sent;
+    sent = confirm_if_advanced(repl, watermark, sent, metrics);
+    if sent > before {
+        // Let the worker send the final standby status before CopyDone.
+        tokio::time::sleep(STATUS_INTERVAL + Duration::from_millis(200)).await;
+    }
+    sent
+}
+
+/// The session's loop: decode, route, confirm, until shutdown or an error.
+#[allow(clippy::too_many_arguments)]
+async fn stream(
+    ctx: &StreamContext,
+    sql: &Client,
+    repl: &mut ReplicationClient,
+    pipeline: &mut Pipeline<'_>,
+    settler: &mut Settler,
+    confirm: &Notify,
+    startup_lsn: Lsn,
+    sent: &mut Lsn,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<(), CdcError> {
+    let mut decoder = Decoder { cache: RelationCache::new(), txn: None, startup_lsn };
+    loop {
+        tokio::select! {
+            ev = repl.recv() => {
+                let ev = match ev {
+                    Ok(Some(ev)) => ev,
+                    Ok(None) => return Err(CdcError::Protocol("replication stream ended".into())),
+                    Err(e) => return Err(e.into()),
+                };
+                // Handing events on may wait for a lane or the budget:
+                // shutdown is honoured meanwhile (nothing unsettled is confirmed).
+                let handled = tokio::select! {
+                    r = decoder.handle(ev, sql, &mut pipeline.router, ctx) => r?,
+                    _ = shutdown.wait_for(|s| *s) => return Ok(()),
+                };
+                if handled == Handled::Stopped {
+                    return Ok(());
+                }
+            }
+            _ = confirm.notified() => {}
+            r = &mut *settler => {
+                return Err(CdcError::Settler(match r {
+                    Ok(Ok(())) => "settler ended".into(),
+                    Ok(Err(e)) => db::describe(&e),
+                    Err(e) => e.to_string(),
+                }));
+            }
+            _ = shutdown.changed() => {
+                if *shutdown.borrow() {
+                    return Ok(());
+                }
+            }
+        }
+        *sent = confirm_if_advanced(repl, &pipeline.router.watermark, *sent, &ctx.metrics);
+    }
+}
+
+fn confirm_if_advanced(repl: &ReplicationClient, wm: &Mutex<Watermark>, sent: Lsn, metrics: &Metrics) -> Lsn {
+    let c = wm.lock().unwrap().confirmed();
+    if c > sent {
+        crate::faults::crash_point("cdc::before_confirm");
+        repl.update_applied_lsn(pgwire_replication::Lsn(c.0));
+        metrics.confirmed_lsn.set(c.0 as i64);
+        c
+    } else {
+        sent
+    }
+}

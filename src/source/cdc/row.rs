@@ -1,0 +1,38 @@
+//! A decoded pgoutput tuple of the outbox table, mapped by column name.
+
+
+use replication::{Relation, Tuple, TupleValue};
+
+use crate::event::OutboxEvent;
+
+use super::*;
+
+/// The outbox columns, by name, from a decoded row.
+pub(crate) fn row_from_tuple(rel: &Relation, t: &Tuple, commit_time_us: i64, xid: Option<u32>) -> Result<OutboxEvent, CdcError> {
+    let col = |name: &str| -> Result<Option<&str>, CdcError> {
+        let i = rel
+            .column_index(name)
+            .ok_or_else(|| CdcError::Protocol(format!("the outbox table has no column {name:?}")))?;
+        match t.0.get(i) {
+            None | Some(TupleValue::Null) => Ok(None),
+            Some(v) => match v.as_str() {
+                Some(Ok(s)) => Ok(Some(s)),
+                Some(Err(e)) => Err(e.into()),
+                None => Err(CdcError::Protocol(format!("column {name:?}: not a text value"))),
+            },
+        }
+    };
+    let id = col("id")?
+        .and_then(|s| s.parse::<i64>().ok())
+        .ok_or_else(|| CdcError::Protocol("outbox row without a numeric id".into()))?;
+    Ok(OutboxEvent {
+        id,
+        event_id: col("event_id")?.unwrap_or_default().to_owned(),
+        destination: col("destination")?.unwrap_or_default().to_owned(),
+        body: col("body")?.unwrap_or_default().to_owned(),
+        group_key: col("group_key")?.map(str::to_owned),
+        attributes: col("attributes")?.map(str::to_owned),
+        commit_time_us,
+        xid,
+    })
+}

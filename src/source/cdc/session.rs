@@ -1,0 +1,118 @@
+//! Opening a replication session: the SQL connection, the slot looked up,
+//! the replication connection, each within its deadline.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use pgwire_replication::{ReplicationClient, ReplicationConfig};
+use replication::Lsn;
+use tokio_postgres::Client;
+
+use crate::config::Config;
+use crate::db;
+
+use super::*;
+
+/// A session's connections and where it starts.
+pub(crate) struct Opened {
+    pub(crate) sql: Client,
+    pub(crate) repl: ReplicationClient,
+    pub(crate) start_lsn: Lsn,
+    /// The server's WAL position when the session began: replayed events
+    /// before it are filtered against the table.
+    pub(crate) startup_lsn: Lsn,
+    /// A new slot: the client holding its snapshot, and its consistent point.
+    pub(crate) catch_up: Option<(Client, Lsn)>,
+}
+
+/// Connect, look the slot up (recreating a lost one), open the replication
+/// connection and start streaming; each step within its deadline.
+pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError> {
+    let cfg = &ctx.config;
+    let db = cfg.db();
+    let sql = db.connect().await?;
+    let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
+    let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.slot)).await?;
+    match slot {
+        SlotState::Lost => ctx.metrics.slot_recreated.inc(),
+        SlotState::Missing if ctx.slot_seen.load(Ordering::Relaxed) => {
+            tracing::error!(slot = %cfg.slot, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
+            ctx.metrics.slot_recreated.inc();
+        }
+        _ => {}
+    }
+    let mut repl = connect_replication(cfg).await?;
+    // A new slot comes with a snapshot: the rows it will not stream.
+    let mut catch_up = None;
+    let start_lsn = match slot {
+        SlotState::Exists { confirmed_flush } => confirmed_flush,
+        SlotState::Missing | SlotState::Lost => {
+            // Creating a slot waits for running transactions: no deadline,
+            // but shutdown still interrupts it.
+            let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot).await?;
+            let snap_client = db.connect().await?;
+            db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
+            tracing::info!(slot = %cfg.slot, consistent_point = %consistent, "created replication slot; publishing NEW rows written before it from the table");
+            catch_up = Some((snap_client, consistent));
+            consistent
+        }
+    };
+    db.within("starting replication", async {
+        repl.start().await?;
+        repl.wait_started().await?;
+        Ok::<(), CdcError>(())
+    })
+    .await?;
+    Ok(Opened { sql, repl, start_lsn, startup_lsn, catch_up })
+}
+
+/// The replication connection, within `connect_timeout`.
+pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClient, CdcError> {
+    let rc = replication_config(cfg)?;
+    let server = format!("{}:{}", rc.host, rc.port);
+    match tokio::time::timeout(cfg.connect_timeout, ReplicationClient::connect_gated(rc)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(CdcError::Db(db::DbError::Timeout {
+            server,
+            what: "opening the replication connection".into(),
+            after: cfg.connect_timeout,
+            key: "connect_timeout",
+        })),
+    }
+}
+
+/// The replication connection's settings, from the relay's configuration.
+pub(crate) fn replication_config(cfg: &Config) -> Result<ReplicationConfig, CdcError> {
+    let t = crate::pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+    let mode = match t.ssl {
+        crate::pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
+        crate::pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
+        crate::pgconn::SslMode::Require if t.root_cert.is_some() => pgwire_replication::SslMode::VerifyCa,
+        crate::pgconn::SslMode::Require => pgwire_replication::SslMode::Require,
+        crate::pgconn::SslMode::VerifyCa => pgwire_replication::SslMode::VerifyCa,
+        crate::pgconn::SslMode::VerifyFull => pgwire_replication::SslMode::VerifyFull,
+    };
+    let mut tls = pgwire_replication::TlsConfig { mode, ca_pem_path: t.root_cert.clone(), ..Default::default() };
+    if let Some((c, k)) = &t.client_cert {
+        tls = tls.with_client_cert(c.clone(), k.clone());
+    }
+    Ok(ReplicationConfig::new(
+        t.host,
+        t.user,
+        t.password.unwrap_or_default(),
+        t.dbname,
+        cfg.slot.clone(),
+        cfg.publication.clone(),
+    )
+    .with_port(t.port)
+    .with_tls(tls)
+    .with_status_interval(STATUS_INTERVAL)
+    .with_wakeup_interval(Duration::from_secs(5))
+    .with_buffer_size(crate::pipeline::budget::replication_buffer_events(cfg.max_unsettled_bytes))
+    .with_application_name(format!("outbox-relay:{}", cfg.slot)))
+}
+
+pub(crate) async fn current_wal_lsn(sql: &Client) -> Result<Lsn, CdcError> {
+    let s: String = sql.query_one("SELECT pg_current_wal_lsn()::text", &[]).await?.get(0);
+    s.parse().map_err(|e| CdcError::Protocol(format!("{e}")))
+}

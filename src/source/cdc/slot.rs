@@ -1,0 +1,154 @@
+//! The slot: looked up (a lost one dropped), created with an exported
+//! snapshot, caught up from the table, dropped when its catch-up did not finish.
+
+use std::time::Duration;
+
+use pgwire_replication::ReplicationClient;
+use replication::Lsn;
+use tokio_postgres::Client;
+
+use crate::config::Config;
+use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
+use crate::pipeline::watermark::TxnSeq;
+
+use super::*;
+
+pub(crate) enum SlotState {
+    Exists {
+        confirmed_flush: Lsn,
+    },
+    Missing,
+    /// It lost its WAL and was dropped.
+    Lost,
+}
+
+/// Look the slot up; drop it if its WAL is lost (it can no longer stream what
+/// it promised), so it is created afresh with a snapshot catch-up.
+pub(crate) async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, CdcError> {
+    let row = sql
+        .query_opt(
+            "SELECT database = current_database(), plugin, coalesce(wal_status, ''), confirmed_flush_lsn::text
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let Some(row) = row else { return Ok(SlotState::Missing) };
+    let (same_db, plugin, wal_status, flush): (Option<bool>, Option<String>, String, Option<String>) =
+        (row.get(0), row.get(1), row.get(2), row.get(3));
+    if same_db != Some(true) || plugin.as_deref() != Some("pgoutput") {
+        return Err(CdcError::Protocol(format!(
+            "replication slot {slot:?} exists but is not a pgoutput slot of this database: choose another `slot` name or drop it"
+        )));
+    }
+    if wal_status == "lost" {
+        tracing::error!(
+            slot,
+            "replication slot lost its WAL (max_slot_wal_keep_size); dropping it and catching up from the outbox table"
+        );
+        sql.execute("SELECT pg_drop_replication_slot($1)", &[&slot]).await?;
+        return Ok(SlotState::Lost);
+    }
+    let confirmed_flush = flush.and_then(|s| s.parse().ok()).unwrap_or_default();
+    Ok(SlotState::Exists { confirmed_flush })
+}
+
+/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')` on a gated session:
+/// the slot's consistent point and the exported snapshot's name, valid until
+/// the session runs another command.
+pub(crate) async fn create_slot_exporting(repl: &mut ReplicationClient, slot: &str) -> Result<(Lsn, String), CdcError> {
+    let rows =
+        repl.simple_query(&format!(
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
+            postgres_protocol::escape::escape_identifier(slot)
+        ))
+        .await?;
+    let row = rows.first().ok_or_else(|| CdcError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
+    let text = |i: usize| {
+        row.get(i)
+            .and_then(|v| v.as_ref())
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .ok_or_else(|| CdcError::Protocol(format!("CREATE_REPLICATION_SLOT: column {i} missing")))
+    };
+    let consistent: Lsn = text(1)?.parse().map_err(|e| CdcError::Protocol(format!("{e}")))?;
+    Ok((consistent, text(2)?))
+}
+
+/// Open a transaction on `client` that sees exactly the exported snapshot.
+pub(crate) async fn import_snapshot(client: &Client, snapshot: &str) -> Result<(), CdcError> {
+    client
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SET TRANSACTION SNAPSHOT {}",
+            postgres_protocol::escape::escape_literal(snapshot)
+        ))
+        .await?;
+    Ok(())
+}
+
+/// After a catch-up that did not finish (shutdown, or an error): drop the slot this session created (its
+/// walsender may take a moment to let go of it).
+pub(crate) async fn drop_unfinished_slot(cfg: &Config, sql: &Client) {
+    for _ in 0..20 {
+        let r = tokio::time::timeout(
+            cfg.query_timeout,
+            sql.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                &[&cfg.slot],
+            ),
+        )
+        .await;
+        if matches!(r, Ok(Ok(1))) {
+            tracing::warn!(slot = %cfg.slot, "the new slot's catch-up did not finish: dropped the slot, so the next start creates it again and catches up");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::error!(slot = %cfg.slot, "the new slot's catch-up did not finish and the slot could not be dropped: drop it (`outbox-relay slot drop`) before the next start so NEW rows written before it are caught up");
+}
+
+/// Publish the NEW rows the new slot's snapshot sees, in id order, as one
+/// transaction of the watermark ending at the slot's consistent point.
+pub(crate) async fn catch_up(router: &mut Router<'_>, client: &Client, shard: Option<&[String]>, consistent: Lsn) -> Result<(), CdcError> {
+    let seq = router.watermark.lock().unwrap().begin();
+    let n = catch_up_rows(router, client, seq, shard).await?;
+    client.batch_execute("COMMIT").await?;
+    router.watermark.lock().unwrap().commit(seq, consistent);
+    tracing::info!(rows = n, "catch-up from the slot's snapshot dispatched");
+    Ok(())
+}
+
+/// The rows, fetched in rounds sized so one round holds about
+/// [`CHUNK_BYTES`] whatever the bodies' size.
+async fn catch_up_rows(router: &mut Router<'_>, client: &Client, seq: TxnSeq, shard: Option<&[String]>) -> Result<u64, CdcError> {
+    let only = match shard {
+        Some(d) => format!(
+            " AND destination IN ({})",
+            d.iter().map(|x| format!("'{}'", x.replace('\'', "''"))).collect::<Vec<_>>().join(", ")
+        ),
+        None => String::new(),
+    };
+    client
+        .batch_execute(&format!(
+            "DECLARE outbox_catch_up NO SCROLL CURSOR FOR
+             SELECT {OUTBOX_COLUMNS}
+               FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL{only} ORDER BY id"
+        ))
+        .await?;
+    let mut n = 0u64;
+    let mut fetch = 16usize;
+    loop {
+        let rows = client.query(&format!("FETCH {fetch} FROM outbox_catch_up"), &[]).await?;
+        if rows.is_empty() {
+            break;
+        }
+        let mut bytes = 0usize;
+        for r in rows {
+            n += 1;
+            let ev = OutboxEvent::from_row(&r);
+            bytes += ev.size();
+            router.route(Some(seq), ev).await?;
+        }
+        let per_row = (bytes / fetch).max(1);
+        fetch = (CHUNK_BYTES / per_row).clamp(1, CHUNK);
+    }
+    Ok(n)
+}
