@@ -257,7 +257,8 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let backoff = outbox_relay::pipeline::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
+    let backoff =
+        outbox_relay::pipeline::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
     let t = Instant::now();
     for chunk in ids.chunks(outbox_relay::pipeline::settle::MAX_FLUSH) {
         let batch: Vec<outbox_relay::pipeline::settle::Settlement> = chunk
@@ -269,7 +270,7 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
                 destination: Arc::from(d.as_str()),
                 outcome: outbox_relay::pipeline::settle::Outcome::Published,
                 permit: None,
-                lane: None,
+                unmarked: None,
             })
             .collect();
         outbox_relay::pipeline::settle::mark(&c, &batch, backoff).await.unwrap();

@@ -17,6 +17,10 @@ pub enum DbError {
     Query(tokio_postgres::Error),
     #[error("{0}")]
     Check(String),
+    /// CDC is not possible on this server or for this role (`wal_level`, the
+    /// publication, replication permission): `--mode auto` polls instead.
+    #[error("{0}")]
+    CdcUnavailable(String),
 }
 
 impl From<tokio_postgres::Error> for DbError {
@@ -228,14 +232,14 @@ pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
 pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Result<(), DbError> {
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if wal_level != "logical" {
-        return Err(DbError::Check(format!(
+        return Err(DbError::CdcUnavailable(format!(
             "wal_level is '{wal_level}', CDC mode needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"
         )));
     }
     check_outbox_table(client).await?;
     let publ = client.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication]).await?;
     if publ.is_none() {
-        return Err(DbError::Check(format!(
+        return Err(DbError::CdcUnavailable(format!(
             "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')"
         )));
     }
@@ -247,7 +251,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
         .await?;
     let (user, can): (String, bool) = (row.get(0), row.get(1));
     if !can {
-        return Err(DbError::Check(format!("role {user:?} may not replicate: ALTER ROLE {user} REPLICATION")));
+        return Err(DbError::CdcUnavailable(format!("role {user:?} may not replicate: ALTER ROLE {user} REPLICATION")));
     }
     Ok(())
 }

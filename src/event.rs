@@ -233,7 +233,8 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         return Err(DeadReason::new(DeadCode::EmptyBody, "SQS refuses an empty message body"));
     }
     if let Some((i, c)) = first_invalid_char(&event.body) {
-        return Err(DeadReason::new(DeadCode::InvalidCharacters,
+        return Err(DeadReason::new(
+            DeadCode::InvalidCharacters,
             format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
         ));
     }
@@ -244,19 +245,22 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
     let size =
         event.body.len() + attributes.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
     if size > queue.max_message_size {
-        return Err(DeadReason::new(DeadCode::TooLarge,
+        return Err(DeadReason::new(
+            DeadCode::TooLarge,
             format!("message is {size} bytes with its attributes; the queue allows {}", queue.max_message_size),
         ));
     }
     let (group_id, dedup) = if queue.fifo {
         let group = match &event.group_key {
             None => {
-                return Err(DeadReason::new(DeadCode::FifoWithoutGroup,
+                return Err(DeadReason::new(
+                    DeadCode::FifoWithoutGroup,
                     "the destination is a FIFO queue and the row has no group_key",
                 ))
             }
             Some(g) if !is_sqs_token(g) => {
-                return Err(DeadReason::new(DeadCode::InvalidGroupKey,
+                return Err(DeadReason::new(
+                    DeadCode::InvalidGroupKey,
                     "group_key must be 1 to 128 letters, digits or ASCII punctuation",
                 ))
             }

@@ -1,8 +1,6 @@
 //! Prometheus metrics, registered once per relay in its own registry (so
-//! tests can run several relays in one process), served with `/healthz` and
-//! `/readyz`.
+//! tests can run several relays in one process); served by [`crate::runtime::http`].
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -165,37 +163,9 @@ impl Metrics {
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }
-}
 
-/// Serve `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    metrics: Arc<Metrics>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    use axum::{extract::State, http::StatusCode, routing::get, Router};
-    let app = Router::new()
-        .route(
-            "/metrics",
-            get(|State(m): State<Arc<Metrics>>| async move {
-                ([("content-type", "text/plain; version=0.0.4")], m.render())
-            }),
-        )
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/readyz",
-            get(|State(m): State<Arc<Metrics>>| async move {
-                if m.ready.load(Ordering::Relaxed) && !m.stalled.load(Ordering::Relaxed) {
-                    (StatusCode::OK, "ready\n")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
-                }
-            }),
-        )
-        .with_state(metrics);
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
-}
-
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
+    /// Streaming (or polling) and the confirmed LSN not stalled: `/readyz`.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed)
+    }
 }

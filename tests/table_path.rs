@@ -360,7 +360,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
             destination: Arc::from("a"),
             outcome: Outcome::Published,
             permit: None,
-            lane: None,
+            unmarked: None,
         };
         mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
     });
@@ -378,9 +378,12 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
         xid: Some(xid),
         txn: None,
         destination: Arc::from("a"),
-        outcome: Outcome::Dead(outbox_relay::policy::dead::DeadReason::new(outbox_relay::policy::dead::DeadCode::SqsRejected, "y")),
+        outcome: Outcome::Dead(outbox_relay::policy::dead::DeadReason::new(
+            outbox_relay::policy::dead::DeadCode::SqsRejected,
+            "y",
+        )),
         permit: None,
-        lane: None,
+        unmarked: None,
     };
     let report = mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
     assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
@@ -422,7 +425,7 @@ async fn marking_a_deleted_row_does_not_wait() {
             destination: Arc::from("a"),
             outcome: Outcome::Published,
             permit: None,
-            lane: None,
+            unmarked: None,
         })
         .collect();
     let report = mark(&c, &batch, Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();

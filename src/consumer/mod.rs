@@ -556,7 +556,8 @@ impl Consumer {
     /// `retry_base × 2^(attempt-1)`, capped at `retry_max`, jittered over its
     /// upper half so retries of many jobs spread out.
     pub fn backoff(&self, attempt: i32) -> Duration {
-        let exp = crate::policy::retry::backoff((attempt - 1).max(0) as u32, self.config.retry_base, self.config.retry_max);
+        let exp =
+            crate::policy::retry::backoff((attempt - 1).max(0) as u32, self.config.retry_base, self.config.retry_max);
         let half = exp / 2;
         half + Duration::from_secs_f64(rand::rng().random::<f64>() * half.as_secs_f64())
     }

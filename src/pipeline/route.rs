@@ -36,7 +36,10 @@ impl From<tokio_postgres::Error> for RouteError {
 }
 
 /// The verdict on one event: its metric label, and its entry or why it is DEAD.
-pub fn judge<'a>(queues: &BTreeMap<String, QueueInfo>, ev: &'a Arc<OutboxEvent>) -> (&'a str, Result<Entry, DeadReason>) {
+pub fn judge<'a>(
+    queues: &BTreeMap<String, QueueInfo>,
+    ev: &'a Arc<OutboxEvent>,
+) -> (&'a str, Result<Entry, DeadReason>) {
     match queues.get(&ev.destination) {
         None => (UNKNOWN_DESTINATION_LABEL, Err(DeadReason::unknown_destination(&ev.destination))),
         Some(q) => (ev.destination.as_str(), prepare(Arc::clone(ev), q)),
@@ -102,7 +105,7 @@ impl Router<'_> {
             Ok(_) if self.states[&ev.destination].is_spooling() => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];
-                state.deferring();
+                let unmarked = state.deferring();
                 let last = state.last_error();
                 self.settle
                     .send(Settlement {
@@ -116,15 +119,13 @@ impl Router<'_> {
                             format!("spooled: {last}")
                         }),
                         permit: Some(permit),
-                        lane: Some(Arc::clone(state)),
+                        unmarked: Some(unmarked),
                     })
                     .map_err(|_| RouteError::Stopped("settler"))?;
             }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                tx.send(LaneItem::new(entry, seq, Some(permit)))
-                    .await
-                    .map_err(|_| RouteError::Stopped("lane"))?;
+                tx.send(LaneItem::new(entry, seq, Some(permit))).await.map_err(|_| RouteError::Stopped("lane"))?;
             }
             Err(reason) => {
                 self.settle
@@ -135,7 +136,7 @@ impl Router<'_> {
                         destination: Arc::from(label),
                         outcome: Outcome::Dead(reason),
                         permit: Some(permit),
-                        lane: None,
+                        unmarked: None,
                     })
                     .map_err(|_| RouteError::Stopped("settler"))?;
             }

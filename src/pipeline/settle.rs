@@ -9,7 +9,6 @@ use tokio::sync::{mpsc, Notify};
 use tokio_postgres::GenericClient;
 
 use crate::event::DeadReason;
-use crate::pipeline::lane::LaneState;
 use crate::metrics::Metrics;
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 
@@ -36,8 +35,33 @@ pub struct Settlement {
     pub outcome: Outcome,
     /// Returned to the pipeline's budget of unsettled events when dropped.
     pub permit: Option<crate::pipeline::budget::Permit>,
-    /// A deferred event of a streaming lane: told once it is marked.
-    pub lane: Option<Arc<LaneState>>,
+    /// A deferred event of a streaming lane: its lane's count of deferred
+    /// rows not yet marked, decremented once it is.
+    pub unmarked: Option<Arc<Unmarked>>,
+}
+
+/// Deferred rows of one lane handed to the settler and not marked yet: the
+/// spool drain does not return the lane to streaming while any are on their
+/// way (their rows are not in the table yet).
+#[derive(Debug, Default)]
+pub struct Unmarked(std::sync::atomic::AtomicUsize);
+
+impl Unmarked {
+    pub fn add(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    pub fn marked(&self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub fn reset(&self) {
+        self.0.store(0, std::sync::atomic::Ordering::Release);
+    }
 }
 
 /// The backoff of deferred rows: `base * 2^attempts`, capped, as time.
@@ -50,18 +74,24 @@ pub struct Backoff {
 /// Most settlements marked by one statement.
 pub const MAX_FLUSH: usize = 5_000;
 
-const MARK_SQL: &str = "
-UPDATE outbox o
-   SET status = u.status,
-       published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
-       next_attempt_at = CASE WHEN u.defer
-                              THEN now() + make_interval(secs => least($5::float8, $4::float8 * power(2, least(o.attempts, 40))))
-                              ELSE o.next_attempt_at END,
-       last_error = u.err,
-       attempts = o.attempts + 1
-  FROM unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)
- WHERE o.id = u.id AND o.status = 'NEW'
-RETURNING o.id";
+/// One statement marks a flush: PUBLISHED, DEAD, or deferred (NEW with
+/// `next_attempt_at` from the retry policy's backoff on the row's attempts).
+static MARK_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE outbox o
+            SET status = u.status,
+                published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
+                next_attempt_at = CASE WHEN u.defer
+                                       THEN now() + make_interval(secs => {})
+                                       ELSE o.next_attempt_at END,
+                last_error = u.err,
+                attempts = o.attempts + 1
+           FROM unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)
+          WHERE o.id = u.id AND o.status = 'NEW'
+         RETURNING o.id",
+        crate::policy::retry::backoff_sql("o.attempts", "$4", "$5")
+    )
+});
 
 /// How long [`mark`] waits, at most, for a row whose transaction is not
 /// visible yet (a safety net: that window lasts microseconds).
@@ -112,7 +142,6 @@ pub async fn mark<C: GenericClient>(
     let mut report = MarkReport { marked: marked.len() as u64, ..Default::default() };
     let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
     let started = std::time::Instant::now();
-    let mut wait = Duration::from_millis(1);
     while !rest.is_empty() {
         let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
         let xids: Vec<Option<i64>> = rest.iter().map(|s| s.xid.map(i64::from)).collect();
@@ -143,9 +172,13 @@ pub async fn mark<C: GenericClient>(
             tracing::warn!(?ids, "outbox rows to be marked did not become visible; nothing left to mark");
             break;
         }
+        tokio::time::sleep(crate::policy::retry::backoff(
+            report.waits,
+            Duration::from_millis(1),
+            Duration::from_millis(100),
+        ))
+        .await;
         report.waits += 1;
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(Duration::from_millis(100));
     }
     if report.gone > 0 {
         tracing::debug!(rows = report.gone, "outbox rows settled before or deleted: nothing to mark");
@@ -163,7 +196,7 @@ impl Settlement {
             destination: Arc::clone(&self.destination),
             outcome: self.outcome.clone(),
             permit: None,
-            lane: None,
+            unmarked: None,
         }
     }
 }
@@ -200,7 +233,7 @@ async fn mark_once<C: GenericClient>(
     let base = backoff.base.as_secs_f64();
     let max = backoff.max.as_secs_f64();
     Ok(client
-        .query(MARK_SQL, &[&ids, &statuses, &errors, &base, &max, &defer])
+        .query(MARK_SQL.as_str(), &[&ids, &statuses, &errors, &base, &max, &defer])
         .await?
         .iter()
         .map(|r| r.get(0))
@@ -256,8 +289,8 @@ pub async fn run_settler(
         record(&metrics, &batch);
         for s in batch.drain(..) {
             metrics.in_flight_events.with_label_values(&[&s.destination]).dec();
-            if let Some(l) = &s.lane {
-                l.deferred_marked();
+            if let Some(u) = &s.unmarked {
+                u.marked();
             }
         }
         confirm.notify_one();

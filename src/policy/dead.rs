@@ -71,7 +71,10 @@ impl DeadReason {
     /// An event for a destination this relay does not know: the same text
     /// and label from the stream and from the table path.
     pub fn unknown_destination(destination: &str) -> Self {
-        Self::new(DeadCode::UnknownDestination, format!("destination {destination:?} is not configured in [destinations]"))
+        Self::new(
+            DeadCode::UnknownDestination,
+            format!("destination {destination:?} is not configured in [destinations]"),
+        )
     }
 
     /// The text stored in `outbox.last_error`.

@@ -2,5 +2,5 @@
 //! ([`retry`]), why a row is DEAD ([`dead`]), when a lane spools ([`spool`]).
 
 pub mod dead;
-pub mod spool;
 pub mod retry;
+pub mod spool;

@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use crate::publish::CallError;
-
 /// What to do with a failed entry or call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Disposition {
@@ -60,9 +58,10 @@ pub fn classify_entry(code: &str, sender_fault: bool) -> Disposition {
     }
 }
 
-/// A `SendMessageBatch` call that failed as a whole.
-pub fn classify_call(e: &CallError, entries: usize) -> Disposition {
-    if THROTTLING.contains(&e.code.as_str()) || OPERATOR_ACTION.contains(&e.code.as_str()) || !e.sender_fault {
+/// A `SendMessageBatch` call of `entries` entries that failed as a whole
+/// with the service's `code` (or `transport` / `timeout`).
+pub fn classify_call(code: &str, sender_fault: bool, entries: usize) -> Disposition {
+    if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
         Disposition::Retry
     } else if entries > 1 {
         Disposition::Split
@@ -71,10 +70,24 @@ pub fn classify_call(e: &CallError, entries: usize) -> Disposition {
     }
 }
 
-/// Exponential backoff for in-stream retries: `base * 2^attempt`, capped.
+/// Exponential backoff: `base * 2^attempt`, capped. Every wait of the relay
+/// and the consumer is this formula (the table path's in SQL, below).
 pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
     let factor = 1u32.checked_shl(attempt.min(20)).unwrap_or(u32::MAX);
     base.saturating_mul(factor).min(cap)
+}
+
+/// Entries SQS did not take, retried from memory by a streaming lane: from
+/// this ...
+pub const IN_MEMORY_BASE: Duration = Duration::from_millis(200);
+/// ... doubling to this (a lane stalled longer spools to the table).
+pub const IN_MEMORY_CAP: Duration = Duration::from_secs(10);
+
+/// [`backoff`] as SQL, for the table path's `next_attempt_at`: seconds as
+/// float8, from the row's `attempts` column and the `retry_base` /
+/// `retry_max` parameters (seconds).
+pub fn backoff_sql(attempts: &str, base_secs: &str, max_secs: &str) -> String {
+    format!("least({max_secs}::float8, {base_secs}::float8 * power(2, least({attempts}, 40)))")
 }
 
 /// The wait before reconnecting after a failed replication session or
@@ -131,11 +144,14 @@ mod tests {
 
     #[test]
     fn calls() {
-        let e = |code: &str, sf| CallError { code: code.into(), message: String::new(), sender_fault: sf };
-        assert_eq!(classify_call(&CallError::transport("reset"), 10), Disposition::Retry);
-        assert_eq!(classify_call(&e("BatchRequestTooLong", true), 10), Disposition::Split);
-        assert_eq!(classify_call(&e("InvalidParameterValue", true), 1), Disposition::Dead);
-        assert_eq!(classify_call(&e("AWS.SimpleQueueService.NonExistentQueue", true), 3), Disposition::Retry);
+        assert_eq!(classify_call("transport", false, 10), Disposition::Retry);
+        assert_eq!(classify_call("BatchRequestTooLong", true, 10), Disposition::Split);
+        assert_eq!(classify_call("InvalidParameterValue", true, 1), Disposition::Dead);
+        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, 3), Disposition::Retry);
+        assert_eq!(
+            backoff_sql("o.attempts", "$4", "$5"),
+            "least($5::float8, $4::float8 * power(2, least(o.attempts, 40)))"
+        );
     }
 
     #[test]

@@ -1,67 +1,61 @@
 //! Spooling decisions: when a lane's events go to the table so the slot
 //! moves on. A lane spools when its oldest unsettled event is older than
-//! `lane_stall_timeout` (decided in the lane) or when the slot
-//! holds more than half of `max_retained_wal` ([`watch_wal`], which picks
-//! the lane holding the watermark back).
+//! `lane_stall_timeout` ([`stalled`]), or when the slot holds more than half
+//! of `max_retained_wal` and it is the lane holding the watermark back
+//! ([`lane_to_spool`]). The table path returns it to streaming when its spool
+//! is drained and sends succeed ([`may_stream_again`]).
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::Client;
+/// Events younger than this are in normal flight, not holding the slot.
+pub const MIN_HOLDING_AGE: Duration = Duration::from_secs(1);
 
-use crate::db;
-use crate::pipeline::lane::LaneState;
+/// A streaming lane whose oldest unsettled event is `oldest` old spools past
+/// `lane_stall_timeout`.
+pub fn stalled(oldest: Duration, lane_stall_timeout: Duration) -> bool {
+    oldest >= lane_stall_timeout
+}
 
-/// Four times a second: if the slot holds more than half of
-/// `max_retained_wal` (current WAL minus confirmed flush: the part the relay
-/// controls), spool the lane whose oldest unsettled event is the oldest, as
-/// that is the one holding the watermark back. Acting at half the budget
-/// leaves room for the WAL written while the spool takes effect, so the slot
-/// stays under the budget itself. Events younger than a second are in normal
-/// flight, not holding anything, and are left alone.
-pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, lanes: Vec<Arc<LaneState>>) {
-    const MIN_AGE: Duration = Duration::from_secs(1);
-    let threshold = max_retained_wal / 2;
-    let mut client: Option<Client> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
-        let held = match db
-            .query(
-                "reading the slot's retained WAL",
-                c.query_opt(
-                    "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&slot],
-                ),
-            )
-            .await
-        {
-            Ok(Some(r)) => r.get::<_, Option<i64>>(0).unwrap_or(0).max(0) as u64,
-            Ok(None) => continue,
-            Err(_) => {
-                client = None;
-                continue;
-            }
-        };
-        if held <= threshold {
-            continue;
-        }
-        let worst = lanes
-            .iter()
-            .filter(|l| !l.is_spooling())
-            .filter_map(|l| l.oldest_unsettled_age().map(|a| (a, l)))
-            .filter(|(a, _)| *a >= MIN_AGE)
-            .max_by_key(|(a, _)| *a);
-        if let Some((age, lane)) = worst {
-            lane.start_spooling(&format!(
-                "slot holds {held} bytes of WAL, over half of max_retained_wal ({max_retained_wal}); this lane's oldest unsettled event is {:.1}s old",
-                age.as_secs_f64()
-            ));
-        }
+/// The slot holds `held` bytes of WAL past its confirmed position. Over half
+/// of `max_retained_wal` (leaving room for the WAL written while the spool
+/// takes effect, so the slot stays under the budget itself), spool the
+/// streaming lane whose oldest unsettled event is the oldest: it is the one
+/// holding the watermark back. `ages[i]`: lane i's oldest unsettled event,
+/// `None` when it has none or spools already.
+pub fn lane_to_spool(held: u64, max_retained_wal: u64, ages: &[Option<Duration>]) -> Option<usize> {
+    if held <= max_retained_wal / 2 {
+        return None;
+    }
+    ages.iter()
+        .enumerate()
+        .filter_map(|(i, a)| a.filter(|a| *a >= MIN_HOLDING_AGE).map(|a| (a, i)))
+        .max_by_key(|(a, _)| *a)
+        .map(|(_, i)| i)
+}
+
+/// A spooling lane may stream again when its last claim found nothing due,
+/// its last sends succeeded and no deferred row is on its way to the table;
+/// then one query checks that nothing of it waits in the table.
+pub fn may_stream_again(claimed_now: usize, sends_ok: bool, deferred_unmarked: usize) -> bool {
+    claimed_now == 0 && sends_ok && deferred_unmarked == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Option<Duration> = |s| Some(Duration::from_secs(s));
+
+    #[test]
+    fn the_oldest_lane_spools_over_half_the_budget() {
+        assert_eq!(lane_to_spool(100, 256, &[S(5), S(9)]), None);
+        assert_eq!(lane_to_spool(200, 256, &[S(5), S(9), None]), Some(1));
+        // Young events hold nothing.
+        assert_eq!(lane_to_spool(200, 256, &[Some(Duration::from_millis(500)), None]), None);
+        assert!(stalled(Duration::from_secs(30), Duration::from_secs(30)));
+        assert!(!stalled(Duration::from_secs(29), Duration::from_secs(30)));
+        assert!(may_stream_again(0, true, 0));
+        assert!(!may_stream_again(0, true, 1));
+        assert!(!may_stream_again(3, true, 0));
     }
 }

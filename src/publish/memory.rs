@@ -127,7 +127,7 @@ impl Publisher for MemoryPublisher {
             return Err(e.clone());
         }
         inner.batch_sizes.push(entries.len());
-        assert!(entries.len() <= crate::pipeline::batch::MAX_BATCH_ENTRIES, "batch over 10 entries");
+        assert!(entries.len() <= 10, "batch over SQS's 10 entries");
         let fault = inner.faults.pop_front();
         let failing: Vec<usize> = match &fault {
             Some(Fault::FailCall(e)) => return Err(e.clone()),

@@ -26,10 +26,13 @@ use tokio_postgres::Client;
 
 use crate::db;
 use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
-use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
-use crate::publish::Publisher;
+use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
+use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Backoff, Outcome, Settlement};
+use crate::policy::dead::DeadReason;
+use crate::policy::spool::may_stream_again;
+use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,7 +127,7 @@ pub async fn run_table_lane(
             sends_ok = ok;
         }
         if let Some(state) = &state {
-            if state.is_spooling() && round.claimed == 0 && sends_ok && state.deferred_unmarked() == 0 {
+            if state.is_spooling() && may_stream_again(round.claimed, sends_ok, state.deferred_unmarked()) {
                 match spool_is_empty(c, &cfg.name).await {
                     Ok(true) => state.stop_spooling(),
                     Ok(false) => {}
@@ -249,7 +252,7 @@ pub async fn claim_round(
                 destination: Arc::clone(&cfg.name),
                 outcome: Outcome::Dead(reason),
                 permit: None,
-                lane: None,
+                unmarked: None,
             }),
         }
     }
@@ -347,7 +350,8 @@ pub async fn sweep_unknown_destinations(
         if configured.contains(&destination) {
             continue;
         }
-        let error = format!("unknown_destination: destination {destination:?} is not configured in [destinations]");
+        let reason = DeadReason::unknown_destination(&destination);
+        let error = reason.last_error();
         let n = c
             .execute(
                 &format!(
@@ -359,8 +363,8 @@ pub async fn sweep_unknown_destinations(
             )
             .await?;
         if n > 0 {
-            tracing::warn!(destination = %destination, rows = n, "outbox rows marked DEAD: unknown_destination");
-            metrics.events_dead.with_label_values(&["unknown", "unknown_destination"]).inc_by(n);
+            tracing::warn!(destination = %destination, rows = n, reason = reason.code.as_str(), "outbox rows marked DEAD");
+            metrics.events_dead.with_label_values(&[UNKNOWN_DESTINATION_LABEL, reason.code.as_str()]).inc_by(n);
             total += n;
         }
     }

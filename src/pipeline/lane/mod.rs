@@ -14,22 +14,23 @@
 //! returns the lane to streaming when its spool is empty and sends succeed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
+use crate::event::{Entry, QueueInfo};
+use crate::metrics::Metrics;
 use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
-use crate::event::{Entry, QueueInfo};
-use crate::policy::dead::{DeadCode, DeadReason};
-use crate::metrics::Metrics;
-use crate::publish::{EntryResult, Publisher};
-use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
-use crate::pipeline::settle::{Outcome, Settlement};
+use crate::pipeline::settle::{Outcome, Settlement, Unmarked};
 use crate::pipeline::watermark::TxnSeq;
+use crate::policy::dead::{DeadCode, DeadReason};
+use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
+use crate::policy::spool::stalled;
+use crate::publish::{EntryResult, Publisher};
 
 /// An entry on its way through a lane.
 pub struct LaneItem {
@@ -87,7 +88,7 @@ pub struct LaneState {
     last_error: Mutex<String>,
     /// Deferred rows handed to the settler and not marked yet; the drain does
     /// not return the lane to streaming while any are on their way.
-    deferred_unmarked: AtomicUsize,
+    unmarked: Arc<Unmarked>,
     metrics: Arc<Metrics>,
 }
 
@@ -99,7 +100,7 @@ impl LaneState {
             spool: watch::channel(false).0,
             oldest_unsettled_ms: AtomicU64::new(0),
             last_error: Mutex::new(String::new()),
-            deferred_unmarked: AtomicUsize::new(0),
+            unmarked: Arc::default(),
             metrics,
         })
     }
@@ -152,22 +153,19 @@ impl LaneState {
 
     /// Deferred rows not marked in the table yet.
     pub fn deferred_unmarked(&self) -> usize {
-        self.deferred_unmarked.load(Ordering::Acquire)
+        self.unmarked.count()
     }
 
     /// A new session starts with no settler holding anything of this lane.
     pub fn reset_deferred(&self) {
-        self.deferred_unmarked.store(0, Ordering::Release);
+        self.unmarked.reset();
     }
 
     /// A deferred row of this lane is on its way to the settler.
-    pub fn deferring(&self) {
-        self.deferred_unmarked.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// The settler marked a deferred row.
-    pub fn deferred_marked(&self) {
-        self.deferred_unmarked.fetch_sub(1, Ordering::AcqRel);
+    /// Counted until the settler marks it.
+    pub fn deferring(&self) -> Arc<Unmarked> {
+        self.unmarked.add();
+        Arc::clone(&self.unmarked)
     }
 }
 
@@ -331,7 +329,7 @@ pub async fn run_lane(
                 let state = ctx.state.as_ref().unwrap();
                 state.set_oldest(oldest_unsettled);
                 if let (Some(limit), Some(t)) = (stall_timeout, oldest_unsettled) {
-                    if t.elapsed() >= limit && !state.is_spooling() {
+                    if stalled(t.elapsed(), limit) && !state.is_spooling() {
                         state.start_spooling(&format!("oldest unsettled event is {:.1}s old (lane_stall_timeout {limit:?})", t.elapsed().as_secs_f64()));
                     }
                 }
@@ -354,11 +352,8 @@ fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
         let lag = (now_unix_us() - item.entry.event.commit_time_us).max(0) as f64 / 1e6;
         ctx.metrics.commit_to_publish_seconds.observe(lag);
     }
-    let lane = match (&outcome, &ctx.state) {
-        (Outcome::Deferred(_), Some(s)) => {
-            s.deferring();
-            Some(Arc::clone(s))
-        }
+    let unmarked = match (&outcome, &ctx.state) {
+        (Outcome::Deferred(_), Some(s)) => Some(s.deferring()),
         _ => None,
     };
     // The settler outlives the lanes; if it is gone the pipeline is stopping
@@ -370,11 +365,11 @@ fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
         destination: Arc::clone(&ctx.cfg.name),
         outcome,
         permit: item.permit,
-        lane,
+        unmarked,
     });
     if let Err(mpsc::error::SendError(s)) = sent {
-        if let Some(l) = s.lane {
-            l.deferred_marked();
+        if let Some(u) = s.unmarked {
+            u.marked();
         }
     }
 }
@@ -453,7 +448,7 @@ async fn send_until_settled(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<w
             }
             Err(e) => {
                 ctx.metrics.sqs_entry_failures.with_label_values(&[&*ctx.cfg.name, e.code.as_str()]).inc();
-                match classify_call(&e, todo.len()) {
+                match classify_call(&e.code, e.sender_fault, todo.len()) {
                     Disposition::Retry => {
                         if ctx.cfg.retry == RetryPolicy::InMemory && ctx.warn_due() {
                             tracing::warn!(destination = %ctx.cfg.name, error = %e, attempt, "SendMessageBatch failed, will retry");

@@ -1,7 +1,6 @@
 //! Replication events to outbox rows: the relation cache, the open
 //! transaction, chunks handed to the router.
 
-
 use pgwire_replication::ReplicationEvent;
 use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache};
 use tokio_postgres::Client;
@@ -9,8 +8,8 @@ use tokio_postgres::Client;
 use crate::event::OutboxEvent;
 use crate::pipeline::watermark::TxnSeq;
 
-use super::*;
 use super::row::row_from_tuple;
+use super::*;
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Handled {

@@ -17,28 +17,29 @@ use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
 
-use crate::pipeline::budget::Budget;
 use crate::config::Config;
 use crate::db;
 use crate::event::QueueInfo;
-use crate::pipeline::lane::{run_lane, LaneConfig, LaneState, RetryPolicy};
 use crate::metrics::Metrics;
-use crate::publish::Publisher;
+use crate::pipeline::budget::Budget;
+use crate::pipeline::lane::{run_lane, LaneConfig, LaneState, RetryPolicy};
 use crate::pipeline::settle::{run_settler, Backoff};
 use crate::pipeline::watermark::Watermark;
+use crate::publish::Publisher;
 
 mod decode;
 mod row;
 mod session;
 pub(crate) mod slot;
 
+pub(crate) use crate::pipeline::route::Router;
 use decode::{Decoder, Handled};
+pub(crate) use session::replication_config;
 use session::{open_session, Opened};
 use slot::{catch_up, drop_unfinished_slot, prepare_slot, SlotState};
-pub(crate) use session::replication_config;
 pub(crate) use slot::{create_slot_exporting, import_snapshot};
-pub(crate) use crate::pipeline::route::Router;
-use crate::policy::spool::watch_wal;
+mod wal_watch;
+use wal_watch::watch_wal;
 
 /// Events of one transaction are checked against the table and dispatched in
 /// chunks of this many, or of this many bytes, whichever comes first.
@@ -223,8 +224,8 @@ async fn start_pipeline<'a>(
             queue: queue.clone(),
             linger: cfg.linger,
             max_in_flight: cfg.max_in_flight_batches,
-            retry_base: Duration::from_millis(200),
-            retry_cap: Duration::from_secs(10),
+            retry_base: crate::policy::retry::IN_MEMORY_BASE,
+            retry_cap: crate::policy::retry::IN_MEMORY_CAP,
             retry: RetryPolicy::InMemory,
             stall_timeout: Some(cfg.lane_stall_timeout),
         };

@@ -1,6 +1,5 @@
 //! A decoded pgoutput tuple of the outbox table, mapped by column name.
 
-
 use replication::{Relation, Tuple, TupleValue};
 
 use crate::event::OutboxEvent;
@@ -8,7 +7,12 @@ use crate::event::OutboxEvent;
 use super::*;
 
 /// The outbox columns, by name, from a decoded row.
-pub(crate) fn row_from_tuple(rel: &Relation, t: &Tuple, commit_time_us: i64, xid: Option<u32>) -> Result<OutboxEvent, CdcError> {
+pub(crate) fn row_from_tuple(
+    rel: &Relation,
+    t: &Tuple,
+    commit_time_us: i64,
+    xid: Option<u32>,
+) -> Result<OutboxEvent, CdcError> {
     let col = |name: &str| -> Result<Option<&str>, CdcError> {
         let i = rel
             .column_index(name)

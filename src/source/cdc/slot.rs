@@ -56,8 +56,8 @@ pub(crate) async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, 
 /// the slot's consistent point and the exported snapshot's name, valid until
 /// the session runs another command.
 pub(crate) async fn create_slot_exporting(repl: &mut ReplicationClient, slot: &str) -> Result<(Lsn, String), CdcError> {
-    let rows =
-        repl.simple_query(&format!(
+    let rows = repl
+        .simple_query(&format!(
             "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
             postgres_protocol::escape::escape_identifier(slot)
         ))
@@ -107,7 +107,12 @@ pub(crate) async fn drop_unfinished_slot(cfg: &Config, sql: &Client) {
 
 /// Publish the NEW rows the new slot's snapshot sees, in id order, as one
 /// transaction of the watermark ending at the slot's consistent point.
-pub(crate) async fn catch_up(router: &mut Router<'_>, client: &Client, shard: Option<&[String]>, consistent: Lsn) -> Result<(), CdcError> {
+pub(crate) async fn catch_up(
+    router: &mut Router<'_>,
+    client: &Client,
+    shard: Option<&[String]>,
+    consistent: Lsn,
+) -> Result<(), CdcError> {
     let seq = router.watermark.lock().unwrap().begin();
     let n = catch_up_rows(router, client, seq, shard).await?;
     client.batch_execute("COMMIT").await?;
@@ -118,7 +123,12 @@ pub(crate) async fn catch_up(router: &mut Router<'_>, client: &Client, shard: Op
 
 /// The rows, fetched in rounds sized so one round holds about
 /// [`CHUNK_BYTES`] whatever the bodies' size.
-async fn catch_up_rows(router: &mut Router<'_>, client: &Client, seq: TxnSeq, shard: Option<&[String]>) -> Result<u64, CdcError> {
+async fn catch_up_rows(
+    router: &mut Router<'_>,
+    client: &Client,
+    seq: TxnSeq,
+    shard: Option<&[String]>,
+) -> Result<u64, CdcError> {
     let only = match shard {
         Some(d) => format!(
             " AND destination IN ({})",

@@ -1,0 +1,95 @@
+//! `slot create` (with the catch-up of older rows) and `slot drop`.
+
+use pgwire_replication::ReplicationClient;
+
+use crate::config::Config;
+use crate::db;
+use crate::source::cdc::{create_slot_exporting, import_snapshot, replication_config, CdcError};
+
+use super::*;
+
+/// What `slot create` did.
+#[derive(Debug, serde::Serialize)]
+pub struct SlotCreated {
+    pub slot: String,
+    pub consistent_point: String,
+    /// NEW rows committed before the slot existed, handed to the table path
+    /// (the slot will never stream them).
+    pub handed_to_table: u64,
+}
+
+/// Create the slot with an exported snapshot. The NEW rows that snapshot sees
+/// are exactly the rows the slot will never stream: they get a
+/// `next_attempt_at`, so the relay's table path publishes them.
+pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
+    let sql = db::connect(&config.database_url).await?;
+    let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+    let exists =
+        sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
+    if !exists {
+        // A relay's own shard: a publication filtered to its destinations.
+        db::check_shard(&sql, &config.publication, &destinations).await?;
+        let list: Vec<String> = destinations.iter().map(|d| format!("'{}'", d.replace('\'', "''"))).collect();
+        sql.batch_execute(&format!(
+            "CREATE PUBLICATION \"{}\" FOR TABLE outbox WHERE (destination IN ({})) WITH (publish = 'insert')",
+            config.publication.replace('"', ""),
+            list.join(", ")
+        ))
+        .await?;
+    }
+    db::check_cdc_prerequisites(&sql, &config.publication).await?;
+    let sharded = db::check_shard(&sql, &config.publication, &destinations).await?;
+    if slot_status(&sql, &config.slot).await?.exists {
+        return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
+    }
+    let mut repl = ReplicationClient::connect_gated(replication_config(config)?).await.map_err(CdcError::from)?;
+    let created = async {
+        let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot).await?;
+        let snap = db::connect(&config.database_url).await?;
+        import_snapshot(&snap, &snapshot).await?;
+        let only: Option<Vec<String>> = sharded.then(|| destinations.clone());
+        let ids: Vec<i64> = snap
+            .query(
+                "SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL AND ($1::text[] IS NULL OR destination = ANY($1))",
+                &[&only],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        snap.batch_execute("COMMIT").await?;
+        Ok::<_, OpsError>((consistent, ids))
+    }
+    .await;
+    repl.abort();
+    let (consistent, ids) = created?;
+    let mut handed = 0;
+    for chunk in ids.chunks(10_000) {
+        handed += sql
+            .execute(
+                "UPDATE outbox SET next_attempt_at = now()
+                  WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
+                &[&chunk],
+            )
+            .await?;
+    }
+    Ok(SlotCreated { slot: config.slot.clone(), consistent_point: consistent.to_string(), handed_to_table: handed })
+}
+
+/// Drop the slot; refused while a relay reads it.
+pub async fn slot_drop(config: &Config) -> Result<(), OpsError> {
+    let sql = db::connect(&config.database_url).await?;
+    let s = slot_status(&sql, &config.slot).await?;
+    if !s.exists {
+        return Err(OpsError::Refused(format!("slot {:?} does not exist", config.slot)));
+    }
+    if s.active == Some(true) {
+        return Err(OpsError::Refused(format!(
+            "slot {:?} is in use by pid {}: stop the relay reading it first",
+            config.slot,
+            s.active_pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into())
+        )));
+    }
+    sql.execute("SELECT pg_drop_replication_slot($1)", &[&config.slot]).await?;
+    Ok(())
+}

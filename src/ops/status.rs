@@ -1,0 +1,176 @@
+//! `status` and `slot status`: mode, slot, lag, and per destination NEW,
+//! spooled, DEAD and the oldest row.
+
+use tokio_postgres::Client;
+
+use crate::config::{Config, Mode};
+use crate::db;
+
+use super::*;
+
+/// Format version of `status --json`; bumped only when a field changes meaning
+/// or disappears (new fields may be added).
+pub const STATUS_FORMAT: u32 = 1;
+
+/// What `outbox-relay status` reports.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct Status {
+    pub format: u32,
+    /// The mode in the configuration.
+    pub mode: String,
+    /// What `run` would use now (`auto` resolved against the server).
+    pub effective_mode: String,
+    /// Why CDC is not possible, when it is not.
+    pub cdc_unavailable: Option<String>,
+    pub slot: SlotStatus,
+    pub destinations: Vec<DestinationStatus>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct SlotStatus {
+    pub name: String,
+    pub exists: bool,
+    pub active: Option<bool>,
+    pub active_pid: Option<i32>,
+    pub wal_status: Option<String>,
+    /// Current WAL minus the confirmed flush LSN.
+    pub lag_bytes: Option<i64>,
+    /// Current WAL minus the restart LSN: what the server keeps for the slot.
+    pub retained_wal_bytes: Option<i64>,
+    pub confirmed_flush_lsn: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct DestinationStatus {
+    pub destination: String,
+    pub configured: bool,
+    /// NEW rows for the stream or the poller (`next_attempt_at` unset).
+    pub new: i64,
+    /// NEW rows handed to the table path (spooled, retried later, redriven).
+    pub spooled: i64,
+    pub dead: i64,
+    /// Age of the oldest NEW row (spooled or not).
+    pub oldest_new_age_seconds: Option<f64>,
+}
+
+pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, tokio_postgres::Error> {
+    let row = client
+        .query_opt(
+            "SELECT active, active_pid, wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                    (pg_current_wal_lsn() - restart_lsn)::bigint, confirmed_flush_lsn::text
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(SlotStatus {
+        name: slot.to_string(),
+        exists: row.is_some(),
+        active: row.as_ref().map(|r| r.get(0)),
+        active_pid: row.as_ref().and_then(|r| r.get(1)),
+        wal_status: row.as_ref().and_then(|r| r.get(2)),
+        lag_bytes: row.as_ref().and_then(|r| r.get(3)),
+        retained_wal_bytes: row.as_ref().and_then(|r| r.get(4)),
+        confirmed_flush_lsn: row.as_ref().and_then(|r| r.get(5)),
+    })
+}
+
+pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
+    // Before `migrate` there is nothing to report: say what to run.
+    db::check_outbox_table(client).await?;
+    let cdc = db::check_cdc_prerequisites(client, &config.publication).await;
+    let cdc_unavailable = match cdc {
+        Ok(()) => None,
+        Err(db::DbError::CdcUnavailable(why)) => Some(why),
+        Err(e) => return Err(e.into()),
+    };
+    let effective = match (config.mode, &cdc_unavailable) {
+        (Mode::Polling, _) | (Mode::Auto, Some(_)) => Mode::Polling,
+        _ => Mode::Cdc,
+    };
+    let rows = client
+        .query(
+            "SELECT destination,
+                    count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NULL),
+                    count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NOT NULL),
+                    count(*) FILTER (WHERE status = 'DEAD'),
+                    extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'NEW'))::float8
+               FROM outbox WHERE status IN ('NEW', 'DEAD') GROUP BY destination ORDER BY destination",
+            &[],
+        )
+        .await?;
+    let mut destinations: Vec<DestinationStatus> = rows
+        .iter()
+        .map(|r| DestinationStatus {
+            destination: r.get(0),
+            configured: config.destinations.contains_key(r.get::<_, &str>(0)),
+            new: r.get(1),
+            spooled: r.get(2),
+            dead: r.get(3),
+            oldest_new_age_seconds: r.get(4),
+        })
+        .collect();
+    for name in config.destinations.keys() {
+        if !destinations.iter().any(|d| &d.destination == name) {
+            destinations.push(DestinationStatus {
+                destination: name.clone(),
+                configured: true,
+                new: 0,
+                spooled: 0,
+                dead: 0,
+                oldest_new_age_seconds: None,
+            });
+        }
+    }
+    destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
+    Ok(Status {
+        format: STATUS_FORMAT,
+        mode: config.mode.to_string(),
+        effective_mode: effective.to_string(),
+        cdc_unavailable,
+        slot: slot_status(client, &config.slot).await?,
+        destinations,
+    })
+}
+
+pub fn format_slot(s: &SlotStatus) -> String {
+    if !s.exists {
+        return format!(
+            "slot {}: does not exist (the relay creates it at start, or `outbox-relay slot create`)\n",
+            s.name
+        );
+    }
+    format!(
+        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}\n",
+        s.name,
+        match (s.active, s.active_pid) {
+            (Some(true), Some(pid)) => format!("active (pid {pid})"),
+            (Some(true), None) => "active".into(),
+            _ => "INACTIVE (retaining WAL)".into(),
+        },
+        s.wal_status.as_deref().unwrap_or("?"),
+        s.lag_bytes.unwrap_or(0),
+        s.retained_wal_bytes.unwrap_or(0),
+        s.confirmed_flush_lsn.as_deref().unwrap_or("?"),
+    )
+}
+
+pub fn format_status(s: &Status) -> String {
+    let mut out = format!("mode: {} (configured {})\n", s.effective_mode, s.mode);
+    if let (Some(why), "auto" | "cdc") = (&s.cdc_unavailable, s.mode.as_str()) {
+        out += &format!("CDC unavailable: {why}\n");
+    }
+    out += &format_slot(&s.slot);
+    out += &format!("{:<24} {:>10} {:>10} {:>10} {:>14}\n", "destination", "NEW", "spooled", "DEAD", "oldest NEW (s)");
+    for d in &s.destinations {
+        out += &format!(
+            "{:<24} {:>10} {:>10} {:>10} {:>14}{}\n",
+            d.destination,
+            d.new,
+            d.spooled,
+            d.dead,
+            d.oldest_new_age_seconds.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into()),
+            if d.configured { "" } else { "  (not configured)" }
+        );
+    }
+    out
+}

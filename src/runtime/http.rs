@@ -1,0 +1,39 @@
+//! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz`, `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::metrics::Metrics;
+
+/// Serve `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::{extract::State, http::StatusCode, routing::get, Router};
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                ([("content-type", "text/plain; version=0.0.4")], m.render())
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                if m.is_ready() {
+                    (StatusCode::OK, "ready\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                }
+            }),
+        )
+        .with_state(metrics);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

@@ -1,0 +1,164 @@
+//! The slot monitor: lag, retained WAL, readiness, backlog, and the
+//! transactional heartbeat.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::config::{Config, Mode};
+use crate::metrics::Metrics;
+use crate::source::cdc::HEARTBEAT_PREFIX;
+
+/// Polling mode does not read the slot: if it exists, it only holds WAL.
+pub(crate) async fn warn_if_slot_retains_wal(sql: &tokio_postgres::Client, slot: &str) {
+    let row = sql
+        .query_opt(
+            "SELECT active, (pg_current_wal_lsn() - restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await;
+    if let Ok(Some(r)) = row {
+        let (active, retained): (bool, Option<i64>) = (r.get(0), r.get(1));
+        if !active {
+            tracing::warn!(
+                slot,
+                retained_wal_bytes = retained.unwrap_or(0),
+                "replication slot exists but nothing reads it while the relay polls: it retains WAL; remove it with `outbox-relay slot drop` if CDC will not resume"
+            );
+        }
+    }
+}
+
+/// Every few seconds: slot lag, retained WAL and activity into the metrics
+/// (a polling relay warns each minute about an inactive slot); in CDC mode,
+/// every `heartbeat_interval`: a transactional logical message, so the slot
+/// moves even when nothing is written to this database while others are busy.
+pub(crate) async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+    let db = config.db();
+    let mut client = None;
+    let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
+    let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
+    let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
+    let mut backlog_tick = tokio::time::interval(Duration::from_secs(10));
+    let mut last_confirmed: (i64, std::time::Instant) = (-1, std::time::Instant::now());
+    for t in [&mut lag_tick, &mut heartbeat, &mut warn_tick, &mut backlog_tick] {
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    }
+    heartbeat.tick().await;
+    warn_tick.tick().await;
+    loop {
+        let what = tokio::select! {
+            _ = lag_tick.tick() => 0,
+            _ = heartbeat.tick(), if mode == Mode::Cdc => 1,
+            _ = warn_tick.tick(), if mode == Mode::Polling => 2,
+            _ = backlog_tick.tick() => 3,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        crate::faults::point("monitor::tick");
+        if client.as_ref().is_none_or(|c: &tokio_postgres::Client| c.is_closed()) {
+            client = db.connect().await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        let res = db
+            .query(
+                "running the slot monitor's queries",
+                monitor_step(what, c, &config, mode, &metrics, &mut last_confirmed),
+            )
+            .await;
+        if let Err(e) = res {
+            tracing::debug!(error = %e, "monitor query failed; reconnecting");
+            client = None;
+        }
+    }
+}
+
+/// One monitor tick: 0 lag and readiness, 1 heartbeat, 2 inactive-slot
+/// warning, 3 backlog.
+pub(crate) async fn monitor_step(
+    what: u8,
+    c: &tokio_postgres::Client,
+    config: &Config,
+    mode: Mode,
+    metrics: &Metrics,
+    last_confirmed: &mut (i64, std::time::Instant),
+) -> Result<(), tokio_postgres::Error> {
+    match what {
+            1 => c
+                .execute(
+                    "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",
+                    &[&HEARTBEAT_PREFIX],
+                )
+                .await
+                .map(|_| ()),
+            2 => {
+                warn_if_slot_retains_wal(c, &config.slot).await;
+                Ok(())
+            }
+            3 => backlog(c, config, metrics).await,
+            _ => c
+                .query_opt(
+                    "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                            (pg_current_wal_lsn() - restart_lsn)::bigint, active, coalesce(wal_status, ''),
+                            (confirmed_flush_lsn - '0/0')::bigint
+                       FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&config.slot],
+                )
+                .await
+                .map(|row| {
+                    let status = row.as_ref().map(|r| r.get::<_, String>(3)).unwrap_or_default();
+                    for s in ["reserved", "extended", "unreserved", "lost"] {
+                        metrics.slot_wal_status.with_label_values(&[s]).set(i64::from(s == status));
+                    }
+                    match row {
+                        Some(r) => {
+                            let lag = r.get::<_, Option<i64>>(0).unwrap_or(0);
+                            metrics.slot_lag_bytes.set(lag);
+                            metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
+                            metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
+                            // Readiness: the confirmed LSN must move while the slot has lag.
+                            let confirmed = r.get::<_, Option<i64>>(4).unwrap_or(0);
+                            if confirmed != last_confirmed.0 || lag <= 0 {
+                                *last_confirmed = (confirmed, std::time::Instant::now());
+                            }
+                            let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
+                            if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
+                                if stuck {
+                                    tracing::error!(lag_bytes = lag, stall = ?config.readiness_stall, "the slot's confirmed LSN has not moved while it has lag: not ready");
+                                } else {
+                                    tracing::info!("the slot's confirmed LSN moves again: ready");
+                                }
+                                metrics.stalled.store(stuck, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        None => {
+                            metrics.slot_lag_bytes.set(0);
+                            metrics.slot_retained_wal_bytes.set(0);
+                            metrics.slot_active.set(-1);
+                        }
+                    }
+                }),
+        }
+}
+
+/// NEW rows and the oldest one's age per configured destination: a capped
+/// count and one index probe each, not a scan per scrape.
+pub(crate) async fn backlog(
+    c: &tokio_postgres::Client,
+    config: &Config,
+    metrics: &Metrics,
+) -> Result<(), tokio_postgres::Error> {
+    for d in config.destinations.keys() {
+        let r = c
+            .query_one(
+                "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' LIMIT 1000000) n),
+                        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox
+                                   WHERE destination = $1 AND status = 'NEW' ORDER BY id LIMIT 1), 0)",
+                &[d],
+            )
+            .await?;
+        metrics.backlog_events.with_label_values(&[d]).set(r.get(0));
+        metrics.oldest_unpublished_seconds.with_label_values(&[d]).set(r.get::<_, f64>(1).max(0.0));
+    }
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! Start-up: the checks, each within its deadline, and the mode they allow.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::config::{Config, Mode};
+use crate::db;
+use crate::metrics::Metrics;
+use crate::publish::Publisher;
+
+use super::http;
+use super::*;
+
+/// What start-up found out.
+pub(crate) struct Started {
+    pub(crate) mode: Mode,
+    pub(crate) sharded: bool,
+    pub(crate) queues: BTreeMap<String, crate::event::QueueInfo>,
+    pub(crate) listener: Option<tokio::net::TcpListener>,
+    pub(crate) retention: Option<Duration>,
+}
+
+/// The start-up checks, each with a deadline: the database (connect_timeout,
+/// query_timeout), the queues (the SQS client's own timeouts), the metrics
+/// listener.
+pub(crate) async fn start_up(
+    config: &Config,
+    publisher: &dyn Publisher,
+    metrics: &Metrics,
+) -> Result<Started, RelayError> {
+    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    let db = config.db();
+    let sql = db.connect().await.map_err(startup)?;
+    let (mode, sharded) = resolve_mode(&sql, config).await?;
+    for m in [Mode::Cdc, Mode::Polling] {
+        metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
+    }
+    let mut queues = BTreeMap::new();
+    for (name, url) in &config.destinations {
+        let info = publisher.queue_info(url).await.map_err(|e| {
+            RelayError::Startup(format!(
+                "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
+            ))
+        })?;
+        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
+        queues.insert(name.clone(), info);
+    }
+    let listener = match config.metrics_addr {
+        Some(addr) => Some(
+            http::bind(addr)
+                .await
+                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?,
+        ),
+        None => None,
+    };
+    if mode == Mode::Polling {
+        let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
+    }
+    let mut retention = config.retention;
+    if retention.is_some()
+        && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)?
+    {
+        tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
+        retention = None;
+    }
+    Ok(Started { mode, sharded, queues, listener, retention })
+}
+
+/// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
+/// CDC when the server and role allow it, polling otherwise, and says why.
+/// Also returns whether this CDC relay is one shard (a filtered publication).
+pub(crate) async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), RelayError> {
+    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    let db = config.db();
+    // The CDC checks, the shard's included; Ok(sharded).
+    let cdc = || async {
+        db.within("checking the CDC prerequisites", db::check_cdc_prerequisites(sql, &config.publication)).await?;
+        let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+        db.within("checking the publication's shard", db::check_shard(sql, &config.publication, &destinations)).await
+    };
+    let outbox_table = || db.within("checking the outbox table", db::check_outbox_table(sql));
+    match config.mode {
+        Mode::Cdc => Ok((Mode::Cdc, cdc().await.map_err(startup)?)),
+        Mode::Polling => {
+            outbox_table().await.map_err(startup)?;
+            Ok((Mode::Polling, false))
+        }
+        Mode::Auto => {
+            outbox_table().await.map_err(startup)?;
+            match cdc().await {
+                Ok(sharded) => {
+                    tracing::info!(
+                        "mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)"
+                    );
+                    Ok((Mode::Cdc, sharded))
+                }
+                Err(db::DbError::CdcUnavailable(why)) => {
+                    tracing::warn!(reason = %why, "mode auto: polling, because CDC is not possible here");
+                    Ok((Mode::Polling, false))
+                }
+                Err(e) => Err(startup(e)),
+            }
+        }
+    }
+}
