@@ -13,9 +13,9 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_relay::consumer::queue::SqsQueue;
-use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
+use outbox_consumer::sqs::SqsQueue;
+use outbox_consumer::worker::Worker;
+use outbox_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
 use outbox_relay::publish::sqs::SqsPublisher;
 use tokio_postgres::Transaction;
 

@@ -10,9 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_relay::consumer::queue::{MemoryQueue, Queue, SqsQueue};
-use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
+use outbox_consumer::memory::MemoryQueue;
+use outbox_consumer::queue::Queue;
+use outbox_consumer::sqs::SqsQueue;
+use outbox_consumer::worker::Worker;
+use outbox_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
 use tokio_postgres::Transaction;
 
 struct Noop;

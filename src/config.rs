@@ -221,13 +221,7 @@ impl Config {
         let publication =
             pick(&o.publication, "PUBLICATION", file.publication).unwrap_or_else(|| "outbox_relay".into());
         validate_identifier("publication", &publication, false)?;
-        let metrics_addr = match pick(&o.metrics_addr, "METRICS_ADDR", file.metrics_addr) {
-            None => None,
-            Some(s) if s.is_empty() || s == "off" => None,
-            Some(s) => Some(s.parse().map_err(|_| {
-                ConfigError::Invalid(format!("metrics_addr {s:?} is not an address such as 127.0.0.1:9187"))
-            })?),
-        };
+        let metrics_addr = metrics_addr(pick(&o.metrics_addr, "METRICS_ADDR", file.metrics_addr))?;
         let sqs_region = get("SQS_REGION")
             .or(file.sqs.region)
             .or_else(|| std::env::var("AWS_REGION").ok())
@@ -235,31 +229,12 @@ impl Config {
         let sqs_endpoint_url =
             pick(&o.sqs_endpoint_url, "SQS_ENDPOINT_URL", file.sqs.endpoint_url).filter(|s| !s.is_empty());
         let sqs_assume_role_arn = get("SQS_ASSUME_ROLE_ARN").or(file.sqs.assume_role_arn).filter(|s| !s.is_empty());
-        if let Some(arn) = &sqs_assume_role_arn {
-            if !arn.starts_with("arn:") {
-                return Err(ConfigError::Invalid(format!(
-                    "sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay"
-                )));
-            }
+        if let Some(arn) = sqs_assume_role_arn.as_ref().filter(|a| !a.starts_with("arn:")) {
+            return Err(ConfigError::Invalid(format!(
+                "sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay"
+            )));
         }
-        if file.destinations.is_empty() {
-            return Err(ConfigError::Invalid(
-                "no destinations configured: add a [destinations] table mapping each lane name to its queue URL, e.g. orders = \"https://sqs.us-east-1.amazonaws.com/123456789012/orders\"".into(),
-            ));
-        }
-        for (name, url) in &file.destinations {
-            if url.trim().is_empty() {
-                return Err(ConfigError::Invalid(format!(
-                    "destination {name:?} has no queue URL: set [destinations] {name} = \"<queue URL>\" or OUTBOX_RELAY_DESTINATIONS_{}",
-                    name.to_ascii_uppercase()
-                )));
-            }
-            if !(url.starts_with("http://") || url.starts_with("https://")) {
-                return Err(ConfigError::Invalid(format!(
-                    "destination {name:?}: queue URL {url:?} must start with https:// (or http:// for a local endpoint)"
-                )));
-            }
-        }
+        check_destinations(&file.destinations)?;
         let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
         let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
         let linger = d("linger", "LINGER", file.linger)?;
@@ -313,6 +288,41 @@ impl Config {
             takeover_timeout,
         })
     }
+}
+
+/// `metrics_addr`: an address, or off.
+fn metrics_addr(v: Option<String>) -> Result<Option<SocketAddr>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(s) if s.is_empty() || s == "off" => Ok(None),
+        Some(s) => s
+            .parse()
+            .map(Some)
+            .map_err(|_| ConfigError::Invalid(format!("metrics_addr {s:?} is not an address such as 127.0.0.1:9187"))),
+    }
+}
+
+/// At least one destination, each with an http(s) queue URL.
+fn check_destinations(destinations: &BTreeMap<String, String>) -> Result<(), ConfigError> {
+    if destinations.is_empty() {
+        return Err(ConfigError::Invalid(
+            "no destinations configured: add a [destinations] table mapping each lane name to its queue URL, e.g. orders = \"https://sqs.us-east-1.amazonaws.com/123456789012/orders\"".into(),
+        ));
+    }
+    for (name, url) in destinations {
+        if url.trim().is_empty() {
+            return Err(ConfigError::Invalid(format!(
+                "destination {name:?} has no queue URL: set [destinations] {name} = \"<queue URL>\" or OUTBOX_RELAY_DESTINATIONS_{}",
+                name.to_ascii_uppercase()
+            )));
+        }
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(ConfigError::Invalid(format!(
+                "destination {name:?}: queue URL {url:?} must start with https:// (or http:// for a local endpoint)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every duration key: its default and the range it must lie in. Zero or

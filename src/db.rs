@@ -164,7 +164,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
     (2, "publication", include_str!("../migrations/0002_publication.sql")),
     (3, "spool", include_str!("../migrations/0003_spool.sql")),
-    (4, "jobs", include_str!("../migrations/0004_jobs.sql")),
+    // The consumer's jobs table and functions, from its own crate.
+    (outbox_consumer::JOBS_MIGRATION, "jobs", outbox_consumer::JOBS_SQL),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent

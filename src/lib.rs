@@ -18,18 +18,18 @@
 //!   retention; [`ops`]: what operators run (`status`, `slot`, `dead`).
 
 pub mod config;
-pub mod consumer;
 pub mod db;
 pub mod event;
 pub mod faults;
 pub mod metrics;
 pub mod ops;
-pub mod pgconn;
 pub mod pipeline;
 pub mod policy;
 pub mod publish;
 pub mod runtime;
 pub mod source;
+
+pub use outbox_pgconn as pgconn;
 
 pub use config::Config;
 pub use runtime::{run, RelayHandle};

@@ -11,11 +11,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::jobs::{effects, effects_db, Effect, RunningWorker};
 use common::*;
-use outbox_relay::consumer::queue::{MemoryQueue, Queue, SqsQueue};
-use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{
-    enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob,
-};
+use outbox_consumer::memory::MemoryQueue;
+use outbox_consumer::queue::Queue;
+use outbox_consumer::sqs::SqsQueue;
+use outbox_consumer::worker::Worker;
+use outbox_consumer::{enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob};
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 
@@ -465,7 +465,7 @@ async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
     assert!(tokio::time::timeout(Duration::from_millis(300), dying.process(&queue, &m)).await.is_err());
     assert_eq!(job_state(&db, &id).await.0, "CLAIMED");
     // Cancellation is requested while it is claimed; then the lease expires.
-    assert!(outbox_relay::consumer::request_cancel(&c, &id).await.unwrap());
+    assert!(outbox_consumer::request_cancel(&c, &id).await.unwrap());
     tokio::time::sleep(Duration::from_millis(1100)).await;
     queue.send(&b);
     let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);

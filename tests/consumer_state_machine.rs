@@ -12,10 +12,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use common::jobs::{effects_db, Effect};
 use common::*;
-use outbox_relay::consumer::queue::{MemoryQueue, Queue};
-use outbox_relay::consumer::{
-    enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob,
-};
+use outbox_consumer::memory::MemoryQueue;
+use outbox_consumer::queue::Queue;
+use outbox_consumer::{enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob};
 use proptest::prelude::*;
 use tokio_postgres::Transaction;
 

@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use std::sync::atomic::AtomicBool;
 
 use crate::config::{Config, Mode};
+use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settle::Backoff;
@@ -78,123 +79,12 @@ pub async fn run(
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper =
         retention.map(|r| tokio::spawn(sweep_retention(config.db(), r, Arc::clone(&metrics), stop_rx.clone())));
-
-    // The table path: every destination in polling mode; the spool drain of
-    // every destination in CDC mode (while this relay leads).
-    let lanes: BTreeMap<String, Arc<LaneState>> =
-        queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
-    let spawn_table = |stop: watch::Receiver<bool>| {
-        let mut set = tokio::task::JoinSet::new();
-        for (name, queue) in &queues {
-            let (source, state, poll_interval) = match mode {
-                Mode::Polling => (Source::Poll, None, config.poll_interval),
-                _ => (
-                    Source::Spool,
-                    Some(Arc::clone(&lanes[name])),
-                    config.poll_interval.max(Duration::from_millis(500)),
-                ),
-            };
-            let cfg = TableLaneConfig {
-                name: Arc::from(name.as_str()),
-                queue: queue.clone(),
-                source,
-                claim_limit: TABLE_CLAIM_LIMIT,
-                claim_bytes: (config.max_unsettled_bytes / 4).max(1 << 20),
-                poll_interval,
-                linger: config.linger,
-                max_in_flight: config.max_in_flight_batches,
-                backoff: Backoff { base: config.retry_base, max: config.retry_max },
-            };
-            set.spawn(run_table_lane(
-                cfg,
-                config.db(),
-                Arc::clone(&publisher),
-                Arc::clone(&metrics),
-                state,
-                stop.clone(),
-            ));
-        }
-        // Other shards' rows are not unknown: a shard leaves them alone.
-        if !sharded {
-            set.spawn(run_unknown_destination_sweeper(
-                config.db(),
-                queues.keys().cloned().collect(),
-                if mode == Mode::Polling { Source::Poll } else { Source::Spool },
-                Arc::clone(&metrics),
-                stop,
-            ));
-        }
-        set
-    };
-
+    let lanes = queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
+    let env = Env { config: &config, publisher: &publisher, metrics: &metrics, queues: &queues, lanes, mode, sharded };
     if mode == Mode::Polling {
-        // Polling relays are all active: SKIP LOCKED keeps them apart.
-        let mut table_lanes = spawn_table(stop_rx.clone());
-        metrics.set_ready(true);
-        tracing::info!(destinations = queues.len(), "polling the outbox table");
-        let _ = stop_rx.wait_for(|s| *s).await;
-        metrics.set_ready(false);
-        drain_table(&mut table_lanes).await;
+        run_polling(&env, &mut stop_rx).await;
     } else {
-        let ctx = StreamContext {
-            config: config.clone(),
-            queues: queues.clone(),
-            publisher: Arc::clone(&publisher),
-            metrics: Arc::clone(&metrics),
-            lanes: lanes.clone(),
-            slot_seen: AtomicBool::new(false),
-            shard: sharded.then(|| queues.keys().cloned().collect()),
-            streaming_since: std::sync::Mutex::new(None),
-        };
-        // One relay per slot streams: the leader holds an advisory lock on a
-        // connection of its own; the others wait for it to go.
-        loop {
-            let mut stop = stop_rx.clone();
-            let lock = tokio::select! {
-                l = acquire_leadership(&config, &metrics, &mut stop_rx) => l,
-                _ = stop.wait_for(|s| *s) => None,
-            };
-            let Some(lock) = lock else { break };
-            // Polled here, not spawned: if this task goes, the lock goes with it.
-            let watchdog = watch_lock(lock, config.takeover_timeout);
-            tokio::pin!(watchdog);
-            let mut table_lanes = spawn_table(stop_rx.clone());
-            let mut reconnect = crate::policy::retry::Reconnect::default();
-            let lost = loop {
-                if *stop_rx.borrow() {
-                    break false;
-                }
-                let r = tokio::select! {
-                    r = run_stream(&ctx, &mut stop_rx) => r,
-                    // Lock gone: stop publishing at once, no draining.
-                    _ = &mut watchdog => break true,
-                };
-                match r {
-                    Ok(()) => break false,
-                    Err(e) => {
-                        metrics.stream_restarts.inc();
-                        let streamed_for = ctx.streaming_since.lock().unwrap().take().map(|t| t.elapsed());
-                        let wait = reconnect.session_ended(streamed_for);
-                        tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
-                        tokio::select! {
-                            _ = tokio::time::sleep(wait) => {}
-                            _ = stop_rx.wait_for(|s| *s) => break false,
-                            _ = &mut watchdog => break true,
-                        }
-                    }
-                }
-            };
-            metrics.set_ready(false);
-            metrics.is_leader.set(0);
-            metrics.leader_changes.inc();
-            if lost {
-                table_lanes.abort_all();
-                tracing::error!(slot = %config.slot, "lost the leader lock's connection: stopped publishing; trying to lead again");
-                continue;
-            }
-            drain_table(&mut table_lanes).await;
-            break;
-        }
+        run_cdc(&env, &mut stop_rx).await;
     }
     monitor.abort();
     if let Some(s) = sweeper {
@@ -204,6 +94,131 @@ pub async fn run(
         let _ = s.await;
     }
     Ok(())
+}
+
+/// What the running relay's parts share.
+struct Env<'a> {
+    config: &'a Config,
+    publisher: &'a Arc<dyn Publisher>,
+    metrics: &'a Arc<Metrics>,
+    queues: &'a BTreeMap<String, QueueInfo>,
+    /// Per destination, outliving sessions: streaming or spooling.
+    lanes: BTreeMap<String, Arc<LaneState>>,
+    mode: Mode,
+    sharded: bool,
+}
+
+/// Polling relays are all active: SKIP LOCKED keeps them apart.
+async fn run_polling(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
+    let mut table_lanes = spawn_table_path(env, stop_rx.clone());
+    env.metrics.set_ready(true);
+    tracing::info!(destinations = env.queues.len(), "polling the outbox table");
+    let _ = stop_rx.wait_for(|s| *s).await;
+    env.metrics.set_ready(false);
+    drain_table(&mut table_lanes).await;
+}
+
+/// The table path: every destination in polling mode; the spool drain of
+/// every destination in CDC mode (while this relay leads); and the sweeper
+/// of unknown destinations (not in a shard: other shards' rows are theirs).
+fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::JoinSet<()> {
+    let config = env.config;
+    let mut set = tokio::task::JoinSet::new();
+    for (name, queue) in env.queues {
+        let (source, state, poll_interval) = match env.mode {
+            Mode::Polling => (Source::Poll, None, config.poll_interval),
+            _ => (
+                Source::Spool,
+                Some(Arc::clone(&env.lanes[name])),
+                config.poll_interval.max(Duration::from_millis(500)),
+            ),
+        };
+        let cfg = TableLaneConfig {
+            name: Arc::from(name.as_str()),
+            queue: queue.clone(),
+            source,
+            claim_limit: TABLE_CLAIM_LIMIT,
+            claim_bytes: (config.max_unsettled_bytes / 4).max(1 << 20),
+            poll_interval,
+            linger: config.linger,
+            max_in_flight: config.max_in_flight_batches,
+            backoff: Backoff { base: config.retry_base, max: config.retry_max },
+        };
+        let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
+        set.spawn(run_table_lane(cfg, config.db(), publisher, metrics, state, stop.clone()));
+    }
+    if !env.sharded {
+        let source = if env.mode == Mode::Polling { Source::Poll } else { Source::Spool };
+        let known = env.queues.keys().cloned().collect();
+        set.spawn(run_unknown_destination_sweeper(config.db(), known, source, Arc::clone(env.metrics), stop));
+    }
+    set
+}
+
+/// One relay per slot streams: the leader holds an advisory lock on a
+/// connection of its own; the others wait for it to go. A leader that loses
+/// its lock stops publishing at once and tries to lead again.
+async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
+    let ctx = StreamContext {
+        config: env.config.clone(),
+        queues: env.queues.clone(),
+        publisher: Arc::clone(env.publisher),
+        metrics: Arc::clone(env.metrics),
+        lanes: env.lanes.clone(),
+        slot_seen: AtomicBool::new(false),
+        shard: env.sharded.then(|| env.queues.keys().cloned().collect()),
+        streaming_since: std::sync::Mutex::new(None),
+    };
+    loop {
+        let mut stop = stop_rx.clone();
+        let lock = tokio::select! {
+            l = acquire_leadership(env.config, env.metrics, stop_rx) => l,
+            _ = stop.wait_for(|s| *s) => None,
+        };
+        let Some(lock) = lock else { break };
+        let mut table_lanes = spawn_table_path(env, stop_rx.clone());
+        let lost = lead(&ctx, lock, stop_rx).await;
+        env.metrics.set_ready(false);
+        env.metrics.is_leader.set(0);
+        env.metrics.leader_changes.inc();
+        if lost {
+            table_lanes.abort_all();
+            tracing::error!(slot = %env.config.slot, "lost the leader lock's connection: stopped publishing; trying to lead again");
+            continue;
+        }
+        drain_table(&mut table_lanes).await;
+        break;
+    }
+}
+
+/// Replication sessions one after another while this relay holds `lock`,
+/// each failure followed by the reconnect backoff. Returns true when the
+/// lock was lost, false on shutdown.
+async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut watch::Receiver<bool>) -> bool {
+    // Polled here, not spawned: if this task goes, the lock goes with it.
+    let watchdog = watch_lock(lock, ctx.config.takeover_timeout);
+    tokio::pin!(watchdog);
+    let mut reconnect = crate::policy::retry::Reconnect::default();
+    loop {
+        if *stop_rx.borrow() {
+            return false;
+        }
+        let r = tokio::select! {
+            r = run_stream(ctx, stop_rx) => r,
+            // Lock gone: stop publishing at once, no draining.
+            _ = &mut watchdog => return true,
+        };
+        let Err(e) = r else { return false };
+        ctx.metrics.stream_restarts.inc();
+        let streamed_for = ctx.streaming_since.lock().unwrap().take().map(|t| t.elapsed());
+        let wait = reconnect.session_ended(streamed_for);
+        tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop_rx.wait_for(|s| *s) => return false,
+            _ = &mut watchdog => return true,
+        }
+    }
 }
 
 /// Table lanes finish the claim they are in (its rows are marked and

@@ -16,9 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_relay::consumer::queue::{Queue, QueueError, ReceivedMessage, SqsQueue};
-use outbox_relay::consumer::worker::Worker;
-use outbox_relay::consumer::{enqueue, NewJob};
+use outbox_consumer::queue::{Queue, QueueError, ReceivedMessage};
+use outbox_consumer::sqs::SqsQueue;
+use outbox_consumer::worker::Worker;
+use outbox_consumer::{enqueue, NewJob};
 use outbox_relay::faults::crash_point;
 use rand::Rng;
 use serde::Serialize;
@@ -241,7 +242,7 @@ pub async fn child(args: &[String]) -> anyhow::Result<()> {
             let tag = arg(2)?;
             let tx = c.transaction().await?;
             let payload = serde_json::json!({ "tag": tag });
-            let id = outbox_relay::consumer::job_id(&tx, "effect", &payload).await?;
+            let id = outbox_consumer::job_id(&tx, "effect", &payload).await?;
             tx.execute(
                 "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', $2, 'jobs')",
                 &[&id, &payload],

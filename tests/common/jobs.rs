@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_relay::consumer::worker::{Worker, WorkerMetrics};
-use outbox_relay::consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
+use outbox_consumer::worker::{Worker, WorkerMetrics};
+use outbox_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 

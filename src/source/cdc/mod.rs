@@ -36,8 +36,8 @@ pub(crate) use crate::pipeline::route::Router;
 use decode::{Decoder, Handled};
 pub(crate) use session::replication_config;
 use session::{open_session, Opened};
-use slot::{catch_up, drop_unfinished_slot, prepare_slot, SlotState};
 pub(crate) use slot::{create_slot_exporting, import_snapshot};
+use slot::{prepare_slot, SlotState};
 mod wal_watch;
 use wal_watch::watch_wal;
 
@@ -75,9 +75,6 @@ pub enum CdcError {
     Settler(String),
     #[error("routing: {0}")]
     Route(#[from] crate::pipeline::route::RouteError),
-    /// Shutdown came while a new slot was being caught up.
-    #[error("shutdown interrupted the catch-up")]
-    Interrupted,
 }
 
 /// Everything a session needs that outlives it.
@@ -113,7 +110,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         o = open_session(ctx) => o?,
         _ = shutdown.wait_for(|s| *s) => return Ok(()),
     };
-    let Opened { sql, mut repl, start_lsn, startup_lsn, catch_up: snapshot } = opened;
+    let Opened { sql, mut repl, start_lsn, startup_lsn } = opened;
     ctx.slot_seen.store(true, Ordering::Relaxed);
     ctx.metrics.set_ready(true);
     *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
@@ -129,26 +126,6 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         }
     };
     let mut sent = start_lsn;
-    let result = match snapshot {
-        Some((client, consistent)) => {
-            tokio::select! {
-                r = catch_up(&mut pipeline.router, &client, ctx.shard.as_deref(), consistent) => r,
-                _ = shutdown.wait_for(|s| *s) => Err(CdcError::Interrupted),
-            }
-        }
-        None => Ok(()),
-    };
-    if let Err(e) = result {
-        // The new slot's catch-up did not finish: drop the slot, so the next
-        // start creates it again and catches up every NEW row.
-        ctx.metrics.set_ready(false);
-        let _ = repl.shutdown().await;
-        pipeline.lanes.abort_all();
-        pipeline.wal_watch.abort();
-        settler.abort();
-        drop_unfinished_slot(&ctx.config, &sql).await;
-        return if matches!(e, CdcError::Interrupted) { Ok(()) } else { Err(e) };
-    }
     let result =
         stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
     ctx.metrics.set_ready(false);

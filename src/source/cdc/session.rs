@@ -11,6 +11,7 @@ use tokio_postgres::Client;
 use crate::config::Config;
 use crate::db;
 
+use super::slot::{drop_unfinished_slot, hand_to_table};
 use super::*;
 
 /// A session's connections and where it starts.
@@ -21,8 +22,6 @@ pub(crate) struct Opened {
     /// The server's WAL position when the session began: replayed events
     /// before it are filtered against the table.
     pub(crate) startup_lsn: Lsn,
-    /// A new slot: the client holding its snapshot, and its consistent point.
-    pub(crate) catch_up: Option<(Client, Lsn)>,
 }
 
 /// Connect, look the slot up (recreating a lost one), open the replication
@@ -42,8 +41,8 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
         _ => {}
     }
     let mut repl = connect_replication(cfg).await?;
-    // A new slot comes with a snapshot: the rows it will not stream.
-    let mut catch_up = None;
+    // A new slot comes with a snapshot: the rows it will not stream are
+    // handed to the table path before anything is published.
     let start_lsn = match slot {
         SlotState::Exists { confirmed_flush } => confirmed_flush,
         SlotState::Missing | SlotState::Lost => {
@@ -52,8 +51,23 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
             let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot).await?;
             let snap_client = db.connect().await?;
             db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
-            tracing::info!(slot = %cfg.slot, consistent_point = %consistent, "created replication slot; publishing NEW rows written before it from the table");
-            catch_up = Some((snap_client, consistent));
+            // A task of its own: a shutdown arriving meanwhile does not cut
+            // the hand-off short.
+            let shard = ctx.shard.clone();
+            let handed = match tokio::spawn(hand_to_table(snap_client, shard)).await {
+                Ok(Ok(n)) => n,
+                failed => {
+                    // The slot must not stay without its hand-off: drop it, so
+                    // the next session creates it again.
+                    drop_unfinished_slot(cfg, &sql).await;
+                    return Err(match failed {
+                        Ok(Err(e)) => e,
+                        Err(e) => CdcError::Protocol(format!("hand-off task: {e}")),
+                        Ok(Ok(_)) => unreachable!(),
+                    });
+                }
+            };
+            tracing::info!(slot = %cfg.slot, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
             consistent
         }
     };
@@ -63,7 +77,7 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
         Ok::<(), CdcError>(())
     })
     .await?;
-    Ok(Opened { sql, repl, start_lsn, startup_lsn, catch_up })
+    Ok(Opened { sql, repl, start_lsn, startup_lsn })
 }
 
 /// The replication connection, within `connect_timeout`.

@@ -1,5 +1,5 @@
 //! The slot: looked up (a lost one dropped), created with an exported
-//! snapshot, caught up from the table, dropped when its catch-up did not finish.
+//! snapshot whose older rows are handed to the table path, dropped when that hand-off did not finish.
 
 use std::time::Duration;
 
@@ -8,8 +8,6 @@ use replication::Lsn;
 use tokio_postgres::Client;
 
 use crate::config::Config;
-use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
-use crate::pipeline::watermark::TxnSeq;
 
 use super::*;
 
@@ -84,7 +82,7 @@ pub(crate) async fn import_snapshot(client: &Client, snapshot: &str) -> Result<(
     Ok(())
 }
 
-/// After a catch-up that did not finish (shutdown, or an error): drop the slot this session created (its
+/// After a hand-off that did not finish: drop the slot this session created (its
 /// walsender may take a moment to let go of it).
 pub(crate) async fn drop_unfinished_slot(cfg: &Config, sql: &Client) {
     for _ in 0..20 {
@@ -97,68 +95,39 @@ pub(crate) async fn drop_unfinished_slot(cfg: &Config, sql: &Client) {
         )
         .await;
         if matches!(r, Ok(Ok(1))) {
-            tracing::warn!(slot = %cfg.slot, "the new slot's catch-up did not finish: dropped the slot, so the next start creates it again and catches up");
+            tracing::warn!(slot = %cfg.slot, "the new slot's hand-off of older rows did not finish: dropped the slot, so the next session creates it again");
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    tracing::error!(slot = %cfg.slot, "the new slot's catch-up did not finish and the slot could not be dropped: drop it (`outbox-relay slot drop`) before the next start so NEW rows written before it are caught up");
+    tracing::error!(slot = %cfg.slot, "the new slot's hand-off of older rows did not finish and the slot could not be dropped: drop it (`outbox-relay slot drop`) before the next start so NEW rows written before it are published");
 }
 
-/// Publish the NEW rows the new slot's snapshot sees, in id order, as one
-/// transaction of the watermark ending at the slot's consistent point.
-pub(crate) async fn catch_up(
-    router: &mut Router<'_>,
-    client: &Client,
-    shard: Option<&[String]>,
-    consistent: Lsn,
-) -> Result<(), CdcError> {
-    let seq = router.watermark.lock().unwrap().begin();
-    let n = catch_up_rows(router, client, seq, shard).await?;
-    client.batch_execute("COMMIT").await?;
-    router.watermark.lock().unwrap().commit(seq, consistent);
-    tracing::info!(rows = n, "catch-up from the slot's snapshot dispatched");
-    Ok(())
-}
-
-/// The rows, fetched in rounds sized so one round holds about
-/// [`CHUNK_BYTES`] whatever the bodies' size.
-async fn catch_up_rows(
-    router: &mut Router<'_>,
-    client: &Client,
-    seq: TxnSeq,
-    shard: Option<&[String]>,
-) -> Result<u64, CdcError> {
-    let only = match shard {
-        Some(d) => format!(
-            " AND destination IN ({})",
-            d.iter().map(|x| format!("'{}'", x.replace('\'', "''"))).collect::<Vec<_>>().join(", ")
-        ),
-        None => String::new(),
-    };
-    client
-        .batch_execute(&format!(
-            "DECLARE outbox_catch_up NO SCROLL CURSOR FOR
-             SELECT {OUTBOX_COLUMNS}
-               FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL{only} ORDER BY id"
-        ))
-        .await?;
-    let mut n = 0u64;
-    let mut fetch = 16usize;
-    loop {
-        let rows = client.query(&format!("FETCH {fetch} FROM outbox_catch_up"), &[]).await?;
-        if rows.is_empty() {
-            break;
-        }
-        let mut bytes = 0usize;
-        for r in rows {
-            n += 1;
-            let ev = OutboxEvent::from_row(&r);
-            bytes += ev.size();
-            router.route(Some(seq), ev).await?;
-        }
-        let per_row = (bytes / fetch).max(1);
-        fetch = (CHUNK_BYTES / per_row).clamp(1, CHUNK);
+/// The rows a new slot will not stream (NEW in its snapshot, not handed to
+/// the table yet; only this shard's destinations) are handed to the table
+/// path: `next_attempt_at = now()`, so the spool drain publishes them and the
+/// lanes stream again once it is empty. Ids are read in the snapshot, then
+/// updated outside it (no conflict with later writers). Returns the rows handed.
+pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>) -> Result<u64, CdcError> {
+    let ids: Vec<i64> = snap
+        .query(
+            "SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL
+                AND ($1::text[] IS NULL OR destination = ANY($1)) ORDER BY id",
+            &[&shard],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    snap.batch_execute("COMMIT").await?;
+    let mut handed = 0;
+    for chunk in ids.chunks(10_000) {
+        handed += snap
+            .execute(
+                "UPDATE outbox SET next_attempt_at = now() WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
+                &[&chunk],
+            )
+            .await?;
     }
-    Ok(n)
+    Ok(handed)
 }

@@ -15,8 +15,45 @@
 //!   without touching a job whose lease is live.
 //! - [`worker::Worker`] long-polls a queue and runs all this concurrently.
 
+#[cfg(any(test, feature = "test-utils"))]
+pub mod memory;
 pub mod queue;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 pub mod worker;
+
+/// The jobs table and the protocol's SQL functions (`outbox_enqueue_job`,
+/// `outbox_redrive_job`, ...): run by [`migrate`], and by `outbox-relay
+/// migrate` as its migration 4.
+pub const JOBS_SQL: &str = include_str!("../migrations/jobs.sql");
+
+/// Create or update the jobs table and its functions (idempotent), under the
+/// same advisory lock and record as `outbox-relay migrate`, for a service
+/// that only consumes. Returns whether it was applied now.
+pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<bool, tokio_postgres::Error> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
+                 version int PRIMARY KEY,
+                 name text NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await?;
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox_relay_migrations'))", &[]).await?;
+    let done =
+        tx.query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[&JOBS_MIGRATION]).await?.is_some();
+    if !done {
+        tx.batch_execute(JOBS_SQL).await?;
+        tx.execute("INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, 'jobs')", &[&JOBS_MIGRATION])
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(!done)
+}
+
+/// The jobs table's version in `outbox_relay_migrations`.
+pub const JOBS_MIGRATION: i32 = 4;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -261,8 +298,8 @@ impl Consumer {
 
     /// A pool over `database_url` of `size` connections.
     pub fn pool(database_url: &str, size: usize) -> Result<deadpool_postgres::Pool, ConsumerError> {
-        let t = crate::pgconn::parse(database_url).map_err(ConsumerError::Pool)?;
-        let tls = crate::pgconn::connector(&t).map_err(ConsumerError::Pool)?;
+        let t = outbox_pgconn::parse(database_url).map_err(ConsumerError::Pool)?;
+        let tls = outbox_pgconn::connector(&t).map_err(ConsumerError::Pool)?;
         let mgr = deadpool_postgres::Manager::from_config(
             t.pg,
             tls,
@@ -556,8 +593,8 @@ impl Consumer {
     /// `retry_base × 2^(attempt-1)`, capped at `retry_max`, jittered over its
     /// upper half so retries of many jobs spread out.
     pub fn backoff(&self, attempt: i32) -> Duration {
-        let exp =
-            crate::policy::retry::backoff((attempt - 1).max(0) as u32, self.config.retry_base, self.config.retry_max);
+        let doublings = (attempt - 1).clamp(0, 20) as u32;
+        let exp = self.config.retry_base.saturating_mul(1u32 << doublings).min(self.config.retry_max);
         let half = exp / 2;
         half + Duration::from_secs_f64(rand::rng().random::<f64>() * half.as_secs_f64())
     }

@@ -1,0 +1,222 @@
+//! Sending a batch until every entry is settled: one `SendMessageBatch` at a
+//! time, its result reconciled entry by entry ([`reconcile`], pure), the
+//! entries SQS may still take retried alone after a backoff (the stream) or
+//! deferred to the table (the table path).
+
+use std::time::Instant;
+
+use tokio::sync::watch;
+
+use super::{defer, settle, spooling, Ctx, LaneItem, RetryPolicy};
+use crate::event::Entry;
+use crate::pipeline::settle::Outcome;
+use crate::policy::dead::{DeadCode, DeadReason};
+use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
+use crate::publish::{CallError, EntryResult};
+
+/// What becomes of one entry after a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    Published,
+    Dead(DeadReason),
+    /// SQS may take it later; the text is the error, for `last_error`.
+    Retry(String),
+}
+
+/// A call's result, entry by entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// One verdict per entry, in order.
+    Entries(Vec<Verdict>),
+    /// Refused as a whole for a reason one entry may have caused: send each alone.
+    Split,
+}
+
+/// Reconcile a `SendMessageBatch` result of `n` entries: successful entries
+/// are published (never resent), failed ones retried or DEAD as the retry
+/// policy classifies them; a failed call retries, splits or kills them all.
+pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> CallOutcome {
+    match result {
+        Ok(results) => CallOutcome::Entries(
+            results
+                .iter()
+                .map(|r| match r {
+                    EntryResult::Sent => Verdict::Published,
+                    EntryResult::Failed { code, sender_fault, message } => match classify_entry(code, *sender_fault) {
+                        Disposition::Dead => {
+                            Verdict::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}")))
+                        }
+                        _ => Verdict::Retry(format!("{code}: {message}")),
+                    },
+                })
+                .collect(),
+        ),
+        Err(e) => match classify_call(&e.code, e.sender_fault, n) {
+            Disposition::Retry => CallOutcome::Entries(vec![Verdict::Retry(e.to_string()); n]),
+            Disposition::Split => CallOutcome::Split,
+            Disposition::Dead => CallOutcome::Entries(vec![
+                Verdict::Dead(DeadReason::new(
+                    DeadCode::SqsRejected,
+                    format!("{}: {}", e.code, e.message)
+                ));
+                n
+            ]),
+        },
+    }
+}
+
+/// Send `batch` until every entry is published, DEAD or deferred. Returns the
+/// FIFO groups of deferred entries.
+pub(super) async fn send_until_settled(
+    ctx: &Ctx,
+    batch: Vec<LaneItem>,
+    mut spool: Option<watch::Receiver<bool>>,
+) -> Vec<String> {
+    let mut todo = batch;
+    let mut attempt = 0u32;
+    let mut deferred_groups = Vec::new();
+    while !todo.is_empty() {
+        if spooling(&spool) {
+            for item in todo.drain(..) {
+                deferred_groups.extend(item.entry.group_id.clone());
+                defer(ctx, item, "spooled");
+            }
+            break;
+        }
+        let verdicts = match send_once(ctx, &todo, attempt).await {
+            CallOutcome::Split if todo.len() > 1 => {
+                // Find the entry the service objects to: each alone.
+                for item in todo.drain(..) {
+                    deferred_groups.extend(Box::pin(send_until_settled(ctx, vec![item], spool.clone())).await);
+                }
+                break;
+            }
+            CallOutcome::Split => vec![Verdict::Retry("refused as a whole".into()); todo.len()],
+            CallOutcome::Entries(v) => v,
+        };
+        let retry = apply(ctx, todo.drain(..).zip(verdicts));
+        if retry.is_empty() {
+            break;
+        }
+        if ctx.cfg.retry == RetryPolicy::ToTable {
+            for (item, err) in retry {
+                deferred_groups.extend(item.entry.group_id.clone());
+                settle(ctx, item, Outcome::Deferred(err));
+            }
+            break;
+        }
+        todo = retry.into_iter().map(|(i, _)| i).collect();
+        if !wait_to_retry(ctx, &mut spool, attempt).await {
+            // Stopping: these stay unsettled and are read again from the slot.
+            tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
+            break;
+        }
+        attempt = attempt.saturating_add(1);
+    }
+    deferred_groups
+}
+
+/// One call, measured, and its result reconciled. A call in flight finishes
+/// even if the lane starts spooling meanwhile (the SQS client's timeouts bound
+/// it): what it published stays published.
+async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
+    let entries: Vec<Entry> = todo.iter().map(|i| i.entry.clone()).collect();
+    let name = &*ctx.cfg.name;
+    ctx.metrics.batch_entries.with_label_values(&[name]).observe(entries.len() as f64);
+    ctx.metrics.batch_bytes.with_label_values(&[name]).observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
+    let started = Instant::now();
+    let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
+    ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
+    match &result {
+        Ok(results) => {
+            crate::faults::crash_point("lane::after_send");
+            for r in results {
+                if let EntryResult::Failed { code, .. } = r {
+                    ctx.metrics.sqs_entry_failures.with_label_values(&[name, code.as_str()]).inc();
+                }
+            }
+        }
+        Err(e) => {
+            ctx.metrics.sqs_entry_failures.with_label_values(&[name, e.code.as_str()]).inc();
+            if ctx.cfg.retry == RetryPolicy::InMemory && ctx.warn_due() {
+                tracing::warn!(destination = %name, error = %e, attempt, "SendMessageBatch failed");
+            } else {
+                tracing::debug!(destination = %name, error = %e, attempt, "SendMessageBatch failed");
+            }
+        }
+    }
+    reconcile(&result, todo.len())
+}
+
+/// Settle the published and DEAD entries; return those to retry, with their error.
+fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> Vec<(LaneItem, String)> {
+    let mut retry = Vec::new();
+    for (item, v) in verdicts {
+        match v {
+            Verdict::Published => settle(ctx, item, Outcome::Published),
+            Verdict::Dead(reason) => settle(ctx, item, Outcome::Dead(reason)),
+            Verdict::Retry(err) => {
+                tracing::debug!(id = item.entry.event.id, error = %err, "entry failed, will retry");
+                if let Some(s) = &ctx.state {
+                    s.set_last_error(err.clone());
+                }
+                retry.push((item, err));
+            }
+        }
+    }
+    retry
+}
+
+/// Wait out the in-memory backoff (cut short by spooling). False when the
+/// lane is closing: its entries are abandoned rather than retried.
+async fn wait_to_retry(ctx: &Ctx, spool: &mut Option<watch::Receiver<bool>>, attempt: u32) -> bool {
+    if *ctx.closing.borrow() {
+        return false;
+    }
+    let wait = tokio::time::sleep(backoff(attempt, ctx.cfg.retry_base, ctx.cfg.retry_cap));
+    let mut closing = ctx.closing.subscribe();
+    match spool.as_mut() {
+        Some(rx) => tokio::select! {
+            _ = wait => {}
+            _ = rx.wait_for(|s| *s) => {}
+            _ = closing.wait_for(|c| *c) => {}
+        },
+        None => tokio::select! {
+            _ = wait => {}
+            _ = closing.wait_for(|c| *c) => {}
+        },
+    }
+    !*ctx.closing.borrow() || spooling(spool)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(code: &str, sender_fault: bool) -> EntryResult {
+        EntryResult::Failed { code: code.into(), sender_fault, message: "m".into() }
+    }
+
+    #[test]
+    fn entries_are_reconciled_one_by_one() {
+        let r = Ok(vec![EntryResult::Sent, failed("InvalidMessageContents", true), failed("InternalError", false)]);
+        let CallOutcome::Entries(v) = reconcile(&r, 3) else { panic!("entries") };
+        assert_eq!(v[0], Verdict::Published);
+        assert!(
+            matches!(&v[1], Verdict::Dead(d) if d.code == DeadCode::SqsRejected && d.detail == "InvalidMessageContents: m")
+        );
+        assert_eq!(v[2], Verdict::Retry("InternalError: m".into()));
+    }
+
+    #[test]
+    fn a_failed_call_retries_splits_or_kills() {
+        let e = |code: &str, sf| Err(CallError { code: code.into(), message: "m".into(), sender_fault: sf });
+        assert_eq!(
+            reconcile(&e("transport", false), 2),
+            CallOutcome::Entries(vec![Verdict::Retry("transport: m".into()); 2])
+        );
+        assert_eq!(reconcile(&e("BatchRequestTooLong", true), 2), CallOutcome::Split);
+        let CallOutcome::Entries(v) = reconcile(&e("InvalidParameterValue", true), 1) else { panic!() };
+        assert!(matches!(&v[0], Verdict::Dead(d) if d.detail == "InvalidParameterValue: m"));
+    }
+}

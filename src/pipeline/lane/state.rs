@@ -1,0 +1,111 @@
+//! A destination's streaming state: streaming or spooling, its oldest
+//! unsettled event, its last SQS error, its deferred rows not yet marked.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use super::now_unix_ms;
+use crate::metrics::Metrics;
+use crate::pipeline::settle::Unmarked;
+
+/// A destination's streaming state, shared by its lane (one per replication
+/// session), the session's WAL watch, and its spool drain. It outlives
+/// sessions, so a spooling lane stays spooling across a reconnect.
+pub struct LaneState {
+    pub name: Arc<str>,
+    spool: watch::Sender<bool>,
+    /// Unix milliseconds of the lane's oldest unsettled event; 0 when none.
+    oldest_unsettled_ms: AtomicU64,
+    /// The last error SQS gave this lane, for the spooled rows' `last_error`.
+    last_error: Mutex<String>,
+    /// Deferred rows handed to the settler and not marked yet; the drain does
+    /// not return the lane to streaming while any are on their way.
+    unmarked: Arc<Unmarked>,
+    metrics: Arc<Metrics>,
+}
+
+impl LaneState {
+    pub fn new(name: &str, metrics: Arc<Metrics>) -> Arc<Self> {
+        metrics.lane_spooled.with_label_values(&[name]).set(0);
+        Arc::new(Self {
+            name: Arc::from(name),
+            spool: watch::channel(false).0,
+            oldest_unsettled_ms: AtomicU64::new(0),
+            last_error: Mutex::new(String::new()),
+            unmarked: Arc::default(),
+            metrics,
+        })
+    }
+
+    pub fn is_spooling(&self) -> bool {
+        *self.spool.borrow()
+    }
+
+    /// Spool from now on; logged once per switch.
+    pub fn start_spooling(&self, why: &str) {
+        if !self.spool.send_replace(true) {
+            self.metrics.lane_spooled.with_label_values(&[&self.name]).set(1);
+            self.metrics.lane_spool_switches.with_label_values(&[&self.name]).inc();
+            tracing::warn!(destination = %self.name, reason = why, last_error = %self.last_error(), "lane spooling: its events go to the outbox table and the slot moves on");
+        }
+    }
+
+    /// Stream again; logged once per switch.
+    pub fn stop_spooling(&self) {
+        if self.spool.send_replace(false) {
+            self.metrics.lane_spooled.with_label_values(&[&self.name]).set(0);
+            tracing::info!(destination = %self.name, "lane streaming again: its spool is drained and sends succeed");
+        }
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
+        self.spool.subscribe()
+    }
+
+    /// Age of the oldest unsettled event, if any.
+    pub fn oldest_unsettled_age(&self) -> Option<Duration> {
+        match self.oldest_unsettled_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(Duration::from_millis(now_unix_ms().saturating_sub(ms))),
+        }
+    }
+
+    pub(crate) fn set_oldest(&self, at: Option<Instant>) {
+        let ms = at.map(|t| now_unix_ms().saturating_sub(t.elapsed().as_millis() as u64).max(1)).unwrap_or(0);
+        self.oldest_unsettled_ms.store(ms, Ordering::Relaxed);
+    }
+
+    pub fn last_error(&self) -> String {
+        self.last_error.lock().unwrap().clone()
+    }
+
+    pub(crate) fn set_last_error(&self, e: String) {
+        *self.last_error.lock().unwrap() = e;
+    }
+
+    /// Deferred rows not marked in the table yet.
+    pub fn deferred_unmarked(&self) -> usize {
+        self.unmarked.count()
+    }
+
+    /// A new session starts with no settler holding anything of this lane.
+    pub fn reset_deferred(&self) {
+        self.unmarked.reset();
+    }
+
+    /// A deferred row of this lane is on its way to the settler.
+    /// Counted until the settler marks it.
+    pub fn deferring(&self) -> Arc<Unmarked> {
+        self.unmarked.add();
+        Arc::clone(&self.unmarked)
+    }
+}
+
+impl std::fmt::Debug for LaneState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneState").field("name", &self.name).field("spooling", &self.is_spooling()).finish()
+    }
+}
