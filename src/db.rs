@@ -171,29 +171,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// Apply the migrations not applied yet, under an advisory lock so concurrent
 /// deploys do not race. Returns the versions applied now.
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, DbError> {
-    client
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
-                 version int PRIMARY KEY,
-                 name text NOT NULL,
-                 applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await?;
-    let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox_relay_migrations'))", &[]).await?;
-    let mut applied = Vec::new();
-    for (version, name, sql) in MIGRATIONS {
-        let done =
-            tx.query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[version]).await?.is_some();
-        if done {
-            continue;
-        }
-        tx.batch_execute(sql).await?;
-        tx.execute("INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
-        applied.push(*version);
-    }
-    tx.commit().await?;
-    Ok(applied)
+    Ok(outbox_consumer::apply_migrations(client, MIGRATIONS).await?)
 }
 
 /// The outbox table exists (every mode needs it).

@@ -213,25 +213,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// `fut` within `d`, or an error saying which server did not answer.
-async fn within<T>(
-    config: &Config,
-    what: &str,
-    fut: impl std::future::Future<Output = anyhow::Result<T>>,
-) -> anyhow::Result<T> {
-    let db = config.db();
-    match tokio::time::timeout(config.query_timeout, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(db::DbError::Timeout {
-            server: db.server(),
-            what: what.into(),
-            after: config.query_timeout,
-            key: "query_timeout",
-        }
-        .into()),
-    }
-}
-
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate { database_url } => {
@@ -264,8 +245,10 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Command::Status { common, json } => {
             let config = Config::load(common.config.as_deref(), &overrides(&common))?;
             let client = config.db().connect().await?;
-            let status =
-                within(&config, "reading the status", async { Ok(ops::status(&client, &config).await?) }).await?;
+            let status = config
+                .db()
+                .within("reading the status", async { anyhow::Ok(ops::status(&client, &config).await?) })
+                .await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);
             } else {
@@ -277,10 +260,12 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             SlotAction::Status { common, json } => {
                 let config = Config::load(common.config.as_deref(), &overrides(&common))?;
                 let client = config.db().connect().await?;
-                let s = within(&config, "reading the slot's status", async {
-                    Ok(ops::slot_status(&client, &config.slot).await?)
-                })
-                .await?;
+                let s = config
+                    .db()
+                    .within("reading the slot's status", async {
+                        anyhow::Ok(ops::slot_status(&client, &config.slot).await?)
+                    })
+                    .await?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&s)?);
                 } else {
@@ -308,10 +293,12 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             DeadAction::List { common, destination, limit, json } => {
                 let config = Config::load(common.config.as_deref(), &overrides(&common))?;
                 let client = config.db().connect().await?;
-                let rows = within(&config, "listing DEAD rows", async {
-                    Ok(ops::dead_list(&client, destination.as_deref(), limit).await?)
-                })
-                .await?;
+                let rows = config
+                    .db()
+                    .within("listing DEAD rows", async {
+                        anyhow::Ok(ops::dead_list(&client, destination.as_deref(), limit).await?)
+                    })
+                    .await?;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&rows)?);
                 } else {

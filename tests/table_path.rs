@@ -353,15 +353,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     let xid = stream_xid(&writer).await;
     let marker = db.client().await;
     let task = tokio::spawn(async move {
-        let s = Settlement {
-            id,
-            xid: Some(xid),
-            txn: None,
-            destination: Arc::from("a"),
-            outcome: Outcome::Published,
-            permit: None,
-            unmarked: None,
-        };
+        let s = published(id, xid);
         mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -390,6 +382,19 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
 }
 
+/// A settlement of row `id` as published, read from the stream in transaction `xid`.
+fn published(id: i64, xid: u32) -> outbox_relay::pipeline::settle::Settlement {
+    outbox_relay::pipeline::settle::Settlement {
+        id,
+        xid: Some(xid),
+        txn: None,
+        destination: Arc::from("a"),
+        outcome: outbox_relay::pipeline::settle::Outcome::Published,
+        permit: None,
+        unmarked: None,
+    }
+}
+
 /// The low 32 bits of the current transaction's id, as pgoutput's Begin gives it.
 async fn stream_xid(c: &tokio_postgres::Client) -> u32 {
     let full: i64 = c.query_one("SELECT txid_current()", &[]).await.unwrap().get(0);
@@ -400,7 +405,7 @@ async fn stream_xid(c: &tokio_postgres::Client) -> u32 {
 /// inserting transaction is visible, so its absence means it was deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_a_deleted_row_does_not_wait() {
-    use outbox_relay::pipeline::settle::{mark, Backoff, Outcome, Settlement};
+    use outbox_relay::pipeline::settle::{mark, Backoff, Settlement};
     let db = TestDb::new("vanished").await;
     let c = db.client().await;
     c.batch_execute("BEGIN").await.unwrap();
@@ -416,18 +421,7 @@ async fn marking_a_deleted_row_does_not_wait() {
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[0]]).await.unwrap();
     c.batch_execute("COMMIT").await.unwrap();
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
-    let batch: Vec<Settlement> = ids
-        .iter()
-        .map(|&id| Settlement {
-            id,
-            xid: Some(xid),
-            txn: None,
-            destination: Arc::from("a"),
-            outcome: Outcome::Published,
-            permit: None,
-            unmarked: None,
-        })
-        .collect();
+    let batch: Vec<Settlement> = ids.iter().map(|&id| published(id, xid)).collect();
     let report = mark(&c, &batch, Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
     assert_eq!(report, outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, waits: 0 });
     assert_eq!(db.count("status = 'PUBLISHED'").await, 1);

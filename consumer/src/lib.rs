@@ -31,6 +31,17 @@ pub const JOBS_SQL: &str = include_str!("../migrations/jobs.sql");
 /// same advisory lock and record as `outbox-relay migrate`, for a service
 /// that only consumes. Returns whether it was applied now.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<bool, tokio_postgres::Error> {
+    Ok(!apply_migrations(client, &[(JOBS_MIGRATION, "jobs", JOBS_SQL)]).await?.is_empty())
+}
+
+/// Apply the `(version, name, sql)` migrations not recorded yet in
+/// `outbox_relay_migrations`, in order, in one transaction under an advisory
+/// lock so concurrent deploys do not race. Returns the versions applied now.
+/// `outbox-relay migrate` runs its own list through this too.
+pub async fn apply_migrations(
+    client: &mut tokio_postgres::Client,
+    migrations: &[(i32, &str, &str)],
+) -> Result<Vec<i32>, tokio_postgres::Error> {
     client
         .batch_execute(
             "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
@@ -41,15 +52,19 @@ pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<bool, tokio_
         .await?;
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox_relay_migrations'))", &[]).await?;
-    let done =
-        tx.query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[&JOBS_MIGRATION]).await?.is_some();
-    if !done {
-        tx.batch_execute(JOBS_SQL).await?;
-        tx.execute("INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, 'jobs')", &[&JOBS_MIGRATION])
-            .await?;
+    let mut applied = Vec::new();
+    for (version, name, sql) in migrations {
+        let done =
+            tx.query_opt("SELECT 1 FROM outbox_relay_migrations WHERE version = $1", &[version]).await?.is_some();
+        if done {
+            continue;
+        }
+        tx.batch_execute(sql).await?;
+        tx.execute("INSERT INTO outbox_relay_migrations (version, name) VALUES ($1, $2)", &[version, name]).await?;
+        applied.push(*version);
     }
     tx.commit().await?;
-    Ok(!done)
+    Ok(applied)
 }
 
 /// The jobs table's version in `outbox_relay_migrations`.

@@ -4,7 +4,7 @@ use pgwire_replication::ReplicationClient;
 
 use crate::config::Config;
 use crate::db;
-use crate::source::cdc::{create_slot_exporting, import_snapshot, replication_config, CdcError};
+use crate::source::cdc::{create_slot_exporting, hand_to_table, import_snapshot, replication_config, CdcError};
 
 use super::*;
 
@@ -47,32 +47,12 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot).await?;
         let snap = db::connect(&config.database_url).await?;
         import_snapshot(&snap, &snapshot).await?;
-        let only: Option<Vec<String>> = sharded.then(|| destinations.clone());
-        let ids: Vec<i64> = snap
-            .query(
-                "SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL AND ($1::text[] IS NULL OR destination = ANY($1))",
-                &[&only],
-            )
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        snap.batch_execute("COMMIT").await?;
-        Ok::<_, OpsError>((consistent, ids))
+        let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;
+        Ok::<_, OpsError>((consistent, handed))
     }
     .await;
     repl.abort();
-    let (consistent, ids) = created?;
-    let mut handed = 0;
-    for chunk in ids.chunks(10_000) {
-        handed += sql
-            .execute(
-                "UPDATE outbox SET next_attempt_at = now()
-                  WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
-                &[&chunk],
-            )
-            .await?;
-    }
+    let (consistent, handed) = created?;
     Ok(SlotCreated { slot: config.slot.clone(), consistent_point: consistent.to_string(), handed_to_table: handed })
 }
 

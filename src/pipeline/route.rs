@@ -101,46 +101,20 @@ impl Router<'_> {
         let ev = Arc::new(ev);
         let (label, verdict) = judge(self.queues, &ev);
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
-        match verdict {
+        let (outcome, unmarked) = match verdict {
             Ok(_) if self.states[&ev.destination].is_spooling() => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];
-                let unmarked = state.deferring();
-                let last = state.last_error();
-                self.settle
-                    .send(Settlement {
-                        id: ev.id,
-                        xid: ev.xid,
-                        txn: seq,
-                        destination: Arc::from(label),
-                        outcome: Outcome::Deferred(if last.is_empty() {
-                            "spooled".into()
-                        } else {
-                            format!("spooled: {last}")
-                        }),
-                        permit: Some(permit),
-                        unmarked: Some(unmarked),
-                    })
-                    .map_err(|_| RouteError::Stopped("settler"))?;
+                (Outcome::Deferred(state.deferral("spooled")), Some(state.deferring()))
             }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                tx.send(LaneItem::new(entry, seq, Some(permit))).await.map_err(|_| RouteError::Stopped("lane"))?;
+                return tx.send(LaneItem::new(entry, seq, Some(permit))).await.map_err(|_| RouteError::Stopped("lane"));
             }
-            Err(reason) => {
-                self.settle
-                    .send(Settlement {
-                        id: ev.id,
-                        xid: ev.xid,
-                        txn: seq,
-                        destination: Arc::from(label),
-                        outcome: Outcome::Dead(reason),
-                        permit: Some(permit),
-                        unmarked: None,
-                    })
-                    .map_err(|_| RouteError::Stopped("settler"))?;
-            }
-        }
-        Ok(())
+            Err(reason) => (Outcome::Dead(reason), None),
+        };
+        let (id, xid, destination) = (ev.id, ev.xid, Arc::from(label));
+        let settlement = Settlement { id, xid, txn: seq, destination, outcome, permit: Some(permit), unmarked };
+        self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
     }
 }

@@ -329,8 +329,7 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
 }
 
 pub(crate) fn defer(ctx: &Ctx, item: LaneItem, why: &str) {
-    let last = ctx.state.as_ref().map(|s| s.last_error()).unwrap_or_default();
-    let text = if last.is_empty() { why.to_string() } else { format!("{why}: {last}") };
+    let text = ctx.state.as_ref().map(|s| s.deferral(why)).unwrap_or_else(|| why.to_string());
     settle(ctx, item, Outcome::Deferred(text));
 }
 
@@ -361,6 +360,20 @@ mod tests {
         LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
     }
 
+    /// A streaming lane of queue `Q`, no linger, retried in memory.
+    fn streaming_lane(max_in_flight: usize, retry_base: Duration, retry_cap: Duration) -> LaneConfig {
+        LaneConfig {
+            name: Arc::from("orders"),
+            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
+            linger: Duration::ZERO,
+            max_in_flight,
+            retry_base,
+            retry_cap,
+            retry: RetryPolicy::InMemory,
+            stall_timeout: None,
+        }
+    }
+
     async fn until(what: &str, cond: impl Fn() -> bool) {
         let end = Instant::now() + Duration::from_secs(10);
         while !cond() {
@@ -378,16 +391,7 @@ mod tests {
         p.add_queue(Q, false, 1 << 20);
         let metrics = Metrics::new();
         let state = LaneState::new("orders", Arc::clone(&metrics));
-        let cfg = LaneConfig {
-            name: Arc::from("orders"),
-            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
-            linger: Duration::ZERO,
-            max_in_flight: 1,
-            retry_base: Duration::from_millis(10),
-            retry_cap: Duration::from_millis(100),
-            retry: RetryPolicy::InMemory,
-            stall_timeout: None,
-        };
+        let cfg = streaming_lane(1, Duration::from_millis(10), Duration::from_millis(100));
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         p.close_gate();
@@ -417,16 +421,7 @@ mod tests {
         p.add_queue(Q, false, 1 << 20);
         p.break_queue(Q, crate::publish::CallError::transport("connection refused"));
         let metrics = Metrics::new();
-        let cfg = LaneConfig {
-            name: Arc::from("orders"),
-            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
-            linger: Duration::ZERO,
-            max_in_flight: 2,
-            retry_base: Duration::from_secs(5),
-            retry_cap: Duration::from_secs(10),
-            retry: RetryPolicy::InMemory,
-            stall_timeout: None,
-        };
+        let cfg = streaming_lane(2, Duration::from_secs(5), Duration::from_secs(10));
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, None));

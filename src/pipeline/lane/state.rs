@@ -78,6 +78,17 @@ impl LaneState {
         self.oldest_unsettled_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// The `last_error` of a row of this lane deferred to the table for
+    /// `why`: the reason, and the last error SQS gave the lane, if any.
+    pub fn deferral(&self, why: &str) -> String {
+        let last = self.last_error();
+        if last.is_empty() {
+            why.to_string()
+        } else {
+            format!("{why}: {last}")
+        }
+    }
+
     pub fn last_error(&self) -> String {
         self.last_error.lock().unwrap().clone()
     }

@@ -36,7 +36,7 @@ pub(crate) use crate::pipeline::route::Router;
 use decode::{Decoder, Handled};
 pub(crate) use session::replication_config;
 use session::{open_session, Opened};
-pub(crate) use slot::{create_slot_exporting, import_snapshot};
+pub(crate) use slot::{create_slot_exporting, hand_to_table, import_snapshot};
 use slot::{prepare_slot, SlotState};
 mod wal_watch;
 use wal_watch::watch_wal;
