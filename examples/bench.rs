@@ -257,8 +257,11 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-    let backoff =
-        outbox_relay::pipeline::settle::Backoff { base: Duration::from_secs(2), max: Duration::from_secs(300) };
+    let marking = outbox_relay::pipeline::settle::Marking {
+        base: Duration::from_secs(2),
+        max: Duration::from_secs(300),
+        published: outbox_relay::config::PublishedRows::Keep,
+    };
     let t = Instant::now();
     for chunk in ids.chunks(outbox_relay::pipeline::settle::MAX_FLUSH) {
         let batch: Vec<outbox_relay::pipeline::settle::Settlement> = chunk
@@ -271,9 +274,10 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
                 outcome: outbox_relay::pipeline::settle::Outcome::Published,
                 permit: None,
                 unmarked: None,
+                row: None,
             })
             .collect();
-        outbox_relay::pipeline::settle::mark(&c, &batch, backoff).await.unwrap();
+        outbox_relay::pipeline::settle::mark(&c, &batch, marking).await.unwrap();
     }
     let mark_only = ids.len() as f64 / t.elapsed().as_secs_f64();
     Decode {

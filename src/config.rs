@@ -43,6 +43,30 @@ impl fmt::Display for Mode {
     }
 }
 
+/// What settlement does with a published row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum PublishedRows {
+    /// Delete it (one small WAL record; the table holds only what is left to
+    /// do and DEAD rows). The default.
+    #[default]
+    Delete,
+    /// Keep it as PUBLISHED with `published_at` (history in the table, swept
+    /// by `retention`): a full row version and index entries per row.
+    Keep,
+}
+
+impl FromStr for PublishedRows {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "delete" => Ok(PublishedRows::Delete),
+            "keep" => Ok(PublishedRows::Keep),
+            _ => Err(ConfigError::Invalid(format!("published_rows {s:?} is not one of delete, keep"))),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
@@ -65,6 +89,7 @@ pub struct FileConfig {
     pub metrics_addr: Option<String>,
     pub heartbeat_interval: Option<String>,
     pub linger: Option<String>,
+    pub adaptive_linger: Option<bool>,
     pub max_in_flight_batches: Option<usize>,
     pub max_unsettled_events: Option<usize>,
     pub max_unsettled_bytes: Option<String>,
@@ -76,6 +101,7 @@ pub struct FileConfig {
     pub retry_max: Option<String>,
     pub poll_interval: Option<String>,
     pub retention: Option<String>,
+    pub published_rows: Option<PublishedRows>,
     pub readiness_stall: Option<String>,
     pub takeover_timeout: Option<String>,
     #[serde(default)]
@@ -122,6 +148,9 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     /// How long a lane waits for more entries before sending a short batch.
     pub linger: Duration,
+    /// A lane with nothing in flight sends at once; it lingers only while
+    /// batches are in flight (default). Off: every short batch lingers.
+    pub adaptive_linger: bool,
     /// SendMessageBatch calls in flight per lane.
     pub max_in_flight_batches: usize,
     /// Events read from the slot but not yet settled, across all lanes.
@@ -148,6 +177,8 @@ pub struct Config {
     pub poll_interval: Duration,
     /// PUBLISHED rows older than this are deleted; `None` keeps them.
     pub retention: Option<Duration>,
+    /// Published rows are deleted (default) or kept as PUBLISHED.
+    pub published_rows: PublishedRows,
     /// `/readyz` fails when the confirmed LSN has not moved this long while the slot has lag.
     pub readiness_stall: Duration,
     /// A standby takes over within this of the leader's death.
@@ -238,6 +269,12 @@ impl Config {
         let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
         let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
         let linger = d("linger", "LINGER", file.linger)?;
+        let adaptive_linger = match get("ADAPTIVE_LINGER") {
+            Some(v) => v.parse().map_err(|_| {
+                ConfigError::Invalid(format!("OUTBOX_RELAY_ADAPTIVE_LINGER {v:?} is not true or false"))
+            })?,
+            None => file.adaptive_linger.unwrap_or(true),
+        };
         let max_in_flight_batches =
             number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
         let max_unsettled_events =
@@ -257,6 +294,10 @@ impl Config {
             Some(s) if s == "off" || s == "0" => None,
             v => Some(duration("retention", v)?),
         };
+        let published_rows = match get("PUBLISHED_ROWS") {
+            Some(v) => v.parse()?,
+            None => file.published_rows.unwrap_or_default(),
+        };
         let readiness_stall = d("readiness_stall", "READINESS_STALL", file.readiness_stall)?;
         let takeover_timeout = d("takeover_timeout", "TAKEOVER_TIMEOUT", file.takeover_timeout)?;
         let connect_timeout = d("connect_timeout", "CONNECT_TIMEOUT", file.connect_timeout)?;
@@ -273,6 +314,7 @@ impl Config {
             destinations: file.destinations,
             heartbeat_interval,
             linger,
+            adaptive_linger,
             max_in_flight_batches,
             max_unsettled_events,
             max_unsettled_bytes,
@@ -284,6 +326,7 @@ impl Config {
             retry_max,
             poll_interval,
             retention,
+            published_rows,
             readiness_stall,
             takeover_timeout,
         })

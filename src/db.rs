@@ -166,6 +166,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (3, "spool", include_str!("../migrations/0003_spool.sql")),
     // The consumer's jobs table and functions, from its own crate.
     (outbox_consumer::JOBS_MIGRATION, "jobs", outbox_consumer::JOBS_SQL),
+    (5, "published", include_str!("../migrations/0005_published.sql")),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent
@@ -198,6 +199,33 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
             missing.join(" and "),
             missing.join(", ")
         )));
+    }
+    Ok(())
+}
+
+/// What settlement writes, by `published_rows`: DELETE (and INSERT, for
+/// transient rows ended DEAD or deferred) on the outbox, and the runs of
+/// published ids. Each missing privilege is named with its GRANT.
+pub async fn check_settlement(client: &Client, published: crate::config::PublishedRows) -> Result<(), DbError> {
+    let runs: bool = client.query_one("SELECT to_regclass('outbox_published_runs') IS NOT NULL", &[]).await?.get(0);
+    if !runs {
+        return Err(DbError::Check(
+            "the table outbox_published_runs does not exist: run `outbox-relay migrate --database-url ...` (migration 5)"
+                .into(),
+        ));
+    }
+    let mut needed = vec![("outbox", "INSERT"), ("outbox_published_runs", "SELECT")];
+    if published == crate::config::PublishedRows::Delete {
+        needed.extend([("outbox", "DELETE"), ("outbox_published_runs", "INSERT"), ("outbox_published_runs", "DELETE")]);
+    }
+    let user: String = client.query_one("SELECT current_user::text", &[]).await?.get(0);
+    for (table, privilege) in needed {
+        let ok: bool = client.query_one("SELECT has_table_privilege($1, $2)", &[&table, &privilege]).await?.get(0);
+        if !ok {
+            return Err(DbError::Check(format!(
+                "role {user:?} lacks {privilege} on {table}, which settlement needs (published_rows = {published:?}): GRANT {privilege} ON {table} TO {user}"
+            )));
+        }
     }
     Ok(())
 }

@@ -23,6 +23,9 @@ pub struct OutboxEvent {
     /// The inserting transaction's id, when read from the stream: settlement
     /// tells a row not visible yet from one deleted by it.
     pub xid: Option<u32>,
+    /// Deleted by the transaction that inserted it (seen in the stream): it
+    /// has no row to settle, only the watermark records it.
+    pub transient: bool,
 }
 
 /// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
@@ -42,6 +45,7 @@ impl OutboxEvent {
             attributes: r.get(5),
             commit_time_us: r.get(6),
             xid: None,
+            transient: false,
         }
     }
 
@@ -287,6 +291,7 @@ mod tests {
             attributes: None,
             commit_time_us: 0,
             xid: None,
+            transient: false,
         })
     }
 

@@ -11,6 +11,7 @@ use prometheus::{
 pub const SLOT_LAG_BYTES: &str = "outbox_relay_slot_lag_bytes";
 pub const SLOT_RETAINED_WAL_BYTES: &str = "outbox_relay_slot_retained_wal_bytes";
 pub const EVENTS_PUBLISHED_TOTAL: &str = "outbox_relay_events_published_total";
+pub const TRANSIENT_EVENTS_TOTAL: &str = "outbox_relay_transient_events_total";
 pub const EVENTS_DEAD_TOTAL: &str = "outbox_relay_events_dead_total";
 pub const PUBLISH_SECONDS: &str = "outbox_relay_publish_seconds";
 pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outbox_relay_commit_to_publish_seconds";
@@ -40,6 +41,7 @@ pub struct Metrics {
     pub slot_lag_bytes: IntGauge,
     pub slot_retained_wal_bytes: IntGauge,
     pub events_published: IntCounterVec,
+    pub events_transient: IntCounterVec,
     pub events_dead: IntCounterVec,
     pub publish_seconds: HistogramVec,
     pub commit_to_publish_seconds: Histogram,
@@ -77,7 +79,8 @@ impl Metrics {
         let m = Metrics {
             slot_lag_bytes: IntGauge::new(SLOT_LAG_BYTES, "Current WAL position minus the slot's confirmed flush LSN").unwrap(),
             slot_retained_wal_bytes: IntGauge::new(SLOT_RETAINED_WAL_BYTES, "Current WAL position minus the slot's restart LSN").unwrap(),
-            events_published: IntCounterVec::new(Opts::new(EVENTS_PUBLISHED_TOTAL, "Events accepted by SQS and marked PUBLISHED"), &["destination"]).unwrap(),
+            events_published: IntCounterVec::new(Opts::new(EVENTS_PUBLISHED_TOTAL, "Events accepted by SQS and settled (deleted, or marked PUBLISHED)"), &["destination"]).unwrap(),
+            events_transient: IntCounterVec::new(Opts::new(TRANSIENT_EVENTS_TOTAL, "Published events whose row its own transaction deleted: nothing written to settle them"), &["destination"]).unwrap(),
             events_dead: IntCounterVec::new(Opts::new(EVENTS_DEAD_TOTAL, "Events marked DEAD, by reason"), &["destination", "reason"]).unwrap(),
             publish_seconds: HistogramVec::new(HistogramOpts::new(PUBLISH_SECONDS, "Duration of one SendMessageBatch call").buckets(lat.clone()), &["destination"]).unwrap(),
             commit_to_publish_seconds: Histogram::with_opts(HistogramOpts::new(COMMIT_TO_PUBLISH_SECONDS, "From the row's commit time to SQS acceptance").buckets(lat)).unwrap(),
@@ -120,6 +123,7 @@ impl Metrics {
             Box::new(self.slot_lag_bytes.clone()),
             Box::new(self.slot_retained_wal_bytes.clone()),
             Box::new(self.events_published.clone()),
+            Box::new(self.events_transient.clone()),
             Box::new(self.events_dead.clone()),
             Box::new(self.publish_seconds.clone()),
             Box::new(self.commit_to_publish_seconds.clone()),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use outbox_relay::config::Mode;
+use outbox_relay::config::{Mode, PublishedRows};
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
 
@@ -259,10 +259,8 @@ async fn dead_redrive_sends_a_fixed_row_again_and_status_json_is_stable() {
     let (ok, out, err) = cli(&["dead", "redrive", "--id", &id.to_string()], &env);
     assert!(ok, "{err}");
     assert!(out.contains("redrove 1"), "{out}");
-    wait_for("redriven row published", Duration::from_secs(30), || async {
-        db.count("event_id = 'fixme' AND status = 'PUBLISHED'").await == 1
-    })
-    .await;
+    wait_for("redriven row published", Duration::from_secs(30), || async { db.count("event_id = 'fixme'").await == 0 })
+        .await;
     assert!(p.sent(A).iter().any(|s| s.body == "fixed"));
 
     // slot status / drop refuse while the relay reads it.
@@ -311,7 +309,7 @@ async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may
     p.add_queue(A, false, 262_144);
     let c = db.client().await;
     let role = format!("r_{}", db.name);
-    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON outbox TO {role}")).await.unwrap();
+    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}; GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role}")).await.unwrap();
     insert_rows(&c, "x", "a", 100, None).await;
 
     let mut cfg = config(&db, &[("a", A)]);
@@ -342,7 +340,7 @@ async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may
 /// is visible to other sessions; marking must wait for it, not skip it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_a_row_not_yet_visible_waits_for_it() {
-    use outbox_relay::pipeline::settle::{mark, Backoff, Outcome, Settlement};
+    use outbox_relay::pipeline::settle::{mark, Outcome, Settlement};
     let db = TestDb::new("visible").await;
     let writer = db.client().await;
     writer
@@ -354,7 +352,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     let marker = db.client().await;
     let task = tokio::spawn(async move {
         let s = published(id, xid);
-        mark(&marker, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap()
+        mark(&marker, &[s], marking(PublishedRows::Keep)).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     writer.batch_execute("COMMIT").await.unwrap();
@@ -376,8 +374,9 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
         )),
         permit: None,
         unmarked: None,
+        row: None,
     };
-    let report = mark(&c, &[s], Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
+    let report = mark(&c, &[s], marking(PublishedRows::Keep)).await.unwrap();
     assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
 }
@@ -392,7 +391,13 @@ fn published(id: i64, xid: u32) -> outbox_relay::pipeline::settle::Settlement {
         outcome: outbox_relay::pipeline::settle::Outcome::Published,
         permit: None,
         unmarked: None,
+        row: None,
     }
+}
+
+/// Marking with a test backoff, published rows kept or deleted.
+fn marking(published: PublishedRows) -> outbox_relay::pipeline::settle::Marking {
+    outbox_relay::pipeline::settle::Marking { base: Duration::from_secs(1), max: Duration::from_secs(2), published }
 }
 
 /// The low 32 bits of the current transaction's id, as pgoutput's Begin gives it.
@@ -405,7 +410,7 @@ async fn stream_xid(c: &tokio_postgres::Client) -> u32 {
 /// inserting transaction is visible, so its absence means it was deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marking_a_deleted_row_does_not_wait() {
-    use outbox_relay::pipeline::settle::{mark, Backoff, Settlement};
+    use outbox_relay::pipeline::settle::{mark, Settlement};
     let db = TestDb::new("vanished").await;
     let c = db.client().await;
     c.batch_execute("BEGIN").await.unwrap();
@@ -422,7 +427,16 @@ async fn marking_a_deleted_row_does_not_wait() {
     c.batch_execute("COMMIT").await.unwrap();
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
     let batch: Vec<Settlement> = ids.iter().map(|&id| published(id, xid)).collect();
-    let report = mark(&c, &batch, Backoff { base: Duration::from_secs(1), max: Duration::from_secs(2) }).await.unwrap();
-    assert_eq!(report, outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, waits: 0 });
-    assert_eq!(db.count("status = 'PUBLISHED'").await, 1);
+    let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
+    let expected = outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, ..Default::default() };
+    assert_eq!(report, expected);
+    assert_eq!(db.count("true").await, 0, "the published row is deleted");
+    let runs: Vec<(i64, i64)> = c
+        .query("SELECT lo, hi FROM outbox_published_runs", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(runs, vec![(ids[2], ids[2])], "its id is recorded for the replay filter");
 }

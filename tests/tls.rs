@@ -32,7 +32,8 @@ async fn least_privilege_role(db: &TestDb, password: &str) -> String {
         .await
         .batch_execute(&format!(
             "CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}' IN ROLE scram_users;
-             GRANT SELECT, UPDATE ON outbox TO {role};"
+             GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role};
+             GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role};"
         ))
         .await
         .unwrap();

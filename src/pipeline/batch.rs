@@ -96,6 +96,7 @@ mod tests {
                 attributes: None,
                 commit_time_us: 0,
                 xid: None,
+                transient: false,
             }),
             attributes: vec![],
             size,

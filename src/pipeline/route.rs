@@ -46,6 +46,17 @@ pub fn judge<'a>(
     }
 }
 
+/// Of replayed events, those settled by an earlier run: the row is DEAD,
+/// PUBLISHED (kept) or handed to the table, or it is gone and its id is in a
+/// run the settlement recorded when it deleted the row. A row gone without a
+/// run was deleted by another transaction (its own: transient; or a later
+/// one) and is sent again: nothing says it was published.
+const REPLAYED_SQL: &str = "
+SELECT u.id FROM unnest($1::bigint[]) AS u(id)
+ WHERE EXISTS (SELECT 1 FROM outbox o WHERE o.id = u.id AND (o.status <> 'NEW' OR o.next_attempt_at IS NOT NULL))
+    OR EXISTS (SELECT 1 FROM (SELECT r.hi FROM outbox_published_runs r WHERE r.lo <= u.id ORDER BY r.lo DESC LIMIT 1) r
+                WHERE r.hi >= u.id)";
+
 /// Routes events to their lanes, or straight to the settler as DEAD.
 pub struct Router<'a> {
     pub queues: &'a BTreeMap<String, QueueInfo>,
@@ -73,15 +84,8 @@ impl Router<'_> {
         }
         if replayed {
             let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-            let done: std::collections::HashSet<i64> = sql
-                .query(
-                    "SELECT id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)",
-                    &[&ids],
-                )
-                .await?
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
+            let done: std::collections::HashSet<i64> =
+                sql.query(REPLAYED_SQL, &[&ids]).await?.iter().map(|r| r.get(0)).collect();
             if !done.is_empty() {
                 self.metrics.replayed_filtered.inc_by(done.len() as u64);
                 events.retain(|e| !done.contains(&e.id));
@@ -114,7 +118,8 @@ impl Router<'_> {
             Err(reason) => (Outcome::Dead(reason), None),
         };
         let (id, xid, destination) = (ev.id, ev.xid, Arc::from(label));
-        let settlement = Settlement { id, xid, txn: seq, destination, outcome, permit: Some(permit), unmarked };
+        let row = ev.transient.then(|| Arc::clone(&ev));
+        let settlement = Settlement { id, xid, txn: seq, destination, outcome, permit: Some(permit), unmarked, row };
         self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
     }
 }

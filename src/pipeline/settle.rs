@@ -1,5 +1,12 @@
-//! Settlement: published, DEAD and deferred rows are marked in PostgreSQL in
-//! bulk, one statement per flush, and only then does the watermark move.
+//! Settlement: published, DEAD and deferred rows are recorded in PostgreSQL
+//! in bulk, one statement per flush, and only then does the watermark move.
+//!
+//! A published row is deleted (with its id recorded in a run of consecutive
+//! ids, for the replay filter) or, with `published_rows = "keep"`, marked
+//! PUBLISHED. DEAD and deferred rows are updated in place. A transient row
+//! (deleted by its own transaction) needs nothing when published; DEAD or
+//! deferred, it is written back to the table so its reason, or its retry,
+//! is kept.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -8,7 +15,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
 use tokio_postgres::GenericClient;
 
-use crate::event::DeadReason;
+use crate::config::PublishedRows;
+use crate::event::{DeadReason, OutboxEvent};
 use crate::metrics::Metrics;
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 
@@ -38,6 +46,9 @@ pub struct Settlement {
     /// A deferred event of a streaming lane: its lane's count of deferred
     /// rows not yet marked, decremented once it is.
     pub unmarked: Option<Arc<Unmarked>>,
+    /// A transient row (its transaction deleted it): the row itself, written
+    /// back to the table if it ends DEAD or deferred.
+    pub row: Option<Arc<OutboxEvent>>,
 }
 
 /// Deferred rows of one lane handed to the settler and not marked yet: the
@@ -64,32 +75,72 @@ impl Unmarked {
     }
 }
 
-/// The backoff of deferred rows: `base * 2^attempts`, capped, as time.
+/// How rows are recorded: the backoff of deferred rows (`base * 2^attempts`,
+/// capped, as time) and what becomes of published ones.
 #[derive(Debug, Clone, Copy)]
-pub struct Backoff {
+pub struct Marking {
     pub base: Duration,
     pub max: Duration,
+    pub published: PublishedRows,
 }
 
 /// Most settlements marked by one statement.
 pub const MAX_FLUSH: usize = 5_000;
 
-/// One statement marks a flush: PUBLISHED, DEAD, or deferred (NEW with
-/// `next_attempt_at` from the retry policy's backoff on the row's attempts).
-static MARK_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+/// The set part of marking a DEAD or deferred row (and, kept, a PUBLISHED one).
+fn update_set() -> String {
     format!(
-        "UPDATE outbox o
-            SET status = u.status,
-                published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
-                next_attempt_at = CASE WHEN u.defer
-                                       THEN now() + make_interval(secs => {})
-                                       ELSE o.next_attempt_at END,
-                last_error = u.err,
-                attempts = o.attempts + 1
-           FROM unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)
-          WHERE o.id = u.id AND o.status = 'NEW'
-         RETURNING o.id",
+        "SET status = u.status,
+             published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
+             next_attempt_at = CASE WHEN u.defer THEN now() + make_interval(secs => {}) ELSE o.next_attempt_at END,
+             last_error = u.err,
+             attempts = o.attempts + 1",
         crate::policy::retry::backoff_sql("o.attempts", "$4", "$5")
+    )
+}
+
+const MARK_INPUT: &str = "unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)";
+
+/// `published_rows = "keep"`: one UPDATE marks a flush PUBLISHED, DEAD, or
+/// deferred (NEW with `next_attempt_at` from the retry policy's backoff).
+static KEEP_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE o.id = u.id AND o.status = 'NEW' RETURNING o.id", update_set())
+});
+
+/// `published_rows = "delete"`: one statement deletes the published rows,
+/// records their ids as runs of consecutive ids (for the replay filter), and
+/// updates the DEAD and deferred ones.
+static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "WITH u AS (SELECT * FROM {MARK_INPUT}),
+         upd AS (UPDATE outbox o {} FROM u
+                  WHERE o.id = u.id AND o.status = 'NEW' AND u.status <> 'PUBLISHED' RETURNING o.id),
+         del AS (DELETE FROM outbox o USING u
+                  WHERE o.id = u.id AND o.status = 'NEW' AND u.status = 'PUBLISHED' RETURNING o.id),
+         runs AS (INSERT INTO outbox_published_runs (lo, hi)
+                  SELECT min(id), max(id) FROM (SELECT id, id - row_number() OVER (ORDER BY id) AS g FROM del) r
+                   GROUP BY g RETURNING lo)
+         SELECT id FROM upd UNION ALL SELECT id FROM del",
+        update_set()
+    )
+});
+
+/// A transient row that ended DEAD or deferred, written back under its own
+/// id (so a FIFO group keeps its order in the table). Its insert reaches the
+/// stream with a status or `next_attempt_at` set, which the decoder skips.
+static RESTORE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "INSERT INTO outbox (id, event_id, destination, body, group_key, attributes, created_at,
+                             status, attempts, next_attempt_at, last_error)
+         OVERRIDING SYSTEM VALUE
+         SELECT u.id, u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
+                to_timestamp(u.created_us / 1e6), u.status, 1,
+                CASE WHEN u.defer THEN now() + make_interval(secs => {}) END, u.err
+           FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
+                       $8::text[], $9::bool[], $10::text[])
+                AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err)
+         ON CONFLICT DO NOTHING",
+        crate::policy::retry::backoff_sql("0", "$11", "$12")
     )
 });
 
@@ -119,48 +170,60 @@ SELECT u.id,
 /// What one [`mark`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct MarkReport {
-    /// Rows updated.
+    /// Rows updated or deleted.
     pub marked: u64,
     /// Rows found settled already or deleted: nothing to record.
     pub gone: u64,
     /// Times it waited for a transaction to become visible.
     pub waits: u32,
+    /// Transient rows published: nothing written.
+    pub transient: u64,
+    /// Transient rows written back to the table, DEAD or deferred.
+    pub restored: u64,
 }
 
-/// Mark a set of settlements in one statement, and make sure it took.
-///
-/// A row the statement did not update was settled already, was deleted, or
-/// belongs to a transaction whose commit the stream decoded before it became
-/// visible to new snapshots. One query ([`MISSING_SQL`]) tells them apart:
-/// only the last is waited for, so a deleted row costs that one query.
+/// Record a set of settlements, in one statement for the rows in the table
+/// (and one for transient rows to write back), and make sure it took.
 pub async fn mark<C: GenericClient>(
     client: &C,
     batch: &[Settlement],
-    backoff: Backoff,
+    marking: Marking,
 ) -> Result<MarkReport, tokio_postgres::Error> {
-    let marked = mark_once(client, batch, backoff).await?;
-    let mut report = MarkReport { marked: marked.len() as u64, ..Default::default() };
-    let mut rest: Vec<Settlement> = batch.iter().filter(|s| !marked.contains(&s.id)).map(Settlement::shallow).collect();
+    let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.row.is_some());
+    let restore: Vec<&Settlement> =
+        transient.iter().copied().filter(|s| !matches!(s.outcome, Outcome::Published)).collect();
+    let mut report = MarkReport { transient: (transient.len() - restore.len()) as u64, ..Default::default() };
+    if !restore.is_empty() {
+        report.restored = restore_rows(client, &restore, marking).await?;
+    }
+    if !rows.is_empty() {
+        mark_rows(client, &rows, marking, &mut report).await?;
+    }
+    Ok(report)
+}
+
+/// Mark rows of the table. A row the statement did not touch was settled
+/// already, was deleted, or belongs to a transaction whose commit the stream
+/// decoded before it became visible to new snapshots. One query
+/// ([`MISSING_SQL`]) tells them apart: only the last is waited for, so a
+/// deleted row costs that one query.
+async fn mark_rows<C: GenericClient>(
+    client: &C,
+    batch: &[&Settlement],
+    marking: Marking,
+    report: &mut MarkReport,
+) -> Result<(), tokio_postgres::Error> {
+    let marked = mark_once(client, batch, marking).await?;
+    report.marked += marked.len() as u64;
+    let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(&s.id)).collect();
     let started = std::time::Instant::now();
     while !rest.is_empty() {
-        let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-        let xids: Vec<Option<i64>> = rest.iter().map(|s| s.xid.map(i64::from)).collect();
-        let mut pending = HashSet::new();
-        let mut invisible = HashSet::new();
-        for r in client.query(MISSING_SQL, &[&ids, &xids]).await? {
-            let (id, is_new, visible): (i64, bool, bool) = (r.get(0), r.get(1), r.get(2));
-            if is_new {
-                pending.insert(id);
-            } else if !visible {
-                invisible.insert(id);
-            }
-        }
+        let (pending, invisible) = missing(client, &rest).await?;
         report.gone += rest.iter().filter(|s| !pending.contains(&s.id) && !invisible.contains(&s.id)).count() as u64;
         rest.retain(|s| pending.contains(&s.id) || invisible.contains(&s.id));
         if !pending.is_empty() {
-            let todo: Vec<Settlement> =
-                rest.iter().filter(|s| pending.contains(&s.id)).map(Settlement::shallow).collect();
-            let now = mark_once(client, &todo, backoff).await?;
+            let todo: Vec<&Settlement> = rest.iter().copied().filter(|s| pending.contains(&s.id)).collect();
+            let now = mark_once(client, &todo, marking).await?;
             report.marked += now.len() as u64;
             rest.retain(|s| !now.contains(&s.id));
         }
@@ -172,79 +235,118 @@ pub async fn mark<C: GenericClient>(
             tracing::warn!(?ids, "outbox rows to be marked did not become visible; nothing left to mark");
             break;
         }
-        tokio::time::sleep(crate::policy::retry::backoff(
-            report.waits,
-            Duration::from_millis(1),
-            Duration::from_millis(100),
-        ))
-        .await;
+        let wait = crate::policy::retry::backoff(report.waits, Duration::from_millis(1), Duration::from_millis(100));
+        tokio::time::sleep(wait).await;
         report.waits += 1;
     }
     if report.gone > 0 {
         tracing::debug!(rows = report.gone, "outbox rows settled before or deleted: nothing to mark");
     }
-    Ok(report)
+    Ok(())
 }
 
-impl Settlement {
-    /// The same row and outcome, without the permit and lane (for a re-mark).
-    fn shallow(&self) -> Settlement {
-        Settlement {
-            id: self.id,
-            xid: self.xid,
-            txn: None,
-            destination: Arc::clone(&self.destination),
-            outcome: self.outcome.clone(),
-            permit: None,
-            unmarked: None,
+/// Of rows not marked: the ids still NEW (mark again), and the ids whose
+/// transaction is not visible yet (wait).
+async fn missing<C: GenericClient>(
+    client: &C,
+    rest: &[&Settlement],
+) -> Result<(HashSet<i64>, HashSet<i64>), tokio_postgres::Error> {
+    let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
+    let xids: Vec<Option<i64>> = rest.iter().map(|s| s.xid.map(i64::from)).collect();
+    let mut pending = HashSet::new();
+    let mut invisible = HashSet::new();
+    for r in client.query(MISSING_SQL, &[&ids, &xids]).await? {
+        let (id, is_new, visible): (i64, bool, bool) = (r.get(0), r.get(1), r.get(2));
+        if is_new {
+            pending.insert(id);
+        } else if !visible {
+            invisible.insert(id);
         }
+    }
+    Ok((pending, invisible))
+}
+
+/// A settlement's status, `last_error` and whether it is deferred, as the
+/// marking statements take them.
+fn columns(outcome: &Outcome) -> (&'static str, Option<String>, bool) {
+    match outcome {
+        Outcome::Published => ("PUBLISHED", None, false),
+        Outcome::Dead(r) => ("DEAD", Some(r.last_error()), false),
+        Outcome::Deferred(e) => ("NEW", Some(e.clone()), true),
     }
 }
 
 async fn mark_once<C: GenericClient>(
     client: &C,
-    batch: &[Settlement],
-    backoff: Backoff,
+    batch: &[&Settlement],
+    marking: Marking,
 ) -> Result<HashSet<i64>, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
     let mut defer = Vec::with_capacity(batch.len());
     for s in batch {
+        let (status, err, d) = columns(&s.outcome);
         ids.push(s.id);
-        match &s.outcome {
-            Outcome::Published => {
-                statuses.push("PUBLISHED");
-                errors.push(None);
-                defer.push(false);
-            }
-            Outcome::Dead(r) => {
-                statuses.push("DEAD");
-                errors.push(Some(r.last_error()));
-                defer.push(false);
-            }
-            Outcome::Deferred(e) => {
-                statuses.push("NEW");
-                errors.push(Some(e.clone()));
-                defer.push(true);
-            }
-        }
+        statuses.push(status);
+        errors.push(err);
+        defer.push(d);
     }
-    let base = backoff.base.as_secs_f64();
-    let max = backoff.max.as_secs_f64();
-    Ok(client
-        .query(MARK_SQL.as_str(), &[&ids, &statuses, &errors, &base, &max, &defer])
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect())
+    let base = marking.base.as_secs_f64();
+    let max = marking.max.as_secs_f64();
+    let sql = match marking.published {
+        PublishedRows::Delete => DELETE_SQL.as_str(),
+        PublishedRows::Keep => KEEP_SQL.as_str(),
+    };
+    Ok(client.query(sql, &[&ids, &statuses, &errors, &base, &max, &defer]).await?.iter().map(|r| r.get(0)).collect())
+}
+
+/// Write transient rows that ended DEAD or deferred back to the table.
+/// Returns the rows written (a replay finds its earlier copy and skips it).
+async fn restore_rows<C: GenericClient>(
+    client: &C,
+    batch: &[&Settlement],
+    marking: Marking,
+) -> Result<u64, tokio_postgres::Error> {
+    let n = batch.len();
+    let (mut ids, mut event_ids, mut dests, mut bodies) =
+        (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut groups, mut attrs, mut created, mut statuses) =
+        (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut defer, mut errors) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for s in batch {
+        let ev = s.row.as_ref().expect("a transient settlement carries its row");
+        let (status, err, d) = columns(&s.outcome);
+        ids.push(ev.id);
+        event_ids.push(ev.event_id.as_str());
+        dests.push(ev.destination.as_str());
+        bodies.push(ev.body.as_str());
+        groups.push(ev.group_key.as_deref());
+        attrs.push(ev.attributes.as_deref());
+        created.push(ev.commit_time_us as f64);
+        statuses.push(status);
+        defer.push(d);
+        errors.push(err);
+    }
+    let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
+    client
+        .execute(
+            RESTORE_SQL.as_str(),
+            &[&ids, &event_ids, &dests, &bodies, &groups, &attrs, &created, &statuses, &defer, &errors, &base, &max],
+        )
+        .await
 }
 
 /// Count a flushed batch in the metrics, and log each DEAD row once.
 pub fn record(metrics: &Metrics, batch: &[Settlement]) {
     for s in batch {
         match &s.outcome {
-            Outcome::Published => metrics.events_published.with_label_values(&[&s.destination]).inc(),
+            Outcome::Published => {
+                metrics.events_published.with_label_values(&[&s.destination]).inc();
+                if s.row.is_some() {
+                    metrics.events_transient.with_label_values(&[&s.destination]).inc();
+                }
+            }
             Outcome::Dead(r) => {
                 tracing::warn!(id = s.id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
@@ -266,7 +368,7 @@ pub async fn run_settler(
     watermark: Arc<Mutex<Watermark>>,
     confirm: Arc<Notify>,
     metrics: Arc<Metrics>,
-    backoff: Backoff,
+    marking: Marking,
 ) -> Result<(), tokio_postgres::Error> {
     let mut batch = Vec::with_capacity(MAX_FLUSH);
     while let Some(first) = rx.recv().await {
@@ -277,7 +379,7 @@ pub async fn run_settler(
                 Err(_) => break,
             }
         }
-        mark(&client, &batch, backoff).await?;
+        mark(&client, &batch, marking).await?;
         {
             let mut wm = watermark.lock().unwrap();
             for s in &batch {

@@ -10,8 +10,8 @@ mod startup;
 
 use leader::{acquire_leadership, watch_lock};
 use monitor::{monitor, warn_if_slot_retains_wal};
-pub use retention::sweep_once;
 use retention::sweep_retention;
+pub use retention::{prune_runs, sweep_once};
 use startup::{start_up, Started};
 
 use std::collections::BTreeMap;
@@ -27,7 +27,7 @@ use crate::config::{Config, Mode};
 use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
-use crate::pipeline::settle::Backoff;
+use crate::pipeline::settle::Marking;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, StreamContext};
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
@@ -77,8 +77,7 @@ pub async fn run(
         }))
     });
     let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper =
-        retention.map(|r| tokio::spawn(sweep_retention(config.db(), r, Arc::clone(&metrics), stop_rx.clone())));
+    let sweeper = tokio::spawn(sweep_retention(config.db(), retention, Arc::clone(&metrics), stop_rx.clone()));
     let lanes = queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
     let env = Env { config: &config, publisher: &publisher, metrics: &metrics, queues: &queues, lanes, mode, sharded };
     if mode == Mode::Polling {
@@ -87,9 +86,7 @@ pub async fn run(
         run_cdc(&env, &mut stop_rx).await;
     }
     monitor.abort();
-    if let Some(s) = sweeper {
-        s.abort();
-    }
+    sweeper.abort();
     if let Some(s) = metrics_server {
         let _ = s.await;
     }
@@ -141,8 +138,9 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             claim_bytes: (config.max_unsettled_bytes / 4).max(1 << 20),
             poll_interval,
             linger: config.linger,
+            adaptive: config.adaptive_linger,
             max_in_flight: config.max_in_flight_batches,
-            backoff: Backoff { base: config.retry_base, max: config.retry_max },
+            marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
         };
         let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
         set.spawn(run_table_lane(cfg, config.db(), publisher, metrics, state, stop.clone()));

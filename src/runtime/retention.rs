@@ -1,4 +1,6 @@
-//! Retention: PUBLISHED rows older than `retention` deleted in batches.
+//! Retention: PUBLISHED rows (kept by `published_rows = "keep"`) older than
+//! `retention` deleted in batches, and the runs of published ids pruned once
+//! no slot can replay them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,11 +10,11 @@ use tokio::sync::watch;
 use crate::db;
 use crate::metrics::Metrics;
 
-/// Delete PUBLISHED rows older than `retention`, a thousand at a time, once a
-/// minute (DELETEs are not in the publication: nothing is streamed).
+/// Once a minute: prune the runs of published ids, and delete PUBLISHED rows
+/// older than `retention` (if set), a thousand at a time.
 pub(crate) async fn sweep_retention(
     db: db::Db,
-    retention: Duration,
+    retention: Option<Duration>,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -27,6 +29,12 @@ pub(crate) async fn sweep_retention(
             client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
+        if let Err(e) = prune_runs(c).await {
+            tracing::warn!(error = %e, "pruning outbox_published_runs failed; retrying next minute");
+            client = None;
+            continue;
+        }
+        let Some(retention) = retention else { continue };
         match sweep_once(c, retention).await {
             Ok(0) => {}
             Ok(n) => {
@@ -39,6 +47,22 @@ pub(crate) async fn sweep_retention(
             }
         }
     }
+}
+
+/// The runs of published ids serve one purpose: a slot replaying what it
+/// had not confirmed tells a row the relay published and deleted from one a
+/// later transaction deleted. A run written before every logical slot of
+/// this database confirmed past it can never be replayed; without a slot
+/// (polling), nothing replays, and runs are kept a minute. Returns runs deleted.
+pub async fn prune_runs(c: &tokio_postgres::Client) -> Result<u64, tokio_postgres::Error> {
+    c.execute(
+        "DELETE FROM outbox_published_runs
+          WHERE lsn < coalesce((SELECT min(confirmed_flush_lsn) FROM pg_replication_slots
+                                 WHERE database = current_database() AND slot_type = 'logical'),
+                               CASE WHEN published_at < now() - interval '1 minute' THEN 'FFFFFFFF/FFFFFFFF'::pg_lsn END)",
+        &[],
+    )
+    .await
 }
 
 /// One sweep: batches of 1,000 until none is left. Returns rows deleted.

@@ -56,6 +56,9 @@ pub(crate) async fn start_up(
     if mode == Mode::Polling {
         let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
     }
+    db.within("checking what settlement writes", db::check_settlement(&sql, config.published_rows))
+        .await
+        .map_err(startup)?;
     let mut retention = config.retention;
     if retention.is_some()
         && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)?

@@ -29,7 +29,7 @@ use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
-use crate::pipeline::settle::{mark, record, Backoff, Outcome, Settlement};
+use crate::pipeline::settle::{mark, record, Marking, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::may_stream_again;
 use crate::publish::Publisher;
@@ -55,8 +55,9 @@ pub struct TableLaneConfig {
     /// Sleep between claims when the last one was not full.
     pub poll_interval: Duration,
     pub linger: Duration,
+    pub adaptive: bool,
     pub max_in_flight: usize,
-    pub backoff: Backoff,
+    pub marking: Marking,
 }
 
 /// What one claim did.
@@ -253,6 +254,7 @@ pub async fn claim_round(
                 outcome: Outcome::Dead(reason),
                 permit: None,
                 unmarked: None,
+                row: None,
             }),
         }
     }
@@ -264,9 +266,10 @@ pub async fn claim_round(
             name: Arc::clone(&cfg.name),
             queue: cfg.queue.clone(),
             linger: cfg.linger,
+            adaptive: cfg.adaptive,
             max_in_flight: cfg.max_in_flight,
-            retry_base: cfg.backoff.base,
-            retry_cap: cfg.backoff.max,
+            retry_base: cfg.marking.base,
+            retry_cap: cfg.marking.max,
             retry: RetryPolicy::ToTable,
             stall_timeout: None,
         };
@@ -290,7 +293,7 @@ pub async fn claim_round(
         }
     }
     if !settled.is_empty() {
-        mark(&tx, &settled, cfg.backoff).await?;
+        mark(&tx, &settled, cfg.marking).await?;
     }
     tx.commit().await?;
     record(metrics, &settled);

@@ -39,6 +39,7 @@ impl Handler for Effect {
 pub async fn effects_db(test: &str) -> TestDb {
     let db = TestDb::new(test).await;
     db.client().await.batch_execute(EFFECTS_DDL).await.unwrap();
+    db.audit_inserts().await;
     db
 }
 

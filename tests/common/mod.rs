@@ -103,6 +103,39 @@ impl TestDb {
         c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64
     }
 
+    /// Rows published: PUBLISHED rows kept, and the ids settlement deleted as
+    /// recorded in runs. Runs are pruned once every slot confirmed past them
+    /// (at most once a minute): a progress measure, not a final total.
+    pub async fn published(&self) -> i64 {
+        let c = self.client().await;
+        c.query_one(
+            "SELECT (SELECT count(*) FROM outbox WHERE status = 'PUBLISHED')
+                  + (SELECT coalesce(sum(hi - lo + 1), 0) FROM outbox_published_runs)::bigint",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+    }
+
+    /// Keep a copy of every row inserted into the outbox in `outbox_audit`
+    /// (settlement deletes published rows; what was committed stays known).
+    pub async fn audit_inserts(&self) {
+        self.client()
+            .await
+            .batch_execute(
+                "CREATE TABLE outbox_audit (event_id text, destination text, body text);
+                 CREATE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     INSERT INTO outbox_audit VALUES (NEW.event_id, NEW.destination, NEW.body);
+                     RETURN NEW;
+                 END $$;
+                 CREATE TRIGGER outbox_audit AFTER INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION outbox_audit();",
+            )
+            .await
+            .unwrap();
+    }
+
     pub async fn count(&self, where_clause: &str) -> i64 {
         let c = self.client().await;
         c.query_one(&format!("SELECT count(*) FROM outbox WHERE {where_clause}"), &[]).await.unwrap().get(0)

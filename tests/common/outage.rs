@@ -72,6 +72,8 @@ pub async fn run(p: Params) -> Report {
     cfg.max_retained_wal = p.max_retained_wal;
     cfg.retry_base = Duration::from_millis(500);
     cfg.retry_max = Duration::from_secs(5);
+    // The latencies are read from the rows' published_at.
+    cfg.published_rows = outbox_relay::config::PublishedRows::Keep;
     let relay = start(cfg, Arc::new(sqs.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let c = db.client().await;

@@ -72,6 +72,8 @@ pub struct LaneConfig {
     pub name: Arc<str>,
     pub queue: QueueInfo,
     pub linger: Duration,
+    /// Send at once when nothing is in flight; linger only while batches are.
+    pub adaptive: bool,
     pub max_in_flight: usize,
     pub retry_base: Duration,
     pub retry_cap: Duration,
@@ -215,11 +217,14 @@ impl Lane {
     }
 
     /// Start batches while there is room in flight and a batch is due (full,
-    /// lingered long enough, or the input closed).
+    /// lingered long enough, the input closed, or, adaptive, nothing in
+    /// flight: a lone row does not wait for rows that may not come, and
+    /// while batches are in flight the next one fills).
     fn start_batches(&mut self) {
         let fifo = self.ctx.cfg.queue.fifo;
         while self.in_flight.len() < self.ctx.cfg.max_in_flight && !self.pending.is_empty() {
-            let due = self.oldest.is_some_and(|t| t.elapsed() >= self.ctx.cfg.linger);
+            let idle = self.ctx.cfg.adaptive && self.in_flight.is_empty();
+            let due = idle || self.oldest.is_some_and(|t| t.elapsed() >= self.ctx.cfg.linger);
             if !(self.closed || due || full_batch_ready(&self.pending, fifo)) {
                 break;
             }
@@ -320,6 +325,7 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
         outcome,
         permit: item.permit,
         unmarked,
+        row: item.entry.event.transient.then(|| Arc::clone(&item.entry.event)),
     });
     if let Err(mpsc::error::SendError(s)) = sent {
         if let Some(u) = s.unmarked {
@@ -355,6 +361,7 @@ mod tests {
             attributes: None,
             commit_time_us: 0,
             xid: None,
+            transient: false,
         };
         let queue = QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 };
         LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
@@ -366,6 +373,7 @@ mod tests {
             name: Arc::from("orders"),
             queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
             linger: Duration::ZERO,
+            adaptive: true,
             max_in_flight,
             retry_base,
             retry_cap,

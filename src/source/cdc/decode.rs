@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::event::OutboxEvent;
 use crate::pipeline::watermark::TxnSeq;
 
-use super::row::row_from_tuple;
+use super::row::{deleted_id, owned_by_table, row_from_tuple};
 use super::*;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -45,6 +45,7 @@ impl Decoder {
                     commit_time_us: pg_micros_to_unix_micros(commit_time_micros),
                     buf: Vec::new(),
                     buf_bytes: 0,
+                    buffered: HashMap::new(),
                 });
             }
             ReplicationEvent::XLogData { data, .. } => self.xlog(&data, sql, router).await?,
@@ -89,17 +90,32 @@ impl Decoder {
                     .cache
                     .get(relation)
                     .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
-                if rel.name != "outbox" {
+                if rel.name != "outbox" || owned_by_table(rel, &new) {
                     return Ok(());
                 }
                 let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
                 let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid))?;
                 t.buf_bytes += row.size();
+                t.buffered.insert(row.id, t.buf.len());
                 t.buf.push(row);
                 if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
                     let (seq, final_lsn, buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
                     t.buf_bytes = 0;
+                    t.buffered.clear();
                     router.dispatch(sql, seq, final_lsn < self.startup_lsn, buf).await?;
+                }
+            }
+            LogicalMessage::Delete { relation, key, old } => {
+                // A row deleted by the transaction that inserted it is
+                // transient: published, never settled in the table. Other
+                // deletes (later transactions, the relay's own settlement)
+                // need nothing.
+                let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
+                let (Some(t), Some(id)) = (self.txn.as_mut(), key.or(old).and_then(|k| deleted_id(rel, &k))) else {
+                    return Ok(());
+                };
+                if let Some(&i) = t.buffered.get(&id) {
+                    t.buf[i].transient = true;
                 }
             }
             LogicalMessage::Truncate { .. } => {
@@ -120,4 +136,8 @@ pub(crate) struct OpenTxn {
     pub(crate) commit_time_us: i64,
     pub(crate) buf: Vec<OutboxEvent>,
     pub(crate) buf_bytes: usize,
+    /// Id → index in `buf`, to find a row its own transaction deletes. A row
+    /// already dispatched in an earlier chunk is settled as usual (its
+    /// marking finds it gone: one lookup, no wait).
+    pub(crate) buffered: HashMap<i64, usize>,
 }

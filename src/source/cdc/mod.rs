@@ -23,7 +23,7 @@ use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
 use crate::pipeline::lane::{run_lane, LaneConfig, LaneState, RetryPolicy};
-use crate::pipeline::settle::{run_settler, Backoff};
+use crate::pipeline::settle::{run_settler, Marking};
 use crate::pipeline::watermark::Watermark;
 use crate::publish::Publisher;
 
@@ -96,8 +96,8 @@ pub struct StreamContext {
 }
 
 impl StreamContext {
-    pub fn backoff(&self) -> Backoff {
-        Backoff { base: self.config.retry_base, max: self.config.retry_max }
+    pub fn marking(&self) -> Marking {
+        Marking { base: self.config.retry_base, max: self.config.retry_max, published: self.config.published_rows }
     }
 }
 
@@ -167,7 +167,7 @@ async fn start_pipeline<'a>(
         Arc::clone(watermark),
         Arc::clone(confirm),
         Arc::clone(&ctx.metrics),
-        ctx.backoff(),
+        ctx.marking(),
     ));
     // Lanes with rows in the table keep spooling until the drain empties it,
     // so a FIFO group is not overtaken by its own newer events.
@@ -200,6 +200,7 @@ async fn start_pipeline<'a>(
             name: Arc::from(name.as_str()),
             queue: queue.clone(),
             linger: cfg.linger,
+            adaptive: cfg.adaptive_linger,
             max_in_flight: cfg.max_in_flight_batches,
             retry_base: crate::policy::retry::IN_MEMORY_BASE,
             retry_cap: crate::policy::retry::IN_MEMORY_CAP,

@@ -6,6 +6,26 @@ use crate::event::OutboxEvent;
 
 use super::*;
 
+/// A column's text value by name (`None`: NULL or absent from the tuple).
+fn text<'t>(rel: &Relation, t: &'t Tuple, name: &str) -> Option<&'t str> {
+    match t.0.get(rel.column_index(name)?) {
+        Some(TupleValue::Null) | None => None,
+        Some(v) => v.as_str().and_then(Result::ok),
+    }
+}
+
+/// The id of a deleted outbox row, from its key (or full old) tuple.
+pub(crate) fn deleted_id(rel: &Relation, t: &Tuple) -> Option<i64> {
+    text(rel, t, "id")?.parse().ok()
+}
+
+/// An inserted row the table path owns: written back by the relay itself
+/// (a transient row ended DEAD or deferred) or inserted as already handed to
+/// the table. The stream skips it; the spool drain or `dead` finds it.
+pub(crate) fn owned_by_table(rel: &Relation, t: &Tuple) -> bool {
+    text(rel, t, "status").is_some_and(|s| s != "NEW") || text(rel, t, "next_attempt_at").is_some()
+}
+
 /// The outbox columns, by name, from a decoded row.
 pub(crate) fn row_from_tuple(
     rel: &Relation,
@@ -38,5 +58,6 @@ pub(crate) fn row_from_tuple(
         attributes: col("attributes")?.map(str::to_owned),
         commit_time_us,
         xid,
+        transient: false,
     })
 }
