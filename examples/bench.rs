@@ -31,7 +31,7 @@ use clap::Parser;
 use common::process::{cpu_and_peak_rss, free_addr, scrape, series, RelayConfig};
 use common::*;
 use hdrhistogram::Histogram;
-use outbox_relay::config::Mode;
+use outbox_relay::config::{Mode, PublishedRows};
 use outbox_relay::event::{Entry, QueueInfo};
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
@@ -128,6 +128,7 @@ impl Publisher for NullPublisher {
 struct Timed {
     inner: SqsPublisher,
     hist: Mutex<Histogram<u64>>,
+    calls: AtomicU64,
 }
 
 #[async_trait]
@@ -136,6 +137,7 @@ impl Publisher for Timed {
         self.inner.queue_info(queue_url).await
     }
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
         let r = self.inner.send_batch(queue_url, entries).await?;
         let now = now_us();
         let mut h = self.hist.lock().unwrap();
@@ -189,6 +191,32 @@ async fn insert_backlog(db: &TestDb, prefix: &str, n: usize, d: usize, txn: usiz
     db.current_lsn().await
 }
 
+/// `n` transient rows (each deleted right after its insert, in the same
+/// transaction), `txn` per transaction. Returns the end of the WAL afterwards.
+async fn insert_transient_backlog(db: &TestDb, n: usize, d: usize, txn: usize, size: usize) -> u64 {
+    let c = db.client().await;
+    let mut done = 0;
+    while done < n {
+        let k = txn.min(n - done);
+        c.batch_execute(&format!(
+            "DO $$
+             DECLARE rid bigint;
+             BEGIN
+                 FOR i IN {done}..{last} LOOP
+                     INSERT INTO outbox (event_id, destination, body)
+                     VALUES ('t' || i, 'd' || (i % {d}), rpad('t' || i || ':', {size}, 'x')) RETURNING id INTO rid;
+                     DELETE FROM outbox WHERE id = rid;
+                 END LOOP;
+             END $$",
+            last = done + k - 1
+        ))
+        .await
+        .unwrap();
+        done += k;
+    }
+    db.current_lsn().await
+}
+
 async fn create_slot(db: &TestDb, name: &str) {
     db.client().await.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&name]).await.unwrap();
 }
@@ -203,37 +231,49 @@ fn published(metrics: &outbox_relay::metrics::Metrics, queues: &[(String, String
 struct Decode {
     rows: usize,
     recvlogical_rows_per_s: f64,
+    /// The relay with persistent rows (settled by deleting them).
     relay_null_rows_per_s: f64,
     relay_null_cpu_s_per_100k: f64,
     relay_null_machine_busy_pct: f64,
-    /// The relay's settle statement alone (settle::mark, MAX_FLUSH rows per
-    /// statement, one connection) over the same rows: the bound that
-    /// pg_recvlogical, which writes nothing, does not have.
+    /// Settle statements alone (settle::mark, MAX_FLUSH rows per statement,
+    /// one connection) over fresh rows: marking PUBLISHED (keep) and
+    /// deleting (the default).
     mark_only_rows_per_s: f64,
+    delete_only_rows_per_s: f64,
+    /// WAL bytes per row: the INSERT, the relay's whole drain (settlement,
+    /// runs, heartbeats) and the keep-mode mark alone.
+    insert_wal_per_row: f64,
+    settle_wal_per_row: f64,
+    keep_mark_wal_per_row: f64,
+    /// The same count of transient rows (each deleted by its own transaction).
+    transient_recvlogical_rows_per_s: f64,
+    transient_relay_rows_per_s: f64,
+    transient_settle_wal_per_row: f64,
 }
 
-async fn decode_ceiling(a: &Args, n: usize) -> Decode {
-    let db = TestDb::new("bench_decode").await;
-    create_slot(&db, "recvlogical").await;
-    create_slot(&db, &db.slot).await;
-    let end = insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
+/// pg_recvlogical draining `slot` up to `end` to /dev/null; seconds.
+async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> f64 {
     let end_lsn = format!("{:X}/{:X}", end >> 32, end & 0xffff_ffff);
-
     let t = Instant::now();
     let st = tokio::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
-        .args(["-d", &db.url, "--slot", "recvlogical", "--start", "--no-loop", "--endpos", &end_lsn, "-f", "/dev/null"])
+        .args(["-d", &db.url, "--slot", slot, "--start", "--no-loop", "--endpos", &end_lsn, "-f", "/dev/null"])
         .args(["-o", "proto_version=1", "-o", "publication_names=outbox_relay"])
         .status()
         .await
         .unwrap();
-    let recv_s = t.elapsed().as_secs_f64();
     assert!(st.success(), "pg_recvlogical failed: {st:?}");
+    t.elapsed().as_secs_f64()
+}
 
+/// The relay in process, publishing `n` rows to a null publisher: seconds,
+/// CPU seconds, machine busy %, and the WAL it wrote meanwhile (bytes).
+async fn relay_null(a: &Args, db: &TestDb, n: usize) -> (f64, f64, f64, u64) {
     let queues: Vec<(String, String)> =
         (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
-    let mut cfg = config(&db, &dests(&queues));
+    let mut cfg = config(db, &dests(&queues));
     cfg.metrics_addr = None;
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
+    let wal_before = db.current_lsn().await;
     let t = Instant::now();
     let phase = Phase::start();
     let relay = start(cfg, null.clone());
@@ -242,16 +282,20 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
         async move { published(&m, &queues) >= n as u64 }
     })
     .await;
-    let relay_s = t.elapsed().as_secs_f64();
+    let secs = t.elapsed().as_secs_f64();
     let (cpu, busy) = phase.end();
+    let wal = db.current_lsn().await - wal_before;
     relay.stop().await;
+    (secs, cpu, busy, wal)
+}
 
-    // The same rows marked again by the settle statement alone.
+/// The settle statement alone over `n` fresh rows: rows/s and WAL bytes per row.
+async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: PublishedRows) -> (f64, f64) {
+    insert_backlog(db, prefix, n, a.destinations, a.txn_size, a.row_size).await;
     let c = db.client().await;
-    c.batch_execute("UPDATE outbox SET status = 'NEW', published_at = NULL, attempts = 0").await.unwrap();
     c.batch_execute("VACUUM outbox").await.unwrap();
     let ids: Vec<(i64, String)> = c
-        .query("SELECT id, destination FROM outbox ORDER BY id", &[])
+        .query("SELECT id, destination FROM outbox WHERE event_id LIKE $1 || '%' ORDER BY id", &[&prefix])
         .await
         .unwrap()
         .iter()
@@ -260,8 +304,9 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let marking = outbox_relay::pipeline::settle::Marking {
         base: Duration::from_secs(2),
         max: Duration::from_secs(300),
-        published: outbox_relay::config::PublishedRows::Keep,
+        published,
     };
+    let wal_before = db.current_lsn().await;
     let t = Instant::now();
     for chunk in ids.chunks(outbox_relay::pipeline::settle::MAX_FLUSH) {
         let batch: Vec<outbox_relay::pipeline::settle::Settlement> = chunk
@@ -279,14 +324,45 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
             .collect();
         outbox_relay::pipeline::settle::mark(&c, &batch, marking).await.unwrap();
     }
-    let mark_only = ids.len() as f64 / t.elapsed().as_secs_f64();
+    let rate = ids.len() as f64 / t.elapsed().as_secs_f64();
+    let wal = db.current_lsn().await - wal_before;
+    (rate, wal as f64 / ids.len() as f64)
+}
+
+async fn decode_ceiling(a: &Args, n: usize) -> Decode {
+    let db = TestDb::new("bench_decode").await;
+    create_slot(&db, "recvlogical").await;
+    create_slot(&db, &db.slot).await;
+    let start_lsn = db.current_lsn().await;
+    let end = insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
+    let insert_wal = (end - start_lsn) as f64 / n as f64;
+    let recv_s = recvlogical(&db, "recvlogical", end).await;
+    let (relay_s, cpu, busy, settle_wal) = relay_null(a, &db, n).await;
+    let (mark_only, keep_wal) = settle_alone(a, &db, "k", n.min(100_000), PublishedRows::Keep).await;
+    let (delete_only, _) = settle_alone(a, &db, "x", n.min(100_000), PublishedRows::Delete).await;
+    drop(db);
+
+    let db = TestDb::new("bench_transient").await;
+    create_slot(&db, "recvlogical").await;
+    create_slot(&db, &db.slot).await;
+    let end = insert_transient_backlog(&db, n, a.destinations, a.txn_size, a.row_size).await;
+    let t_recv_s = recvlogical(&db, "recvlogical", end).await;
+    let (t_relay_s, _, _, t_wal) = relay_null(a, &db, n).await;
+    let r1 = |x: f64| (x * 10.0).round() / 10.0;
     Decode {
-        mark_only_rows_per_s: mark_only,
         rows: n,
         recvlogical_rows_per_s: n as f64 / recv_s,
         relay_null_rows_per_s: n as f64 / relay_s,
         relay_null_cpu_s_per_100k: (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
         relay_null_machine_busy_pct: busy,
+        mark_only_rows_per_s: mark_only,
+        delete_only_rows_per_s: delete_only,
+        insert_wal_per_row: r1(insert_wal),
+        settle_wal_per_row: r1(settle_wal as f64 / n as f64),
+        keep_mark_wal_per_row: r1(keep_wal),
+        transient_recvlogical_rows_per_s: n as f64 / t_recv_s,
+        transient_relay_rows_per_s: n as f64 / t_relay_s,
+        transient_settle_wal_per_row: r1(t_wal as f64 / n as f64),
     }
 }
 
@@ -379,6 +455,62 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     }
 }
 
+/// A loopback TCP proxy to `target` that holds every chunk `one_way` in
+/// each direction (order kept, no bandwidth limit): ministack as far away as
+/// a real SQS endpoint is.
+async fn delay_proxy(target: std::net::SocketAddr, one_way: Duration) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else { return };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(delayed_pipe(cr, sw, one_way));
+                tokio::spawn(delayed_pipe(sr, cw, one_way));
+            });
+        }
+    });
+    addr
+}
+
+async fn delayed_pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        while let Some((at, buf)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&buf).await.is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown().await;
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(k) = from.read(&mut buf).await {
+        if k == 0 || tx.send((tokio::time::Instant::now() + delay, buf[..k].to_vec())).is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
+}
+
+/// The SQS ceiling again through [`delay_proxy`] adding `rtt` of round trip.
+async fn sqs_ceiling_rtt(a: &Args, n: usize, rtt: Duration) -> SqsCeiling {
+    let target: std::net::SocketAddr =
+        stack().sqs_url.trim_start_matches("http://").trim_end_matches('/').parse().expect("ministack's address");
+    let proxy = delay_proxy(target, rtt / 2).await;
+    let far = SqsPublisher::new("us-east-1", Some(&format!("http://{proxy}"))).await;
+    sqs_ceiling(a, &far, n).await
+}
+
 // ---------------------------------------------------------------------------
 // 3. Latency at a steady rate.
 
@@ -392,6 +524,8 @@ struct Latency {
     p99_ms: f64,
     p999_ms: f64,
     max_ms: f64,
+    /// SendMessageBatch calls per 100,000 rows.
+    calls_per_100k: f64,
 }
 
 async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64) -> Latency {
@@ -403,6 +537,7 @@ async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64) 
     let timed = Arc::new(Timed {
         inner: sqs.clone(),
         hist: Mutex::new(Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()),
+        calls: AtomicU64::new(0),
     });
     let relay = start(cfg, timed.clone());
     if mode == Mode::Cdc {
@@ -448,6 +583,7 @@ async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64) 
         p99_ms: ms(0.99),
         p999_ms: ms(0.999),
         max_ms: (h.max() as f64 / 100.0).round() / 10.0,
+        calls_per_100k: (timed.calls.load(Ordering::Relaxed) as f64 * 100_000.0 / rows.max(1) as f64).round(),
     }
 }
 
@@ -709,6 +845,10 @@ async fn main() {
     eprintln!("bench: decode ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
     let sqsc = sqs_ceiling(&a, &sqs, if q { 10_000 } else { 50_000 }).await;
     eprintln!("bench: SQS ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
+    let rtt = Duration::from_millis(15);
+    let far = sqs_ceiling_rtt(&a, if q { 10_000 } else { 50_000 }, rtt).await;
+    let far_limit = far.concurrency as f64 * 10.0 / rtt.as_secs_f64();
+    eprintln!("bench: SQS ceiling at 15 ms RTT done ({:.0} s)", started.elapsed().as_secs_f64());
     let mut lat = Vec::new();
     for rate in [1_000, 5_000] {
         for mode in [Mode::Cdc, Mode::Polling] {
@@ -755,6 +895,10 @@ async fn main() {
     let (c1, p1) = (at("cdc", 1000), at("polling", 1000));
     let relay_vs_recv = dec.relay_null_rows_per_s / dec.recvlogical_rows_per_s;
     let relay_vs_raw = sqsc.relay_msgs_per_s / sqsc.raw_msgs_per_s;
+    let relay_vs_raw_far = far.relay_msgs_per_s / far.raw_msgs_per_s;
+    let transient_vs_recv = dec.transient_relay_rows_per_s / dec.transient_recvlogical_rows_per_s;
+    let settle_wal_ratio = dec.settle_wal_per_row / dec.insert_wal_per_row;
+    let c5 = at("cdc", 5000);
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
 
     println!(
@@ -768,12 +912,20 @@ async fn main() {
     println!("| ceiling | limit | relay | ratio | target |");
     println!("|---|---|---|---|---|");
     println!(
-        "| decode, {} rows | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.80 |",
+        "| decode, {} persistent rows (deleted when published) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.80 |",
         dec.rows, dec.recvlogical_rows_per_s, dec.relay_null_rows_per_s, relay_vs_recv
     );
     println!(
-        "| marking those rows PUBLISHED (settle statement alone) | {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | |",
-        dec.mark_only_rows_per_s, dec.relay_null_rows_per_s, dec.relay_null_rows_per_s / dec.mark_only_rows_per_s
+        "| decode, {} transient rows (deleted by their transaction) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.90 |",
+        dec.rows, dec.transient_recvlogical_rows_per_s, dec.transient_relay_rows_per_s, transient_vs_recv
+    );
+    println!(
+        "| settlement WAL per row (persistent; transient {} B) | INSERT {} B | relay's drain {} B (keep-mode mark alone {} B) | {:.2} | <= 0.25 |",
+        dec.transient_settle_wal_per_row, dec.insert_wal_per_row, dec.settle_wal_per_row, dec.keep_mark_wal_per_row, settle_wal_ratio
+    );
+    println!(
+        "| settle statement alone: delete / mark PUBLISHED | {:.0} rows/s | {:.0} rows/s | | |",
+        dec.delete_only_rows_per_s, dec.mark_only_rows_per_s
     );
     println!(
         "| SQS, {} messages, {} concurrent batches | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.90 |",
@@ -783,13 +935,25 @@ async fn main() {
         "|  sender CPU s / 100k, machine busy | {} s, {}% | {} s, {}% | | |",
         sqsc.raw_cpu_s_per_100k, sqsc.raw_machine_busy_pct, sqsc.relay_cpu_s_per_100k, sqsc.relay_machine_busy_pct
     );
+    println!(
+        "| SQS through a proxy adding 15 ms RTT, {} concurrent batches (limit {:.0} msg/s) | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.95 |",
+        far.concurrency, far_limit, far.raw_msgs_per_s, far.relay_msgs_per_s, relay_vs_raw_far
+    );
     println!();
-    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for l in &lat {
         println!(
-            "| {} | {} | {:.0} | {} | {} | {} | {} | {} |",
-            l.mode, l.rows_per_s_target, l.rows_per_s_achieved, l.rows, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            l.mode,
+            l.rows_per_s_target,
+            l.rows_per_s_achieved,
+            l.rows,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms,
+            l.calls_per_100k
         );
     }
     println!();
@@ -813,6 +977,11 @@ async fn main() {
         "seconds": started.elapsed().as_secs_f64().round(),
         "relay_vs_recvlogical": r2(relay_vs_recv),
         "relay_vs_raw_sqs": r2(relay_vs_raw),
+        "relay_vs_recvlogical_transient": r2(transient_vs_recv),
+        "settle_wal_per_insert_wal": r2(settle_wal_ratio),
+        "relay_vs_raw_sqs_rtt_15ms": r2(relay_vs_raw_far),
+        "cdc_p50_ms_5000": c5.p50_ms,
+        "cdc_p99_ms_5000": c5.p99_ms,
         "cdc_p50_ms": c1.p50_ms,
         "cdc_p99_ms": c1.p99_ms,
         "cdc_p999_ms": c1.p999_ms,
@@ -822,12 +991,22 @@ async fn main() {
         "peak_rss_mb_lane_down": down.peak_rss_mb,
         "decode": {"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round(),
             "relay_null_cpu_s_per_100k": dec.relay_null_cpu_s_per_100k, "relay_null_machine_busy_pct": dec.relay_null_machine_busy_pct,
-            "mark_only_rows_per_s": dec.mark_only_rows_per_s.round()},
+            "mark_only_rows_per_s": dec.mark_only_rows_per_s.round(), "delete_only_rows_per_s": dec.delete_only_rows_per_s.round(),
+            "insert_wal_bytes_per_row": dec.insert_wal_per_row, "settle_wal_bytes_per_row": dec.settle_wal_per_row,
+            "keep_mark_wal_bytes_per_row": dec.keep_mark_wal_per_row,
+            "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
+            "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
+            "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row},
         "sqs": {
             "messages": sqsc.messages, "concurrency": sqsc.concurrency,
             "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),
             "raw_cpu_s_per_100k": sqsc.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": sqsc.relay_cpu_s_per_100k,
             "raw_machine_busy_pct": sqsc.raw_machine_busy_pct, "relay_machine_busy_pct": sqsc.relay_machine_busy_pct,
+        },
+        "sqs_rtt_15ms": {
+            "messages": far.messages, "concurrency": far.concurrency, "physical_limit_msgs_per_s": far_limit.round(),
+            "raw_msgs_per_s": far.raw_msgs_per_s.round(), "relay_msgs_per_s": far.relay_msgs_per_s.round(),
+            "raw_cpu_s_per_100k": far.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": far.relay_cpu_s_per_100k,
         },
         "latency": lat,
         "drains": drains,
@@ -836,7 +1015,13 @@ async fn main() {
         "targets_met": BTreeMap::from([
             ("relay_vs_recvlogical_0_80", relay_vs_recv >= 0.8),
             ("relay_vs_raw_sqs_0_90", relay_vs_raw >= 0.9),
+            ("relay_vs_recvlogical_transient_0_90", transient_vs_recv >= 0.9),
+            ("settle_wal_0_25_of_insert", settle_wal_ratio <= 0.25),
+            ("relay_vs_raw_sqs_rtt_15ms_0_95", relay_vs_raw_far >= 0.95),
             ("cdc_p50_under_10_ms_at_1000", c1.p50_ms < 10.0),
+            ("cdc_p50_under_5_ms_at_1000", c1.p50_ms < 5.0),
+            ("cdc_p99_under_25_ms_at_1000", c1.p99_ms < 25.0),
+            ("cdc_p99_under_50_ms_at_5000", c5.p99_ms < 50.0),
             ("peak_rss_under_100_mb_lane_down", down.peak_rss_mb < 100.0),
             ("peak_rss_under_256_mb_large_bodies", large[0].peak_rss_mb < 256.0),
         ]),

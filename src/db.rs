@@ -235,30 +235,82 @@ pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
     Ok(client.query_one("SELECT has_table_privilege('outbox', 'DELETE')", &[]).await?.get(0))
 }
 
-/// Start-up checks for CDC mode; each failure says how to fix it.
+/// Where PostgreSQL runs, as far as the fixes for CDC differ: managed
+/// services forbid `ALTER ROLE … REPLICATION` and `ALTER SYSTEM`, and grant
+/// replication through a role or a flag of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Platform {
+    SelfManaged,
+    /// Amazon RDS and Aurora (`rds.logical_replication` is defined).
+    Rds,
+    /// Google Cloud SQL (`cloudsql.logical_decoding`).
+    CloudSql,
+    /// Azure Database for PostgreSQL flexible server (`azure.extensions`).
+    Azure,
+}
+
+impl Platform {
+    /// Told by the settings only these services define.
+    pub async fn detect(client: &Client) -> Result<Platform, DbError> {
+        let r = client
+            .query_one(
+                "SELECT current_setting('rds.logical_replication', true) IS NOT NULL,
+                        current_setting('cloudsql.logical_decoding', true) IS NOT NULL,
+                        current_setting('azure.extensions', true) IS NOT NULL",
+                &[],
+            )
+            .await?;
+        Ok(match (r.get(0), r.get(1), r.get(2)) {
+            (true, _, _) => Platform::Rds,
+            (_, true, _) => Platform::CloudSql,
+            (_, _, true) => Platform::Azure,
+            _ => Platform::SelfManaged,
+        })
+    }
+
+    /// How to let `user` open a replication connection here.
+    pub fn replication_fix(self, user: &str) -> String {
+        match self {
+            Platform::SelfManaged => format!("ALTER ROLE {user} REPLICATION"),
+            Platform::Rds => format!(
+                "GRANT rds_replication TO {user} (RDS and Aurora: the master user cannot be given REPLICATION; membership of rds_replication is what allows it)"
+            ),
+            Platform::CloudSql => {
+                format!("ALTER ROLE {user} WITH REPLICATION, as a cloudsqlsuperuser (Cloud SQL; the cloudsql.logical_decoding flag must be on)")
+            }
+            Platform::Azure => format!("ALTER ROLE {user} REPLICATION, as a member of azure_pg_admin (Azure flexible server)"),
+        }
+    }
+
+    /// How to make `wal_level` logical here.
+    pub fn wal_level_fix(self) -> &'static str {
+        match self {
+            Platform::SelfManaged => "run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL",
+            Platform::Rds => {
+                "set rds.logical_replication = 1 in the instance's DB parameter group (Aurora: the DB cluster parameter group) and reboot"
+            }
+            Platform::CloudSql => "set the cloudsql.logical_decoding flag to on (the instance restarts)",
+            Platform::Azure => "set the server parameter wal_level to logical and restart the server",
+        }
+    }
+}
+
+/// Start-up checks for CDC mode that SQL can answer; each failure says how to
+/// fix it. Whether the role may replicate is decided by trying
+/// (`source::cdc::check_cdc`), not from its attributes: managed services
+/// grant it through roles of their own.
 pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Result<(), DbError> {
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if wal_level != "logical" {
-        return Err(DbError::CdcUnavailable(format!(
-            "wal_level is '{wal_level}', CDC mode needs 'logical': run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"
-        )));
+        let fix = Platform::detect(client).await?.wal_level_fix();
+        return Err(DbError::CdcUnavailable(format!("wal_level is '{wal_level}', CDC mode needs 'logical': {fix}")));
     }
     check_outbox_table(client).await?;
     let publ = client.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication]).await?;
     if publ.is_none() {
         return Err(DbError::CdcUnavailable(format!(
-            "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')"
+            "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert, delete')"
         )));
-    }
-    let row = client
-        .query_one(
-            "SELECT current_user::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
-            &[],
-        )
-        .await?;
-    let (user, can): (String, bool) = (row.get(0), row.get(1));
-    if !can {
-        return Err(DbError::CdcUnavailable(format!("role {user:?} may not replicate: ALTER ROLE {user} REPLICATION")));
     }
     Ok(())
 }

@@ -77,7 +77,7 @@ async fn body(db: &TestDb, job_id: &str, generation: i32) -> String {
     db.client()
         .await
         .query_one(
-            "SELECT body FROM outbox WHERE event_id = (SELECT kind FROM jobs WHERE job_id = $1) || ':' || $1 || ':' || $2",
+            "SELECT body FROM outbox_audit WHERE event_id = (SELECT kind FROM jobs WHERE job_id = $1) || ':' || $1 || ':' || $2",
             &[&job_id, &generation.to_string()],
         )
         .await

@@ -191,7 +191,12 @@ async fn start_up_refuses_with_a_fix() {
     c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, UPDATE ON outbox TO {role}")).await.unwrap();
     let mut cfg = config(&db, &[("orders", &q)]);
     cfg.database_url = db.url.replacen("postgres@", &format!("{role}@"), 1);
-    let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
+    let err = start_up_error(cfg.clone(), Arc::new(sqs.clone())).await;
     assert!(err.contains("may not replicate") && err.contains("ALTER ROLE"), "{err}");
+    // The same role on RDS or Aurora (told by the setting only they define):
+    // the fix is the rds_replication role, which is all RDS allows.
+    c.batch_execute(&format!("ALTER DATABASE {} SET rds.logical_replication = '1'", db.name)).await.unwrap();
+    let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
+    assert!(err.contains("may not replicate") && err.contains(&format!("GRANT rds_replication TO {role}")), "{err}");
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
 }

@@ -166,7 +166,7 @@ async fn a_slot_dropped_under_a_running_relay_is_recreated_and_nothing_is_lost()
     let sent: HashSet<String> = p.sent(A).into_iter().map(|s| s.body).collect();
     assert_eq!(sent.len(), 2_000, "every row arrived across the slot's loss");
     let m = relay.metrics.render();
-    assert_eq!(gauge(&m, "outbox_relay_slot_recreated_total"), Some(1.0), "{m}");
+    assert_eq!(gauge(&m, "outbox_relay_slot_recreated_total{reason=\"dropped\"}"), Some(1.0), "{m}");
     let _ = c;
     relay.stop().await;
 }

@@ -38,6 +38,9 @@ pub struct SlotStatus {
     /// Current WAL minus the restart LSN: what the server keeps for the slot.
     pub retained_wal_bytes: Option<i64>,
     pub confirmed_flush_lsn: Option<String>,
+    /// Why the server invalidated the slot (`wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`, `idle_timeout`); the relay recreates it.
+    pub invalidation_reason: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -56,9 +59,12 @@ pub struct DestinationStatus {
 pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, tokio_postgres::Error> {
     let row = client
         .query_opt(
-            "SELECT active, active_pid, wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                    (pg_current_wal_lsn() - restart_lsn)::bigint, confirmed_flush_lsn::text
-               FROM pg_replication_slots WHERE slot_name = $1",
+            &format!(
+                "SELECT active, active_pid, wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                        (pg_current_wal_lsn() - restart_lsn)::bigint, confirmed_flush_lsn::text, {}
+                   FROM pg_replication_slots s WHERE slot_name = $1",
+                crate::source::cdc::INVALIDATION_SQL
+            ),
             &[&slot],
         )
         .await?;
@@ -71,13 +77,14 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
         lag_bytes: row.as_ref().and_then(|r| r.get(3)),
         retained_wal_bytes: row.as_ref().and_then(|r| r.get(4)),
         confirmed_flush_lsn: row.as_ref().and_then(|r| r.get(5)),
+        invalidation_reason: row.as_ref().and_then(|r| r.get(6)),
     })
 }
 
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
     // Before `migrate` there is nothing to report: say what to run.
     db::check_outbox_table(client).await?;
-    let cdc = db::check_cdc_prerequisites(client, &config.publication).await;
+    let cdc = crate::source::cdc::check_cdc(client, config).await;
     let cdc_unavailable = match cdc {
         Ok(()) => None,
         Err(db::DbError::CdcUnavailable(why)) => Some(why),
@@ -139,8 +146,12 @@ pub fn format_slot(s: &SlotStatus) -> String {
             s.name
         );
     }
+    let invalid = match &s.invalidation_reason {
+        Some(r) => format!(" INVALIDATED ({r}: the relay recreates it and catches up from the table)"),
+        None => String::new(),
+    };
     format!(
-        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}\n",
+        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}{invalid}\n",
         s.name,
         match (s.active, s.active_pid) {
             (Some(true), Some(pid)) => format!("active (pid {pid})"),

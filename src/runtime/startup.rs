@@ -77,7 +77,7 @@ pub(crate) async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) 
     let db = config.db();
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
-        db.within("checking the CDC prerequisites", db::check_cdc_prerequisites(sql, &config.publication)).await?;
+        db.within("checking the CDC prerequisites", crate::source::cdc::check_cdc(sql, config)).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
         db.within("checking the publication's shard", db::check_shard(sql, &config.publication, &destinations)).await
     };
@@ -98,7 +98,10 @@ pub(crate) async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) 
                     Ok((Mode::Cdc, sharded))
                 }
                 Err(db::DbError::CdcUnavailable(why)) => {
-                    tracing::warn!(reason = %why, "mode auto: polling, because CDC is not possible here");
+                    tracing::warn!(
+                        reason = %why,
+                        "mode auto: polling, because CDC is not possible here; rows deleted by their own transaction (transient rows) are not seen by polling"
+                    );
                     Ok((Mode::Polling, false))
                 }
                 Err(e) => Err(startup(e)),

@@ -32,11 +32,11 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     let sql = db.connect().await?;
     let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
     let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.slot)).await?;
-    match slot {
-        SlotState::Lost => ctx.metrics.slot_recreated.inc(),
+    match &slot {
+        SlotState::Lost { reason } => ctx.metrics.slot_recreated.with_label_values(&[reason]).inc(),
         SlotState::Missing if ctx.slot_seen.load(Ordering::Relaxed) => {
             tracing::error!(slot = %cfg.slot, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
-            ctx.metrics.slot_recreated.inc();
+            ctx.metrics.slot_recreated.with_label_values(&["dropped"]).inc();
         }
         _ => {}
     }
@@ -45,7 +45,7 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     // handed to the table path before anything is published.
     let start_lsn = match slot {
         SlotState::Exists { confirmed_flush } => confirmed_flush,
-        SlotState::Missing | SlotState::Lost => {
+        SlotState::Missing | SlotState::Lost { .. } => {
             // Creating a slot waits for running transactions: no deadline,
             // but shutdown still interrupts it.
             let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot).await?;
@@ -78,6 +78,35 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     })
     .await?;
     Ok(Opened { sql, repl, start_lsn, startup_lsn })
+}
+
+/// Every CDC prerequisite: what SQL can tell ([`db::check_cdc_prerequisites`]),
+/// then the capability itself: a replication connection is opened and
+/// answers IDENTIFY_SYSTEM, within the deadlines. A refusal names the fix
+/// for the platform (self-managed, RDS/Aurora, Cloud SQL, Azure).
+pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
+    db::check_cdc_prerequisites(sql, &cfg.publication).await?;
+    let probe = async {
+        let mut repl = connect_replication(cfg).await?;
+        let answer = tokio::time::timeout(cfg.query_timeout, repl.identify_system()).await;
+        // A gated session not started ends when dropped.
+        drop(repl);
+        match answer {
+            Ok(r) => r.map(|_| ()).map_err(CdcError::from),
+            Err(_) => Err(CdcError::Protocol(format!("IDENTIFY_SYSTEM did not answer within {:?}", cfg.query_timeout))),
+        }
+    };
+    match probe.await {
+        Ok(()) => Ok(()),
+        Err(CdcError::Db(e @ db::DbError::Timeout { .. })) => Err(e),
+        Err(e) => {
+            let user: String = sql.query_one("SELECT current_user::text", &[]).await?.get(0);
+            let fix = db::Platform::detect(sql).await?.replication_fix(&user);
+            Err(db::DbError::CdcUnavailable(format!(
+                "role {user:?} may not replicate (a replication connection was refused: {e}): {fix}"
+            )))
+        }
+    }
 }
 
 /// The replication connection, within `connect_timeout`.

@@ -16,35 +16,50 @@ pub(crate) enum SlotState {
         confirmed_flush: Lsn,
     },
     Missing,
-    /// It lost its WAL and was dropped.
-    Lost,
+    /// The server invalidated it (the reason: `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`, `idle_timeout`, ...) and it was dropped.
+    Lost {
+        reason: String,
+    },
 }
 
-/// Look the slot up; drop it if its WAL is lost (it can no longer stream what
-/// it promised), so it is created afresh with a snapshot catch-up.
+/// Why the server invalidated a slot, on every major: `invalidation_reason`
+/// (17+), `conflicting` (16: invalidated by recovery on a standby), or
+/// `wal_status = 'lost'` (13+). Read through `to_jsonb` so one query serves
+/// servers with and without the newer columns. NULL: the slot is usable.
+pub const INVALIDATION_SQL: &str = "
+    coalesce(to_jsonb(s) ->> 'invalidation_reason',
+             CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'rows_removed' END,
+             CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END)";
+
+/// Look the slot up; drop it if the server invalidated it (it can no longer
+/// stream what it promised), so it is created afresh with the table catch-up.
 pub(crate) async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, CdcError> {
     let row = sql
         .query_opt(
-            "SELECT database = current_database(), plugin, coalesce(wal_status, ''), confirmed_flush_lsn::text
-               FROM pg_replication_slots WHERE slot_name = $1",
+            &format!(
+                "SELECT s.database = current_database(), s.plugin, {INVALIDATION_SQL}, s.confirmed_flush_lsn::text
+                   FROM pg_replication_slots s WHERE s.slot_name = $1"
+            ),
             &[&slot],
         )
         .await?;
     let Some(row) = row else { return Ok(SlotState::Missing) };
-    let (same_db, plugin, wal_status, flush): (Option<bool>, Option<String>, String, Option<String>) =
+    let (same_db, plugin, invalid, flush): (Option<bool>, Option<String>, Option<String>, Option<String>) =
         (row.get(0), row.get(1), row.get(2), row.get(3));
     if same_db != Some(true) || plugin.as_deref() != Some("pgoutput") {
         return Err(CdcError::Protocol(format!(
             "replication slot {slot:?} exists but is not a pgoutput slot of this database: choose another `slot` name or drop it"
         )));
     }
-    if wal_status == "lost" {
+    if let Some(reason) = invalid {
         tracing::error!(
             slot,
-            "replication slot lost its WAL (max_slot_wal_keep_size); dropping it and catching up from the outbox table"
+            reason,
+            "the server invalidated the replication slot; dropping it, creating it again and catching up from the outbox table"
         );
         sql.execute("SELECT pg_drop_replication_slot($1)", &[&slot]).await?;
-        return Ok(SlotState::Lost);
+        return Ok(SlotState::Lost { reason });
     }
     let confirmed_flush = flush.and_then(|s| s.parse().ok()).unwrap_or_default();
     Ok(SlotState::Exists { confirmed_flush })
