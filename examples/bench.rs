@@ -64,6 +64,10 @@ struct Args {
     /// Run only the large-body memory comparison.
     #[arg(long)]
     large_bodies_only: bool,
+    /// Run only the decode comparison (pg_recvlogical, transient and
+    /// persistent rows, settlement WAL), with this many rows.
+    #[arg(long)]
+    decode_only: Option<usize>,
 }
 
 fn now_us() -> i64 {
@@ -271,6 +275,9 @@ struct Decode {
     transient_recvlogical_rows_per_s: f64,
     transient_relay_rows_per_s: f64,
     transient_settle_wal_per_row: f64,
+    /// The persistent drain again with `published_rows = "keep"`.
+    keep_relay_rows_per_s: f64,
+    keep_settle_wal_per_row: f64,
 }
 
 /// pg_recvlogical draining `slot` up to `end` to /dev/null; seconds.
@@ -289,11 +296,12 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> f64 {
 
 /// The relay in process, publishing `n` rows to a null publisher: seconds,
 /// CPU seconds, machine busy %, and the WAL it wrote meanwhile (bytes).
-async fn relay_null(a: &Args, db: &TestDb, n: usize) -> (f64, f64, f64, u64) {
+async fn relay_null(a: &Args, db: &TestDb, n: usize, published_rows: PublishedRows) -> (f64, f64, f64, u64) {
     let queues: Vec<(String, String)> =
         (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
     let mut cfg = config(db, &dests(&queues));
     cfg.metrics_addr = None;
+    cfg.published_rows = published_rows;
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
     let wal_before = db.current_lsn().await;
     let t = Instant::now();
@@ -359,7 +367,7 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let end = insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
     let insert_wal = (end - start_lsn) as f64 / n as f64;
     let recv_s = recvlogical(&db, "recvlogical", end).await;
-    let (relay_s, cpu, busy, settle_wal) = relay_null(a, &db, n).await;
+    let (relay_s, cpu, busy, settle_wal) = relay_null(a, &db, n, PublishedRows::Delete).await;
     let (mark_only, keep_wal) = settle_alone(a, &db, "k", n.min(100_000), PublishedRows::Keep).await;
     let (delete_only, _) = settle_alone(a, &db, "x", n.min(100_000), PublishedRows::Delete).await;
     drop(db);
@@ -369,7 +377,13 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     create_slot(&db, &db.slot).await;
     let end = insert_transient_backlog(&db, n, a.destinations, a.txn_size, a.row_size).await;
     let t_recv_s = recvlogical(&db, "recvlogical", end).await;
-    let (t_relay_s, _, _, t_wal) = relay_null(a, &db, n).await;
+    let (t_relay_s, _, _, t_wal) = relay_null(a, &db, n, PublishedRows::Delete).await;
+    drop(db);
+    // The same drain with rows kept as PUBLISHED (the mark of before).
+    let db = TestDb::new("bench_keep").await;
+    create_slot(&db, &db.slot).await;
+    insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
+    let (keep_s, _, _, keep_drain_wal) = relay_null(a, &db, n, PublishedRows::Keep).await;
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
     Decode {
         rows: n,
@@ -385,6 +399,8 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
         transient_recvlogical_rows_per_s: n as f64 / t_recv_s,
         transient_relay_rows_per_s: n as f64 / t_relay_s,
         transient_settle_wal_per_row: r1(t_wal as f64 / n as f64),
+        keep_relay_rows_per_s: n as f64 / keep_s,
+        keep_settle_wal_per_row: r1(keep_drain_wal as f64 / n as f64),
     }
 }
 
@@ -841,6 +857,26 @@ async fn main() {
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
     let sqs = sqs().await;
     eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
+    if let Some(n) = a.decode_only {
+        let d = decode_ceiling(&a, n).await;
+        println!(
+            "keep: relay {:.0} rows/s, settle WAL {} B/row; persistent: recvlogical {:.0} relay {:.0} rows/s ({:.2}); transient: recvlogical {:.0} relay {:.0} ({:.2}); WAL per row: insert {} settle {} transient {} keep-mark {}",
+            d.keep_relay_rows_per_s,
+            d.keep_settle_wal_per_row,
+            d.recvlogical_rows_per_s,
+            d.relay_null_rows_per_s,
+            d.relay_null_rows_per_s / d.recvlogical_rows_per_s,
+            d.transient_recvlogical_rows_per_s,
+            d.transient_relay_rows_per_s,
+            d.transient_relay_rows_per_s / d.transient_recvlogical_rows_per_s,
+            d.insert_wal_per_row,
+            d.settle_wal_per_row,
+            d.transient_settle_wal_per_row,
+            d.keep_mark_wal_per_row
+        );
+        drop(stack_guard);
+        return;
+    }
     // Large bodies, the default byte budget beside one so large that only
     // the event budget (20,000) binds: peak RSS side by side.
     let large_n = if q { 600 } else { 2_000 };
@@ -962,6 +998,10 @@ async fn main() {
         dec.delete_only_rows_per_s, dec.mark_only_rows_per_s
     );
     println!(
+        "| decode, {} persistent rows kept as PUBLISHED (published_rows = keep) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s, settlement WAL {} B/row | {:.2} | |",
+        dec.rows, dec.recvlogical_rows_per_s, dec.keep_relay_rows_per_s, dec.keep_settle_wal_per_row, dec.keep_relay_rows_per_s / dec.recvlogical_rows_per_s
+    );
+    println!(
         "| SQS, {} messages, {} concurrent batches | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.90 |",
         sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, relay_vs_raw
     );
@@ -1036,7 +1076,8 @@ async fn main() {
             "keep_mark_wal_bytes_per_row": dec.keep_mark_wal_per_row,
             "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
             "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
-            "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row},
+            "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row,
+            "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row},
         "sqs": {
             "messages": sqsc.messages, "concurrency": sqsc.concurrency,
             "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),

@@ -178,6 +178,9 @@ struct Lane {
     held: HashSet<String>,
     /// When the oldest pending entry arrived (the linger runs from it).
     oldest: Option<Instant>,
+    /// When the last batch finished: a lane that sent within the last linger
+    /// is busy, and batches as if a call were still in flight.
+    last_done: Option<Instant>,
     closed: bool,
 }
 
@@ -192,6 +195,7 @@ impl Lane {
             busy: HashSet::new(),
             held: HashSet::new(),
             oldest: None,
+            last_done: None,
             closed: false,
         }
     }
@@ -217,14 +221,18 @@ impl Lane {
     }
 
     /// Start batches while there is room in flight and a batch is due (full,
-    /// lingered long enough, the input closed, or, adaptive, nothing in
-    /// flight: a lone row does not wait for rows that may not come, and
-    /// while batches are in flight the next one fills).
+    /// lingered long enough, the input closed, or, adaptive, the lane is
+    /// idle: nothing in flight and no batch finished within the last linger.
+    /// A lone row does not wait for rows that may not come; a busy lane's
+    /// next batch fills as before, so a steady load makes no more calls).
     fn start_batches(&mut self) {
         let fifo = self.ctx.cfg.queue.fifo;
+        let linger = self.ctx.cfg.linger;
         while self.in_flight.len() < self.ctx.cfg.max_in_flight && !self.pending.is_empty() {
-            let idle = self.ctx.cfg.adaptive && self.in_flight.is_empty();
-            let due = idle || self.oldest.is_some_and(|t| t.elapsed() >= self.ctx.cfg.linger);
+            let idle = self.ctx.cfg.adaptive
+                && self.in_flight.is_empty()
+                && self.last_done.is_none_or(|t| t.elapsed() >= linger);
+            let due = idle || self.oldest.is_some_and(|t| t.elapsed() >= linger);
             if !(self.closed || due || full_batch_ready(&self.pending, fifo)) {
                 break;
             }
@@ -246,10 +254,13 @@ impl Lane {
         }
     }
 
-    /// When the linger of the pending entries ends, if a batch could start then.
+    /// When the linger of the pending entries ends (or, adaptive, the lane
+    /// turns idle, if sooner), if a batch could start then.
     fn linger_deadline(&self) -> Option<Instant> {
+        let linger = self.ctx.cfg.linger;
+        let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty()).map(|t| t + linger);
         self.oldest
-            .map(|t| t + self.ctx.cfg.linger)
+            .map(|t| idle_at.map_or(t + linger, |i| i.min(t + linger)))
             .filter(|at| *at > Instant::now() && self.in_flight.len() < self.ctx.cfg.max_in_flight)
     }
 
@@ -274,6 +285,7 @@ impl Lane {
             Err(e) => e.id(),
         };
         self.in_flight_since.remove(&id);
+        self.last_done = Some(Instant::now());
         if let Ok((_, done)) = done {
             for g in done.groups {
                 self.busy.remove(&g);
