@@ -90,6 +90,7 @@ pub struct FileConfig {
     pub heartbeat_interval: Option<String>,
     pub linger: Option<String>,
     pub adaptive_linger: Option<bool>,
+    pub failover: Option<bool>,
     pub max_in_flight_batches: Option<usize>,
     pub max_unsettled_events: Option<usize>,
     pub max_unsettled_bytes: Option<String>,
@@ -151,6 +152,9 @@ pub struct Config {
     /// A lane with nothing in flight sends at once; it lingers only while
     /// batches are in flight (default). Off: every short batch lingers.
     pub adaptive_linger: bool,
+    /// Create the slot with FAILOVER (PostgreSQL 17+), so a standby running
+    /// `sync_replication_slots` keeps it and a promotion needs no catch-up.
+    pub failover: bool,
     /// SendMessageBatch calls in flight per lane.
     pub max_in_flight_batches: usize,
     /// Events read from the slot but not yet settled, across all lanes.
@@ -269,12 +273,14 @@ impl Config {
         let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
         let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
         let linger = d("linger", "LINGER", file.linger)?;
-        let adaptive_linger = match get("ADAPTIVE_LINGER") {
-            Some(v) => v.parse().map_err(|_| {
-                ConfigError::Invalid(format!("OUTBOX_RELAY_ADAPTIVE_LINGER {v:?} is not true or false"))
-            })?,
-            None => file.adaptive_linger.unwrap_or(true),
+        let flag = |env_key: &str, file: Option<bool>, default: bool| match get(env_key) {
+            Some(v) => v
+                .parse()
+                .map_err(|_| ConfigError::Invalid(format!("OUTBOX_RELAY_{env_key} {v:?} is not true or false"))),
+            None => Ok(file.unwrap_or(default)),
         };
+        let adaptive_linger = flag("ADAPTIVE_LINGER", file.adaptive_linger, true)?;
+        let failover = flag("FAILOVER", file.failover, false)?;
         let max_in_flight_batches =
             number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
         let max_unsettled_events =
@@ -315,6 +321,7 @@ impl Config {
             heartbeat_interval,
             linger,
             adaptive_linger,
+            failover,
             max_in_flight_batches,
             max_unsettled_events,
             max_unsettled_bytes,

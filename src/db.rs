@@ -230,6 +230,46 @@ pub async fn check_settlement(client: &Client, published: crate::config::Publish
     Ok(())
 }
 
+/// Majors the relay supports: row-filtered publications (shards) and the
+/// replication views it reads need 15; failover slots need 17.
+pub const MIN_SERVER_VERSION: i32 = 150_000;
+pub const FAILOVER_SERVER_VERSION: i32 = 170_000;
+
+/// Whether a server of `version_num` (`server_version_num`) can run the relay
+/// as configured; the refusal says why and what to do.
+pub fn server_support(version_num: i32, shown: &str, failover: bool) -> Result<(), String> {
+    if version_num < MIN_SERVER_VERSION {
+        return Err(format!(
+            "PostgreSQL {shown} is not supported: the relay needs PostgreSQL 15 or newer (15, 16, 17 and 18 are tested); upgrade the server"
+        ));
+    }
+    if failover && version_num < FAILOVER_SERVER_VERSION {
+        return Err(format!(
+            "failover = true needs PostgreSQL 17 or newer (failover slots); this server is {shown}: set failover = false (a promoted standby then gets a new slot and the table catch-up)"
+        ));
+    }
+    Ok(())
+}
+
+/// The server: a supported major, the primary (not a standby), and failover
+/// slots only where they exist. Returns `server_version_num`.
+pub async fn check_server(client: &Client, server: &str, failover: bool) -> Result<i32, DbError> {
+    let r = client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int, current_setting('server_version'), pg_is_in_recovery()",
+            &[],
+        )
+        .await?;
+    let (num, shown, recovery): (i32, String, bool) = (r.get(0), r.get(1), r.get(2));
+    server_support(num, &shown, failover).map_err(DbError::Check)?;
+    if recovery {
+        return Err(DbError::Check(format!(
+            "{server} is a standby (in recovery): the relay writes to the outbox and streams from the primary; give the primary's address, or every server (postgres://USER@primary,standby/DB) and the primary is taken"
+        )));
+    }
+    Ok(num)
+}
+
 /// Whether the current role may DELETE from the outbox (the retention sweeper).
 pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
     Ok(client.query_one("SELECT has_table_privilege('outbox', 'DELETE')", &[]).await?.get(0))
@@ -378,4 +418,18 @@ pub async fn check_shard(client: &Client, publication: &str, destinations: &[Str
         }
     }
     Ok(sharded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn supported_majors_and_failover_slots() {
+        assert!(server_support(140_012, "14.12", false).unwrap_err().contains("needs PostgreSQL 15 or newer"));
+        assert!(server_support(150_008, "15.8", false).is_ok());
+        assert!(server_support(160_004, "16.4", true).unwrap_err().contains("failover = true needs PostgreSQL 17"));
+        assert!(server_support(170_010, "17.10", true).is_ok());
+        assert!(server_support(180_004, "18.4", true).is_ok());
+    }
 }

@@ -95,6 +95,10 @@ enum SlotAction {
     Create {
         #[command(flatten)]
         common: CommonArgs,
+        /// Create it with FAILOVER (PostgreSQL 17+): standbys running
+        /// sync_replication_slots keep it (also `failover = true` in the config).
+        #[arg(long)]
+        failover: bool,
     },
     /// Drop the slot (refused while a relay reads it). Nothing is lost: NEW
     /// rows stay NEW and the next slot's catch-up publishes them.
@@ -273,8 +277,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
                 }
                 Ok(())
             }
-            SlotAction::Create { common } => {
-                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+            SlotAction::Create { common, failover } => {
+                let mut config = Config::load(common.config.as_deref(), &overrides(&common))?;
+                config.failover |= failover;
                 let c = ops::slot_create(&config).await?;
                 println!(
                     "slot {} created at {}; {} NEW rows written before it handed to the table path",

@@ -199,4 +199,30 @@ async fn start_up_refuses_with_a_fix() {
     let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
     assert!(err.contains("may not replicate") && err.contains(&format!("GRANT rds_replication TO {role}")), "{err}");
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
+    // A slot of that name made by another plugin: someone else's.
+    c.execute("SELECT pg_create_logical_replication_slot($1, 'test_decoding')", &[&db.slot]).await.unwrap();
+    let err = start_up_error(config(&db, &[("orders", &q)]), Arc::new(sqs.clone())).await;
+    assert!(err.contains("already exists as a logical slot of plugin \"test_decoding\""), "{err}");
+    c.execute("SELECT pg_drop_replication_slot($1)", &[&db.slot]).await.unwrap();
+    // Failover slots where the server has none (before 17); accepted on 17+.
+    let version: i32 = c.query_one("SELECT current_setting('server_version_num')::int", &[]).await.unwrap().get(0);
+    let mut cfg = config(&db, &[("orders", &q)]);
+    cfg.failover = true;
+    if version < 170_000 {
+        let err = start_up_error(cfg, Arc::new(sqs.clone())).await;
+        assert!(err.contains("failover = true needs PostgreSQL 17 or newer"), "{err}");
+    } else {
+        let relay = start(cfg, Arc::new(sqs.clone()));
+        wait_for("the slot created with FAILOVER", Duration::from_secs(30), || {
+            let (c, slot) = (&c, &db.slot);
+            async move {
+                c.query_opt("SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND failover", &[slot])
+                    .await
+                    .unwrap()
+                    .is_some()
+            }
+        })
+        .await;
+        relay.stop().await;
+    }
 }

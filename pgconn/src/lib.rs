@@ -54,8 +54,15 @@ impl std::fmt::Display for SslMode {
 #[derive(Clone)]
 pub struct Target {
     pub pg: tokio_postgres::Config,
+    /// The first host: the one named in messages and in the `.pgpass` lookup.
     pub host: String,
     pub port: u16,
+    /// Every host in the URL's order (`postgres://a:5432,b:5432/db`), each
+    /// with its port: a connection tries them in turn.
+    pub hosts: Vec<(String, u16)>,
+    /// `target_session_attrs=read-write` (the default here, unlike libpq's
+    /// `any`): only a server that accepts writes, i.e. the primary, is taken.
+    pub read_write: bool,
     pub user: String,
     pub dbname: String,
     pub password: Option<String>,
@@ -67,9 +74,9 @@ pub struct Target {
 }
 
 impl Target {
-    /// `host:port`, for messages that name the server.
+    /// `host:port` (every host, comma-separated), for messages that name the server.
     pub fn server(&self) -> String {
-        format!("{}:{}", self.host, self.port)
+        self.hosts.iter().map(|(h, p)| format!("{h}:{p}")).collect::<Vec<_>>().join(",")
     }
 }
 
@@ -196,13 +203,29 @@ pub fn parse(url: &str) -> Result<Target, String> {
     let plain = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
     let mut pg = tokio_postgres::Config::from_str(&plain)
         .map_err(|e| format!("database_url {shown} is not a valid PostgreSQL URL: {e}"))?;
-    let host = match pg.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        #[cfg(unix)]
-        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
-        None => "localhost".into(),
-    };
-    let port = pg.get_ports().first().copied().unwrap_or(5432);
+    let names: Vec<String> = pg
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    let names = if names.is_empty() { vec!["localhost".to_string()] } else { names };
+    let ports = pg.get_ports();
+    let hosts: Vec<(String, u16)> = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, h)| (h, ports.get(i).or(ports.first()).copied().unwrap_or(5432)))
+        .collect();
+    let (host, port) = hosts[0].clone();
+    // The relay writes (settlement, the spool): take the primary unless the
+    // URL says otherwise, so a list of servers follows a failover.
+    if !query.contains("target_session_attrs=") {
+        pg.target_session_attrs(tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+    }
+    let read_write = pg.get_target_session_attrs() == tokio_postgres::config::TargetSessionAttrs::ReadWrite;
     let user = pg
         .get_user()
         .map(str::to_owned)
@@ -239,7 +262,7 @@ pub fn parse(url: &str) -> Result<Target, String> {
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
         _ => tokio_postgres::config::SslMode::Require,
     });
-    Ok(Target { pg, host, port, user, dbname, password, ssl, root_cert, client_cert, shown })
+    Ok(Target { pg, host, port, hosts, read_write, user, dbname, password, ssl, root_cert, client_cert, shown })
 }
 
 /// The password for host/port/db/user in a `.pgpass` file (`*` matches any).
@@ -434,6 +457,11 @@ pub fn explain(t: &Target, e: &tokio_postgres::Error) -> String {
         )
     } else if text.contains("password authentication failed") || text.contains("28P01") {
         format!(" — authentication: wrong password for user {:?}", t.user)
+    } else if text.contains("does not allow writes") {
+        format!(
+            " — {} is a standby or read-only (target_session_attrs=read-write): the relay writes to the outbox and needs the primary; give the primary's address, or every server (postgres://USER@primary,standby/DB) and the writable one is taken",
+            if t.hosts.len() > 1 { format!("every host of {}", t.server()) } else { t.server() }
+        )
     } else if text.contains("password missing") {
         format!(" — authentication: the server asks user {:?} for a password; give it in the URL, PGPASSWORD, password_file or .pgpass", t.user)
     } else {
@@ -461,6 +489,20 @@ mod tests {
         assert!(parse("postgres://a:secret@h/d?bogus_option=1").unwrap_err().contains("***"));
         assert_eq!(parse("postgres://a@h/d?password=pw%21").unwrap().password.as_deref(), Some("pw!"));
         assert_eq!(parse("postgres://a@h/d?sslmode=allow").unwrap().ssl, SslMode::Prefer);
+    }
+
+    #[test]
+    fn several_hosts_and_the_primary_by_default() {
+        let t = parse("postgres://app@a.example:5433,b.example:5434/shop").unwrap();
+        assert_eq!(t.hosts, vec![("a.example".to_string(), 5433), ("b.example".to_string(), 5434)]);
+        assert_eq!(t.server(), "a.example:5433,b.example:5434");
+        assert!(t.read_write);
+        assert_eq!(t.pg.get_target_session_attrs(), tokio_postgres::config::TargetSessionAttrs::ReadWrite);
+        let t = parse("postgres://app@a,b/shop").unwrap();
+        assert_eq!(t.hosts, vec![("a".to_string(), 5432), ("b".to_string(), 5432)]);
+        // Said otherwise in the URL: kept.
+        assert!(!parse("postgres://app@a/shop?target_session_attrs=any").unwrap().read_write);
+        assert!(parse("postgres://app@a/shop?target_session_attrs=read-write").unwrap().read_write);
     }
 
     #[test]

@@ -1,10 +1,8 @@
 //! `slot create` (with the catch-up of older rows) and `slot drop`.
 
-use pgwire_replication::ReplicationClient;
-
 use crate::config::Config;
 use crate::db;
-use crate::source::cdc::{create_slot_exporting, hand_to_table, import_snapshot, replication_config, CdcError};
+use crate::source::cdc::{connect_replication, create_slot_exporting, hand_to_table, import_snapshot};
 
 use super::*;
 
@@ -23,6 +21,7 @@ pub struct SlotCreated {
 /// `next_attempt_at`, so the relay's table path publishes them.
 pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     let sql = db::connect(&config.database_url).await?;
+    db::check_server(&sql, &config.db().server(), config.failover).await?;
     let destinations: Vec<String> = config.destinations.keys().cloned().collect();
     let exists =
         sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
@@ -42,9 +41,9 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
-    let mut repl = ReplicationClient::connect_gated(replication_config(config)?).await.map_err(CdcError::from)?;
+    let mut repl = connect_replication(config).await?;
     let created = async {
-        let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot).await?;
+        let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;
         let snap = db::connect(&config.database_url).await?;
         import_snapshot(&snap, &snapshot).await?;
         let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;

@@ -41,6 +41,9 @@ pub struct SlotStatus {
     /// Why the server invalidated the slot (`wal_removed`, `rows_removed`,
     /// `wal_level_insufficient`, `idle_timeout`); the relay recreates it.
     pub invalidation_reason: Option<String>,
+    /// Created with FAILOVER (17+): standbys running `sync_replication_slots` keep a copy.
+    #[serde(default)]
+    pub failover: Option<bool>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -61,7 +64,8 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
         .query_opt(
             &format!(
                 "SELECT active, active_pid, wal_status, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                        (pg_current_wal_lsn() - restart_lsn)::bigint, confirmed_flush_lsn::text, {}
+                        (pg_current_wal_lsn() - restart_lsn)::bigint, confirmed_flush_lsn::text, {},
+                        (to_jsonb(s) ->> 'failover')::bool
                    FROM pg_replication_slots s WHERE slot_name = $1",
                 crate::source::cdc::INVALIDATION_SQL
             ),
@@ -78,6 +82,7 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
         retained_wal_bytes: row.as_ref().and_then(|r| r.get(4)),
         confirmed_flush_lsn: row.as_ref().and_then(|r| r.get(5)),
         invalidation_reason: row.as_ref().and_then(|r| r.get(6)),
+        failover: row.as_ref().and_then(|r| r.get(7)),
     })
 }
 
@@ -150,8 +155,9 @@ pub fn format_slot(s: &SlotStatus) -> String {
         Some(r) => format!(" INVALIDATED ({r}: the relay recreates it and catches up from the table)"),
         None => String::new(),
     };
+    let failover = if s.failover == Some(true) { " failover" } else { "" };
     format!(
-        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}{invalid}\n",
+        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}{failover}{invalid}\n",
         s.name,
         match (s.active, s.active_pid) {
             (Some(true), Some(pid)) => format!("active (pid {pid})"),

@@ -66,15 +66,25 @@ pub(crate) async fn acquire_leadership(
 }
 
 /// Check the lock's connection every `takeover_timeout / 5`; return when it
-/// is lost (an error, or no answer within that time). The lock is held as
-/// long as the client lives: it is released when this future is dropped.
+/// is lost (an error, or no answer within that time), or as soon as its
+/// socket is closed (a server that died or failed over: seen within 100 ms,
+/// no query needed). The lock is held as long as the client lives: it is
+/// released when this future is dropped.
 pub(crate) async fn watch_lock(client: tokio_postgres::Client, takeover_timeout: Duration) {
-    let every = (takeover_timeout / 5).max(Duration::from_millis(100));
+    const TICK: Duration = Duration::from_millis(100);
+    let every = (takeover_timeout / 5).max(TICK);
+    let mut last_ping = tokio::time::Instant::now();
     loop {
-        tokio::time::sleep(every).await;
-        let ok = matches!(tokio::time::timeout(every, client.simple_query("SELECT 1")).await, Ok(Ok(_)));
-        if !ok || client.is_closed() {
+        tokio::time::sleep(TICK).await;
+        if client.is_closed() {
             return;
+        }
+        if last_ping.elapsed() >= every {
+            let ok = matches!(tokio::time::timeout(every, client.simple_query("SELECT 1")).await, Ok(Ok(_)));
+            if !ok || client.is_closed() {
+                return;
+            }
+            last_ping = tokio::time::Instant::now();
         }
     }
 }

@@ -31,6 +31,7 @@ pub(crate) async fn start_up(
     let startup = |e: db::DbError| RelayError::Startup(e.to_string());
     let db = config.db();
     let sql = db.connect().await.map_err(startup)?;
+    db.within("checking the server", db::check_server(&sql, &db.server(), config.failover)).await.map_err(startup)?;
     let (mode, sharded) = resolve_mode(&sql, config).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));

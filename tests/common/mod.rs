@@ -30,6 +30,8 @@ pub struct Stack {
     /// The throwaway CA (ca.crt), the unrelated CA (other-ca.crt); the server
     /// certificate names "localhost" only.
     pub tls_dir: String,
+    /// The server binaries of the major under test (`PG_MAJOR`, default 15).
+    pub pg_bin: String,
 }
 
 /// The shared stack, started by the project's own script on first use.
@@ -50,6 +52,7 @@ pub fn stack() -> &'static Stack {
             pg_url: get("OUTBOX_RELAY_TEST_PG_URL"),
             sqs_url: get("OUTBOX_RELAY_TEST_SQS_URL"),
             tls_dir: get("OUTBOX_RELAY_TEST_TLS_DIR"),
+            pg_bin: get("OUTBOX_RELAY_TEST_PG_BIN"),
         }
     })
 }

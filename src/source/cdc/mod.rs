@@ -35,7 +35,7 @@ pub(crate) mod slot;
 pub(crate) use crate::pipeline::route::Router;
 use decode::{Decoder, Handled};
 pub use session::check_cdc;
-pub(crate) use session::replication_config;
+pub(crate) use session::connect_replication;
 use session::{open_session, Opened};
 pub use slot::INVALIDATION_SQL;
 pub(crate) use slot::{create_slot_exporting, hand_to_table, import_snapshot};

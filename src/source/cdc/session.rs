@@ -11,7 +11,7 @@ use tokio_postgres::Client;
 use crate::config::Config;
 use crate::db;
 
-use super::slot::{drop_unfinished_slot, hand_to_table};
+use super::slot::{drop_unfinished_slot, hand_to_table, make_failover};
 use super::*;
 
 /// A session's connections and where it starts.
@@ -44,11 +44,16 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     // A new slot comes with a snapshot: the rows it will not stream are
     // handed to the table path before anything is published.
     let start_lsn = match slot {
-        SlotState::Exists { confirmed_flush } => confirmed_flush,
+        SlotState::Exists { confirmed_flush, failover } => {
+            if cfg.failover && !failover {
+                db.within("altering the slot to FAILOVER", make_failover(&mut repl, &cfg.slot)).await?;
+            }
+            confirmed_flush
+        }
         SlotState::Missing | SlotState::Lost { .. } => {
             // Creating a slot waits for running transactions: no deadline,
             // but shutdown still interrupts it.
-            let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot).await?;
+            let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot, cfg.failover).await?;
             let snap_client = db.connect().await?;
             db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
             // A task of its own: a shutdown arriving meanwhile does not cut
@@ -86,6 +91,7 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
 /// for the platform (self-managed, RDS/Aurora, Cloud SQL, Azure).
 pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
     db::check_cdc_prerequisites(sql, &cfg.publication).await?;
+    check_slot_kind(sql, &cfg.slot).await?;
     let probe = async {
         let mut repl = connect_replication(cfg).await?;
         let answer = tokio::time::timeout(cfg.query_timeout, repl.identify_system()).await;
@@ -109,9 +115,63 @@ pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
     }
 }
 
-/// The replication connection, within `connect_timeout`.
+/// A slot of that name that is not a pgoutput slot of this database (another
+/// plugin, physical, another database) is someone else's: refused at start-up.
+async fn check_slot_kind(sql: &Client, slot: &str) -> Result<(), db::DbError> {
+    let row = sql
+        .query_opt(
+            "SELECT slot_type, plugin, database::text, database = current_database() FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let Some(r) = row else { return Ok(()) };
+    let (kind, plugin, database, same): (String, Option<String>, Option<String>, Option<bool>) =
+        (r.get(0), r.get(1), r.get(2), r.get(3));
+    if plugin.as_deref() == Some("pgoutput") && same == Some(true) {
+        return Ok(());
+    }
+    let what = match (kind.as_str(), plugin, database) {
+        ("physical", _, _) => "a physical slot".to_string(),
+        (_, Some(p), _) if p != "pgoutput" => format!("a logical slot of plugin {p:?}"),
+        (_, _, d) => format!("a slot of database {:?}", d.unwrap_or_default()),
+    };
+    Err(db::DbError::Check(format!(
+        "replication slot {slot:?} already exists as {what}, not a pgoutput slot of this database: set `slot` to another name, or drop that slot if nothing uses it"
+    )))
+}
+
+/// The replication connection to the primary: the URL's hosts tried in
+/// turn, each within `connect_timeout`; with `target_session_attrs=read-write`
+/// (the default) a server in recovery is passed over, so a list of servers
+/// follows a promotion. One host: its own error, unchanged.
 pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClient, CdcError> {
-    let rc = replication_config(cfg)?;
+    let t = crate::pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+    let mut passed = Vec::new();
+    for (host, port) in &t.hosts {
+        let server = format!("{host}:{port}");
+        let attempt = match connect_host(cfg, replication_config(cfg, &t, host, *port)).await {
+            Ok(repl) if !t.read_write => return Ok(repl),
+            Ok(repl) => in_recovery(cfg, repl).await,
+            Err(e) => Err(e),
+        };
+        match attempt {
+            Ok(Ok(repl)) => return Ok(repl),
+            Ok(Err(())) => passed.push(format!("{server} is a standby (in recovery)")),
+            Err(e) if t.hosts.len() == 1 => return Err(e),
+            Err(e) => passed.push(format!("{server}: {e}")),
+        }
+    }
+    Err(CdcError::Db(db::DbError::Connect {
+        url: t.shown.clone(),
+        message: format!(
+            "no primary for the replication connection ({}); the relay needs the primary (target_session_attrs=read-write) and retries",
+            passed.join("; ")
+        ),
+    }))
+}
+
+/// One host, within `connect_timeout`.
+async fn connect_host(cfg: &Config, rc: ReplicationConfig) -> Result<ReplicationClient, CdcError> {
     let server = format!("{}:{}", rc.host, rc.port);
     match tokio::time::timeout(cfg.connect_timeout, ReplicationClient::connect_gated(rc)).await {
         Ok(r) => Ok(r?),
@@ -124,9 +184,24 @@ pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClien
     }
 }
 
-/// The replication connection's settings, from the relay's configuration.
-pub(crate) fn replication_config(cfg: &Config) -> Result<ReplicationConfig, CdcError> {
-    let t = crate::pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+/// The session back if its server is a primary, `Err(())` if it is in
+/// recovery (a walsender answers plain SQL on a database connection).
+async fn in_recovery(cfg: &Config, mut repl: ReplicationClient) -> Result<Result<ReplicationClient, ()>, CdcError> {
+    let rows = match tokio::time::timeout(cfg.query_timeout, repl.simple_query("SELECT pg_is_in_recovery()")).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(CdcError::Protocol(format!(
+                "pg_is_in_recovery() did not answer within {:?}",
+                cfg.query_timeout
+            )))
+        }
+    };
+    let standby = rows.first().and_then(|r| r.first()).and_then(|v| v.as_deref()) == Some(b"t".as_slice());
+    Ok(if standby { Err(()) } else { Ok(repl) })
+}
+
+/// The replication connection's settings for one host of the URL.
+pub(crate) fn replication_config(cfg: &Config, t: &crate::pgconn::Target, host: &str, port: u16) -> ReplicationConfig {
     let mode = match t.ssl {
         crate::pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
         crate::pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
@@ -139,20 +214,20 @@ pub(crate) fn replication_config(cfg: &Config) -> Result<ReplicationConfig, CdcE
     if let Some((c, k)) = &t.client_cert {
         tls = tls.with_client_cert(c.clone(), k.clone());
     }
-    Ok(ReplicationConfig::new(
-        t.host,
-        t.user,
-        t.password.unwrap_or_default(),
-        t.dbname,
+    ReplicationConfig::new(
+        host.to_string(),
+        t.user.clone(),
+        t.password.clone().unwrap_or_default(),
+        t.dbname.clone(),
         cfg.slot.clone(),
         cfg.publication.clone(),
     )
-    .with_port(t.port)
+    .with_port(port)
     .with_tls(tls)
     .with_status_interval(STATUS_INTERVAL)
     .with_wakeup_interval(Duration::from_secs(5))
     .with_buffer_size(crate::pipeline::budget::replication_buffer_events(cfg.max_unsettled_bytes))
-    .with_application_name(format!("outbox-relay:{}", cfg.slot)))
+    .with_application_name(format!("outbox-relay:{}", cfg.slot))
 }
 
 pub(crate) async fn current_wal_lsn(sql: &Client) -> Result<Lsn, CdcError> {

@@ -14,6 +14,8 @@ use super::*;
 pub(crate) enum SlotState {
     Exists {
         confirmed_flush: Lsn,
+        /// Created (or altered) with FAILOVER: synced to standbys (17+).
+        failover: bool,
     },
     Missing,
     /// The server invalidated it (the reason: `wal_removed`, `rows_removed`,
@@ -38,7 +40,8 @@ pub(crate) async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, 
     let row = sql
         .query_opt(
             &format!(
-                "SELECT s.database = current_database(), s.plugin, {INVALIDATION_SQL}, s.confirmed_flush_lsn::text
+                "SELECT s.database = current_database(), s.plugin, {INVALIDATION_SQL}, s.confirmed_flush_lsn::text,
+                        coalesce((to_jsonb(s) ->> 'failover')::bool, false)
                    FROM pg_replication_slots s WHERE s.slot_name = $1"
             ),
             &[&slot],
@@ -62,17 +65,22 @@ pub(crate) async fn prepare_slot(sql: &Client, slot: &str) -> Result<SlotState, 
         return Ok(SlotState::Lost { reason });
     }
     let confirmed_flush = flush.and_then(|s| s.parse().ok()).unwrap_or_default();
-    Ok(SlotState::Exists { confirmed_flush })
+    Ok(SlotState::Exists { confirmed_flush, failover: row.get(4) })
 }
 
-/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')` on a gated session:
-/// the slot's consistent point and the exported snapshot's name, valid until
-/// the session runs another command.
-pub(crate) async fn create_slot_exporting(repl: &mut ReplicationClient, slot: &str) -> Result<(Lsn, String), CdcError> {
+/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export'[, FAILOVER])` on a gated
+/// session: the slot's consistent point and the exported snapshot's name,
+/// valid until the session runs another command.
+pub(crate) async fn create_slot_exporting(
+    repl: &mut ReplicationClient,
+    slot: &str,
+    failover: bool,
+) -> Result<(Lsn, String), CdcError> {
     let rows = repl
         .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export')",
-            postgres_protocol::escape::escape_identifier(slot)
+            "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT 'export'{})",
+            postgres_protocol::escape::escape_identifier(slot),
+            if failover { ", FAILOVER" } else { "" }
         ))
         .await?;
     let row = rows.first().ok_or_else(|| CdcError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
@@ -84,6 +92,18 @@ pub(crate) async fn create_slot_exporting(repl: &mut ReplicationClient, slot: &s
     };
     let consistent: Lsn = text(1)?.parse().map_err(|e| CdcError::Protocol(format!("{e}")))?;
     Ok((consistent, text(2)?))
+}
+
+/// A slot made before `failover = true` was set: altered to FAILOVER (17+)
+/// on the gated session, before it streams.
+pub(crate) async fn make_failover(repl: &mut ReplicationClient, slot: &str) -> Result<(), CdcError> {
+    repl.simple_query(&format!(
+        "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+        postgres_protocol::escape::escape_identifier(slot)
+    ))
+    .await?;
+    tracing::info!(slot, "replication slot altered to FAILOVER: standbys running sync_replication_slots keep it");
+    Ok(())
 }
 
 /// Open a transaction on `client` that sees exactly the exported snapshot.

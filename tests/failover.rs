@@ -1,0 +1,338 @@
+//! Primary failover: a primary and a physical standby of the major under
+//! test (`PG_MAJOR`), rows streaming through the relay, the primary killed
+//! mid-stream and the standby promoted. The relay is given both servers
+//! (`postgres://…@primary,standby/db`) and follows the promotion. On 17+ the
+//! slot is created with FAILOVER and synced to the standby: the relay resumes
+//! from it, no catch-up. Before 17 the new primary has no slot: the relay
+//! creates one and catches up from the table. Either way every row the new
+//! primary holds is delivered.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_relay::config::{Config, FileConfig, Overrides, PublishedRows};
+use outbox_relay::db;
+use outbox_relay::publish::memory::MemoryPublisher;
+
+/// One server of the pair, in a directory of its own owned by `postgres`.
+struct Node {
+    bin: PathBuf,
+    data: PathBuf,
+    port: u16,
+}
+
+fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+}
+
+fn as_pg(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn ok(c: &mut Command, what: &str) {
+    let out = c.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Node {
+    fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    fn start(&self, settings: &[String]) {
+        let mut opts = format!(
+            "-c listen_addresses=127.0.0.1 -c port={} -c unix_socket_directories={} -c wal_level=logical \
+             -c max_wal_senders=20 -c max_replication_slots=20 -c hot_standby_feedback=on -c fsync=off \
+             -c wal_sender_timeout=0",
+            self.port,
+            self.data.parent().unwrap().display()
+        );
+        for s in settings {
+            opts.push_str(&format!(" -c {s}"));
+        }
+        let log = self.data.with_extension("log");
+        ok(
+            as_pg(&self.bin.join("pg_ctl"))
+                .arg("-D")
+                .arg(&self.data)
+                .arg("-l")
+                .arg(&log)
+                .args(["-w", "-t", "60", "start", "-o", &opts]),
+            "pg_ctl start",
+        );
+    }
+
+    fn stop(&self, mode: &str) {
+        ok(as_pg(&self.bin.join("pg_ctl")).arg("-D").arg(&self.data).args(["-m", mode, "-w", "stop"]), "pg_ctl stop");
+    }
+
+    fn promote(&self) {
+        ok(as_pg(&self.bin.join("pg_ctl")).arg("-D").arg(&self.data).args(["-w", "promote"]), "pg_ctl promote");
+    }
+}
+
+/// The pair's directory, servers stopped and removed when dropped.
+struct Pair {
+    dir: PathBuf,
+    primary: Node,
+    standby: Node,
+    major: u32,
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        for n in [&self.primary, &self.standby] {
+            let _ = as_pg(&n.bin.join("pg_ctl")).arg("-D").arg(&n.data).args(["-m", "immediate", "stop"]).output();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A primary with the outbox migrated (and audited) in database `app`, and
+/// a physical standby made from a copy of its cleanly stopped data directory,
+/// streaming through the physical slot `sb` (syncing logical slots on 17+).
+async fn build_pair() -> Pair {
+    let bin = PathBuf::from(&stack().pg_bin);
+    let dir = std::env::temp_dir().join(unique("outbox-relay-failover"));
+    std::fs::create_dir_all(&dir).unwrap();
+    if is_root() {
+        ok(Command::new("chown").arg("postgres").arg(&dir), "chown");
+    }
+    let primary = Node { bin: bin.clone(), data: dir.join("primary"), port: free_port() };
+    let standby = Node { bin: bin.clone(), data: dir.join("standby"), port: free_port() };
+    ok(
+        as_pg(&bin.join("initdb")).arg("-D").arg(&primary.data).args(["-U", "postgres", "-A", "trust", "--no-sync"]),
+        "initdb",
+    );
+    primary.start(&[]);
+    let admin = db::connect(&primary.url("postgres")).await.unwrap();
+    let major: u32 = admin
+        .query_one("SELECT current_setting('server_version_num')::int / 10000", &[])
+        .await
+        .unwrap()
+        .get::<_, i32>(0) as u32;
+    admin.batch_execute("CREATE DATABASE app").await.unwrap();
+    admin.batch_execute("SELECT pg_create_physical_replication_slot('sb')").await.unwrap();
+    drop(admin);
+    let mut c = db::connect(&primary.url("app")).await.unwrap();
+    db::migrate(&mut c).await.unwrap();
+    c.batch_execute(
+        "CREATE TABLE outbox_audit (event_id text);
+         CREATE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO outbox_audit VALUES (NEW.event_id); RETURN NEW; END $$;
+         CREATE TRIGGER outbox_audit AFTER INSERT ON outbox FOR EACH ROW EXECUTE FUNCTION outbox_audit();",
+    )
+    .await
+    .unwrap();
+    drop(c);
+    primary.stop("fast");
+    ok(Command::new("cp").arg("-a").arg(&primary.data).arg(&standby.data), "copy the data directory");
+    std::fs::write(standby.data.join("standby.signal"), "").unwrap();
+    let mut primary_settings = vec![];
+    let mut standby_settings = vec![
+        format!("primary_conninfo='host=127.0.0.1 port={} user=postgres dbname=app'", primary.port),
+        "primary_slot_name=sb".to_string(),
+    ];
+    if major >= 17 {
+        primary_settings.push("synchronized_standby_slots=sb".to_string());
+        standby_settings.push("sync_replication_slots=on".to_string());
+    }
+    primary.start(&primary_settings);
+    standby.start(&standby_settings);
+    Pair { dir, primary, standby, major }
+}
+
+fn relay_config(pair: &Pair, queue: &str) -> Config {
+    let file = FileConfig {
+        database_url: Some(format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/app",
+            pair.primary.port, pair.standby.port
+        )),
+        slot: Some("failover_slot".into()),
+        heartbeat_interval: Some("200ms".into()),
+        connect_timeout: Some("2s".into()),
+        query_timeout: Some("5s".into()),
+        failover: Some(pair.major >= 17),
+        destinations: [("d".to_string(), queue.to_string())].into(),
+        ..Default::default()
+    };
+    let mut cfg = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
+    cfg.published_rows = PublishedRows::Delete;
+    cfg
+}
+
+/// Insert batches of 20 rows every 20 ms into `url` until told to stop or the
+/// server goes; returns how many batches committed.
+fn writer(url: String, prefix: &'static str, stop: Arc<std::sync::atomic::AtomicBool>) -> tokio::task::JoinHandle<u32> {
+    tokio::spawn(async move {
+        let Ok(c) = db::connect(&url).await else { return 0 };
+        let mut n = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if c.execute(
+                "INSERT INTO outbox (event_id, destination, body) SELECT $1 || i, 'd', $1 || i FROM generate_series(1, 20) i",
+                &[&format!("{prefix}{n}:")],
+            )
+            .await
+            .is_err()
+            {
+                break;
+            }
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        n
+    })
+}
+
+fn delivered(publisher: &MemoryPublisher, queue: &str) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for s in publisher.sent(queue) {
+        *m.entry(s.event_id).or_insert(0) += 1;
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() {
+    let pair = build_pair().await;
+    let queue = "http://memory.invalid/000000000000/failover";
+    let publisher = MemoryPublisher::new();
+    publisher.add_queue(queue, false, 262_144);
+    let cfg = relay_config(&pair, queue);
+    let max_in_flight = cfg.max_unsettled_events;
+    let relay = start(cfg, Arc::new(publisher.clone()));
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let before = writer(pair.primary.url("app"), "before", Arc::clone(&stop));
+    wait_for("rows streaming from the primary", Duration::from_secs(60), || {
+        let p = publisher.clone();
+        async move { delivered(&p, queue).len() >= 200 }
+    })
+    .await;
+    // The standby alone is refused, with the fix.
+    let mut only_standby = relay_config(&pair, queue);
+    only_standby.database_url = pair.standby.url("app");
+    only_standby.slot = "other_slot".into();
+    let err = start_up_error(only_standby, Arc::new(publisher.clone())).await;
+    assert!(err.contains("is a standby or read-only") && err.contains("needs the primary"), "{err}");
+    let standby = db::connect(&format!("{}?target_session_attrs=any", pair.standby.url("app"))).await.unwrap();
+    if pair.major >= 17 {
+        wait_for("the slot synced to the standby", Duration::from_secs(60), || {
+            let s = &standby;
+            async move {
+                s.query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = 'failover_slot' AND synced AND NOT temporary",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .is_some()
+            }
+        })
+        .await;
+    }
+    // Mid-stream: the writer is still writing.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if pair.major >= 17 {
+        let r = standby
+            .query_one(
+                "SELECT restart_lsn::text, confirmed_flush_lsn::text, pg_last_wal_replay_lsn()::text
+                   FROM pg_replication_slots WHERE slot_name = 'failover_slot'",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (restart, flush, replayed): (String, String, String) = (r.get(0), r.get(1), r.get(2));
+        println!("synced slot before the kill: restart_lsn {restart}, confirmed_flush_lsn {flush}; standby replayed to {replayed}");
+    }
+    pair.primary.stop("immediate");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches_before = before.await.unwrap();
+    drop(standby);
+    pair.standby.promote();
+    let promoted = Instant::now();
+    tracing::info!("standby promoted");
+
+    // Rows written on the new primary after the promotion.
+    let stop_after = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let after = writer(pair.standby.url("app"), "after", Arc::clone(&stop_after));
+    wait_for("a row written after the promotion published", Duration::from_secs(90), || {
+        let p = publisher.clone();
+        async move { delivered(&p, queue).keys().any(|k| k.starts_with("after")) }
+    })
+    .await;
+    let first_row_after = promoted.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_after.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches_after = after.await.unwrap();
+
+    // Every row the new primary holds is delivered.
+    let c = db::connect(&pair.standby.url("app")).await.unwrap();
+    let held: HashSet<String> =
+        c.query("SELECT event_id FROM outbox_audit", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    wait_for("every row the new primary holds delivered", Duration::from_secs(90), || {
+        let (p, held) = (publisher.clone(), &held);
+        async move {
+            let d = delivered(&p, queue);
+            held.iter().all(|e| d.contains_key(e))
+        }
+    })
+    .await;
+    let d = delivered(&publisher, queue);
+    let duplicates: usize = d.values().map(|n| n - 1).sum();
+    let recreated = relay.metrics.slot_recreated.with_label_values(&["dropped"]).get();
+    println!(
+        "PostgreSQL {}: {} rows held by the new primary ({} batches before the kill, {} after the promotion), all delivered; \
+         {duplicates} duplicates; slot recreated {recreated} time(s); promotion to the first row published from the new primary: {} ms",
+        pair.major,
+        held.len(),
+        batches_before,
+        batches_after,
+        first_row_after.as_millis()
+    );
+    if pair.major >= 17 {
+        // The synced slot: no catch-up, duplicates at most what was in flight.
+        assert_eq!(recreated, 0, "the synced slot was used, not recreated");
+        assert!(duplicates <= max_in_flight, "{duplicates} duplicates");
+    } else {
+        assert!(recreated >= 1, "the new primary had no slot: it was created with the catch-up");
+    }
+    // The new primary's slot now follows what was published.
+    let slot: Option<bool> = c
+        .query_opt("SELECT active FROM pg_replication_slots WHERE slot_name = 'failover_slot'", &[])
+        .await
+        .unwrap()
+        .map(|r| r.get(0));
+    assert_eq!(slot, Some(true), "the relay streams from the new primary's slot");
+    if pair.major >= 17 {
+        let failover: bool = c
+            .query_one("SELECT failover FROM pg_replication_slots WHERE slot_name = 'failover_slot'", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert!(failover, "the slot keeps FAILOVER on the new primary");
+    }
+    relay.stop().await;
+}
