@@ -167,6 +167,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     // The consumer's jobs table and functions, from its own crate.
     (outbox_consumer::JOBS_MIGRATION, "jobs", outbox_consumer::JOBS_SQL),
     (5, "published", include_str!("../migrations/0005_published.sql")),
+    // The consumer's protocol functions, from its own crate.
+    (outbox_consumer::PROTOCOL_MIGRATION, "job protocol", outbox_consumer::PROTOCOL_SQL),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent

@@ -22,16 +22,25 @@ pub mod queue;
 pub mod sqs;
 pub mod worker;
 
-/// The jobs table and the protocol's SQL functions (`outbox_enqueue_job`,
-/// `outbox_redrive_job`, ...): run by [`migrate`], and by `outbox-relay
-/// migrate` as its migration 4.
+/// The jobs table with `outbox_enqueue_job` and `outbox_redrive_job`: run by
+/// [`migrate`], and by `outbox-relay migrate` as its migration 4.
 pub const JOBS_SQL: &str = include_str!("../migrations/jobs.sql");
 
-/// Create or update the jobs table and its functions (idempotent), under the
-/// same advisory lock and record as `outbox-relay migrate`, for a service
-/// that only consumes. Returns whether it was applied now.
+/// The rest of the protocol as SQL functions (`outbox_claim_jobs`,
+/// `outbox_succeed_job`, `outbox_retry_job`, `outbox_dead_job`,
+/// `outbox_renew_job_lease`, `outbox_dlq_job`): migration 6.
+pub const PROTOCOL_SQL: &str = include_str!("../migrations/protocol.sql");
+
+/// The consumer's migrations, as `outbox-relay migrate` also applies them.
+pub const MIGRATIONS: &[(i32, &str, &str)] =
+    &[(JOBS_MIGRATION, "jobs", JOBS_SQL), (PROTOCOL_MIGRATION, "job protocol", PROTOCOL_SQL)];
+
+/// Create or update the jobs table and the protocol's functions
+/// (idempotent), under the same advisory lock and record as `outbox-relay
+/// migrate`, for a service that only consumes. Returns whether anything was
+/// applied now.
 pub async fn migrate(client: &mut tokio_postgres::Client) -> Result<bool, tokio_postgres::Error> {
-    Ok(!apply_migrations(client, &[(JOBS_MIGRATION, "jobs", JOBS_SQL)]).await?.is_empty())
+    Ok(!apply_migrations(client, MIGRATIONS).await?.is_empty())
 }
 
 /// Apply the `(version, name, sql)` migrations not recorded yet in
@@ -69,14 +78,16 @@ pub async fn apply_migrations(
 
 /// The jobs table's version in `outbox_relay_migrations`.
 pub const JOBS_MIGRATION: i32 = 4;
+/// The protocol functions' version.
+pub const PROTOCOL_MIGRATION: i32 = 6;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt;
-use rand::Rng;
 use tokio::sync::watch;
 use tokio_postgres::{GenericClient, Transaction};
 
@@ -90,6 +101,10 @@ pub enum ConsumerError {
     Pool(String),
     #[error(transparent)]
     Queue(#[from] queue::QueueError),
+    /// The database answered something the protocol does not define
+    /// (migrations out of date?).
+    #[error("protocol: {0}")]
+    Protocol(String),
 }
 
 /// What to enqueue.
@@ -284,31 +299,51 @@ impl Default for ConsumerConfig {
     }
 }
 
-/// Judges and runs received messages against the jobs table.
+/// Judges and runs received messages against the jobs table, through the
+/// protocol's SQL functions (`outbox_claim_jobs`, `outbox_succeed_job`, ...):
+/// the same statements a worker in any other language issues.
 pub struct Consumer {
     pool: deadpool_postgres::Pool,
     handlers: HashMap<String, Arc<dyn Handler>>,
     pub config: ConsumerConfig,
+    /// Statements sent to PostgreSQL (claims, transactions, transitions, lease renewals).
+    round_trips: AtomicU64,
 }
 
-/// The job row as a message finds it.
-struct Seen {
-    kind: String,
-    status: String,
-    attempts: i32,
-    generation: i32,
-    /// Seconds until next_attempt_at (positive: not due).
-    due_in: Option<f64>,
-    /// Seconds until the lease expires (positive: live).
-    lease_in: Option<f64>,
+/// What the database said a received message does, before any handler runs.
+pub enum Verdict {
+    /// Claimed: run the handler.
+    Run(Claimed),
+    /// Decided without running: the disposition and what to do with the message.
+    Decided(Disposition, QueueAction),
 }
 
-const FENCE: &str =
-    "job_id = $1 AND claimed_by = $2 AND status = 'CLAIMED' AND attempt_count = $3 AND redrive_generation = $4";
+/// A claim this worker holds.
+pub struct Claimed {
+    message: JobMessage,
+    handler: Arc<dyn Handler>,
+    attempt: i32,
+    payload: serde_json::Value,
+    rescued: bool,
+}
+
+/// What becomes of a message that was not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueAction {
+    Delete,
+    /// Visible again after this long.
+    Hide(Duration),
+    /// Neither deleted nor hidden: SQS's redrive policy moves it to the DLQ.
+    Leave,
+}
+
+fn secs(s: Option<f64>) -> Duration {
+    Duration::from_secs_f64(s.unwrap_or(0.0).clamp(0.0, MAX_VISIBILITY.as_secs_f64()))
+}
 
 impl Consumer {
     pub fn new(pool: deadpool_postgres::Pool, config: ConsumerConfig) -> Self {
-        Self { pool, handlers: HashMap::new(), config }
+        Self { pool, handlers: HashMap::new(), config, round_trips: AtomicU64::new(0) }
     }
 
     /// A pool over `database_url` of `size` connections.
@@ -328,290 +363,259 @@ impl Consumer {
         self
     }
 
-    async fn conn(&self) -> Result<deadpool_postgres::Object, ConsumerError> {
-        self.pool.get().await.map_err(|e| ConsumerError::Pool(e.to_string()))
+    /// Statements sent to PostgreSQL so far.
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::Relaxed)
     }
 
-    async fn seen(&self, c: &impl GenericClient, job_id: &str) -> Result<Option<Seen>, ConsumerError> {
-        let row = c
-            .query_opt(
-                "SELECT kind, status, attempt_count, redrive_generation,
-                        extract(epoch FROM next_attempt_at - now())::float8,
-                        extract(epoch FROM lease_expires_at - now())::float8
-                   FROM jobs WHERE job_id = $1",
-                &[&job_id],
-            )
-            .await?;
-        Ok(row.map(|r| Seen {
-            kind: r.get(0),
-            status: r.get(1),
-            attempts: r.get(2),
-            generation: r.get(3),
-            due_in: r.get(4),
-            lease_in: r.get(5),
-        }))
+    fn trip(&self, n: u64) {
+        self.round_trips.fetch_add(n, Ordering::Relaxed);
+    }
+
+    async fn conn(&self) -> Result<deadpool_postgres::Object, ConsumerError> {
+        self.pool.get().await.map_err(|e| ConsumerError::Pool(e.to_string()))
     }
 
     /// Judge one message and act on it. Database errors are returned with
     /// nothing deleted: the message comes back after its visibility timeout.
     pub async fn process(&self, queue: &dyn Queue, msg: &ReceivedMessage) -> Result<Disposition, ConsumerError> {
-        let Some(m) = JobMessage::parse(&msg.body) else {
-            tracing::warn!(receipt = %msg.receipt, "unparseable job message: left for the DLQ");
-            return Ok(Disposition::Unparseable);
-        };
-        let Some(handler) = self.handlers.get(&m.kind).cloned() else {
-            tracing::warn!(job_id = %m.job_id, kind = %m.kind, "no handler for this kind on this worker: left for the DLQ");
-            return Ok(Disposition::WrongWiring(format!("no handler for kind {:?}", m.kind)));
-        };
-        let conn = self.conn().await?;
-        let Some(job) = self.seen(&**conn, &m.job_id).await? else {
-            tracing::warn!(job_id = %m.job_id, "message for a job the database does not have: left for the DLQ");
-            return Ok(Disposition::UnknownJob);
-        };
-        if job.kind != m.kind {
-            return Ok(Disposition::WrongWiring(format!("message kind {:?}, job kind {:?}", m.kind, job.kind)));
-        }
-        if m.generation > job.generation {
-            return Ok(Disposition::WrongWiring(format!(
-                "message generation {} is newer than the job's {}",
-                m.generation, job.generation
-            )));
-        }
-        if m.generation < job.generation {
-            drop(conn);
-            self.reject_stale(&m).await?;
-            queue.delete(&msg.receipt).await?;
-            return Ok(Disposition::Stale);
-        }
-        match job.status.as_str() {
-            "SUCCEEDED" | "DEAD" => {
-                queue.delete(&msg.receipt).await?;
-                return Ok(Disposition::TerminalSkip);
-            }
-            "PENDING" if job.due_in.is_some_and(|s| s > 0.0) => {
-                let after = Duration::from_secs_f64(job.due_in.unwrap_or(0.0));
-                queue.change_visibility(&msg.receipt, after).await?;
-                return Ok(Disposition::NotDue { after: after.min(MAX_VISIBILITY) });
-            }
-            "CLAIMED" if job.lease_in.is_some_and(|s| s > 0.0) => {
-                let after = Duration::from_secs_f64(job.lease_in.unwrap_or(0.0)) + Duration::from_secs(1);
-                queue.change_visibility(&msg.receipt, after).await?;
-                return Ok(Disposition::Busy { after });
-            }
-            _ => {}
-        }
-        let rescued = job.status == "CLAIMED";
-        // The claim: status, attempt_count and generation as seen, and still claimable.
-        let claimed = conn
-            .query_opt(
-                "UPDATE jobs
-                    SET status = 'CLAIMED', claimed_by = $2, attempt_count = attempt_count + 1,
-                        lease_expires_at = now() + make_interval(secs => $6), next_attempt_at = NULL, updated_at = now()
-                  WHERE job_id = $1 AND status = $3 AND attempt_count = $4 AND redrive_generation = $5
-                    AND ((status = 'PENDING' AND (next_attempt_at IS NULL OR next_attempt_at <= now()))
-                      OR (status = 'CLAIMED' AND lease_expires_at <= now()))
-              RETURNING attempt_count, payload, cancel_requested",
-                &[
-                    &m.job_id,
-                    &self.config.worker_id,
-                    &job.status,
-                    &job.attempts,
-                    &m.generation,
-                    &self.config.lease.as_secs_f64(),
-                ],
-            )
-            .await?;
-        let Some(row) = claimed else {
-            // Someone else got there: let the message come back after their lease.
-            queue.change_visibility(&msg.receipt, self.config.lease).await?;
-            return Ok(Disposition::Fenced);
-        };
-        let attempt: i32 = row.get(0);
-        let payload: serde_json::Value = row.get(1);
-        let cancel: bool = row.get(2);
-        if rescued {
-            tracing::info!(job_id = %m.job_id, attempt, "expired lease rescued");
-        }
-        drop(conn);
-        if cancel {
-            return self.finish_dead(queue, msg, &m, attempt, "CANCELLED").await;
-        }
-        self.run(queue, msg, &m, handler, attempt, payload, rescued).await
+        let verdict = self.claim(std::slice::from_ref(msg)).await?.pop().expect("one verdict per message");
+        self.finish(queue, msg, verdict).await
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn run(
+    /// Act on a message's verdict: apply its queue action, or run the job.
+    pub async fn finish(
         &self,
         queue: &dyn Queue,
         msg: &ReceivedMessage,
-        m: &JobMessage,
-        handler: Arc<dyn Handler>,
-        attempt: i32,
-        payload: serde_json::Value,
-        rescued: bool,
+        verdict: Verdict,
+    ) -> Result<Disposition, ConsumerError> {
+        match verdict {
+            Verdict::Decided(d, action) => {
+                act(queue, &msg.receipt, action).await?;
+                Ok(d)
+            }
+            Verdict::Run(c) => self.run(queue, msg, c).await,
+        }
+    }
+
+    /// Judge received messages (a receive's up to 10) in one statement:
+    /// those that may run are claimed; one verdict per message, in order.
+    pub async fn claim(&self, msgs: &[ReceivedMessage]) -> Result<Vec<Verdict>, ConsumerError> {
+        let mut out: Vec<Option<Verdict>> = msgs.iter().map(|_| None).collect();
+        let mut asked: Vec<(usize, JobMessage)> = Vec::new();
+        for (i, msg) in msgs.iter().enumerate() {
+            match JobMessage::parse(&msg.body) {
+                None => {
+                    tracing::warn!(receipt = %msg.receipt, "unparseable job message: left for the DLQ");
+                    out[i] = Some(Verdict::Decided(Disposition::Unparseable, QueueAction::Leave));
+                }
+                Some(m) if !self.handlers.contains_key(&m.kind) => {
+                    tracing::warn!(job_id = %m.job_id, kind = %m.kind, "no handler for this kind on this worker: left for the DLQ");
+                    let why = format!("no handler for kind {:?}", m.kind);
+                    out[i] = Some(Verdict::Decided(Disposition::WrongWiring(why), QueueAction::Leave));
+                }
+                Some(m) => asked.push((i, m)),
+            }
+        }
+        if !asked.is_empty() {
+            let ids: Vec<&str> = asked.iter().map(|(_, m)| m.job_id.as_str()).collect();
+            let kinds: Vec<&str> = asked.iter().map(|(_, m)| m.kind.as_str()).collect();
+            let generations: Vec<i32> = asked.iter().map(|(_, m)| m.generation).collect();
+            let conn = self.conn().await?;
+            self.trip(1);
+            let rows = conn
+                .query(
+                    "SELECT ord, action, attempt, payload, rescued, delay_secs, reason
+                       FROM outbox_claim_jobs($1, $2, $3, $4, $5)",
+                    &[&ids, &kinds, &generations, &self.config.worker_id, &self.config.lease.as_secs_f64()],
+                )
+                .await?;
+            drop(conn);
+            let mut asked: Vec<Option<(usize, JobMessage)>> = asked.into_iter().map(Some).collect();
+            for r in rows {
+                let ord: i32 = r.get(0);
+                let (i, m) = asked.get_mut((ord - 1) as usize).and_then(Option::take).ok_or_else(|| {
+                    ConsumerError::Protocol(format!("outbox_claim_jobs returned ord {ord} twice or out of range"))
+                })?;
+                out[i] = Some(self.verdict(m, &r)?);
+            }
+        }
+        out.into_iter()
+            .map(|v| {
+                v.ok_or_else(|| ConsumerError::Protocol("outbox_claim_jobs left a message without an answer".into()))
+            })
+            .collect()
+    }
+
+    /// One row of `outbox_claim_jobs` as a verdict.
+    fn verdict(&self, m: JobMessage, r: &tokio_postgres::Row) -> Result<Verdict, ConsumerError> {
+        let action: String = r.get(1);
+        let delay = secs(r.get(5));
+        let reason: Option<String> = r.get(6);
+        let decided = |d, a| Ok(Verdict::Decided(d, a));
+        match action.as_str() {
+            "run" => {
+                let rescued: bool = r.get(4);
+                if rescued {
+                    tracing::info!(job_id = %m.job_id, "expired lease rescued");
+                }
+                let handler = Arc::clone(&self.handlers[&m.kind]);
+                Ok(Verdict::Run(Claimed { attempt: r.get(2), payload: r.get(3), rescued, handler, message: m }))
+            }
+            "skip" => decided(Disposition::TerminalSkip, QueueAction::Delete),
+            "not_due" => decided(Disposition::NotDue { after: delay }, QueueAction::Hide(delay)),
+            "busy" => decided(Disposition::Busy { after: delay }, QueueAction::Hide(delay)),
+            // Someone else got there: the message comes back after their lease.
+            "fenced" => decided(Disposition::Fenced, QueueAction::Hide(self.config.lease)),
+            "stale" => {
+                tracing::info!(job_id = %m.job_id, generation = m.generation, "stale generation message rejected");
+                decided(Disposition::Stale, QueueAction::Delete)
+            }
+            "dead" => decided(Disposition::Dead { reason: reason.unwrap_or_default() }, QueueAction::Delete),
+            "unknown_job" => {
+                tracing::warn!(job_id = %m.job_id, "message for a job the database does not have: left for the DLQ");
+                decided(Disposition::UnknownJob, QueueAction::Leave)
+            }
+            "wrong_wiring" => decided(Disposition::WrongWiring(reason.unwrap_or_default()), QueueAction::Leave),
+            other => Err(ConsumerError::Protocol(format!("outbox_claim_jobs answered {other:?}"))),
+        }
+    }
+
+    /// Run a claimed job: the handler in a transaction with the lease
+    /// heartbeat beside it, then one fenced transition and the message's
+    /// deletion (or hiding, for a retry).
+    pub async fn run(
+        &self,
+        queue: &dyn Queue,
+        msg: &ReceivedMessage,
+        c: Claimed,
     ) -> Result<Disposition, ConsumerError> {
         let (cancel_tx, cancel_rx) = watch::channel(false);
+        let m = &c.message;
         let job = Job {
             job_id: m.job_id.clone(),
             kind: m.kind.clone(),
-            payload,
-            attempt,
+            payload: c.payload,
+            attempt: c.attempt,
             generation: m.generation,
             cancelled: cancel_rx,
         };
-        // The lease heartbeat: extends the lease and the message's visibility
-        // together, and tells the handler when it was cancelled or fenced.
-        let heartbeat = {
-            let pool = self.pool.clone();
-            let cfg = self.config.clone();
-            let (job_id, generation) = (m.job_id.clone(), m.generation);
-            let receipt = msg.receipt.clone();
-            let queue_ref: &dyn Queue = queue;
-            async move {
-                let every = cfg.lease / 3;
-                loop {
-                    tokio::time::sleep(every).await;
-                    let Ok(c) = pool.get().await else { continue };
-                    let r = c
-                        .query_opt(
-                            &format!(
-                                "UPDATE jobs SET lease_expires_at = now() + make_interval(secs => $5), updated_at = now()
-                                  WHERE {FENCE} RETURNING cancel_requested"
-                            ),
-                            &[&job_id, &cfg.worker_id, &attempt, &generation, &cfg.lease.as_secs_f64()],
-                        )
-                        .await;
-                    match r {
-                        Ok(Some(row)) => {
-                            let _ = queue_ref.change_visibility(&receipt, cfg.lease + Duration::from_secs(5)).await;
-                            if row.get::<_, bool>(0) {
-                                let _ = cancel_tx.send(true);
-                            }
-                        }
-                        Ok(None) => {
-                            let _ = cancel_tx.send(true); // fenced: the lease is gone
-                        }
-                        Err(_) => {}
-                    }
-                }
-            }
-        };
         let mut conn = self.conn().await?;
+        self.trip(1);
         let tx = conn.transaction().await?;
-        let work = std::panic::AssertUnwindSafe(handler.handle(&job, &tx)).catch_unwind();
+        let work = std::panic::AssertUnwindSafe(c.handler.handle(&job, &tx)).catch_unwind();
+        let heartbeat = self.heartbeat(queue, msg, m, c.attempt, cancel_tx);
         tokio::pin!(heartbeat);
         let result = tokio::select! {
             r = work => r,
             _ = &mut heartbeat => unreachable!("the heartbeat never ends"),
         };
-        let result = match result {
-            Ok(r) => r,
-            Err(_) => Err(HandlerError::Retry("handler panicked".into())),
-        };
+        let result = result.unwrap_or_else(|_| Err(HandlerError::Retry("handler panicked".into())));
         let fence: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&m.job_id, &self.config.worker_id, &attempt, &m.generation];
+            [&m.job_id, &self.config.worker_id, &c.attempt, &m.generation];
         match result {
             Ok(()) => {
-                let n = tx
-                    .execute(
-                        &format!(
-                            "UPDATE jobs SET status = 'SUCCEEDED', finished_at = now(), lease_expires_at = NULL,
-                                    last_error = NULL, updated_at = now() WHERE {FENCE}"
-                        ),
-                        &fence,
-                    )
-                    .await?;
-                if n == 0 {
+                self.trip(1);
+                let held: bool = tx.query_one("SELECT outbox_succeed_job($1, $2, $3, $4)", &fence).await?.get(0);
+                self.trip(1);
+                if !held {
                     tx.rollback().await?;
-                    tracing::info!(job_id = %m.job_id, attempt, "fenced at completion: effects rolled back");
+                    tracing::info!(job_id = %m.job_id, attempt = c.attempt, "fenced at completion: effects rolled back");
                     return Ok(Disposition::Fenced);
                 }
                 tx.commit().await?;
                 queue.delete(&msg.receipt).await?;
-                Ok(Disposition::Succeeded { rescued })
+                Ok(Disposition::Succeeded { rescued: c.rescued })
             }
             Err(HandlerError::Retry(e)) => {
                 tx.rollback().await?;
-                let after = self.backoff(attempt);
-                let n = conn
-                    .execute(
-                        &format!(
-                            "UPDATE jobs SET status = 'PENDING', next_attempt_at = now() + make_interval(secs => $5),
-                                    lease_expires_at = NULL, last_error = $6, updated_at = now() WHERE {FENCE}"
-                        ),
-                        &[&m.job_id, &self.config.worker_id, &attempt, &m.generation, &after.as_secs_f64(), &e],
+                self.trip(2);
+                let after: Option<f64> = conn
+                    .query_one(
+                        "SELECT outbox_retry_job($1, $2, $3, $4, $5, $6, $7)",
+                        &[
+                            &m.job_id,
+                            &self.config.worker_id,
+                            &c.attempt,
+                            &m.generation,
+                            &e,
+                            &self.config.retry_base.as_secs_f64(),
+                            &self.config.retry_max.as_secs_f64(),
+                        ],
                     )
-                    .await?;
-                if n == 0 {
-                    return Ok(Disposition::Fenced);
-                }
+                    .await?
+                    .get(0);
+                let Some(after) = after.map(|s| secs(Some(s))) else { return Ok(Disposition::Fenced) };
                 queue.change_visibility(&msg.receipt, after).await?;
-                Ok(Disposition::Retried { after, rescued })
+                Ok(Disposition::Retried { after, rescued: c.rescued })
             }
             Err(HandlerError::Permanent(e)) => {
                 tx.rollback().await?;
-                drop(conn);
-                self.finish_dead(queue, msg, m, attempt, &e).await
+                self.trip(2);
+                let held: bool = conn
+                    .query_one(
+                        "SELECT outbox_dead_job($1, $2, $3, $4, $5)",
+                        &[&m.job_id, &self.config.worker_id, &c.attempt, &m.generation, &e],
+                    )
+                    .await?
+                    .get(0);
+                if !held {
+                    return Ok(Disposition::Fenced);
+                }
+                tracing::warn!(job_id = %m.job_id, reason = %e, "job DEAD");
+                queue.delete(&msg.receipt).await?;
+                Ok(Disposition::Dead { reason: e })
             }
         }
     }
 
-    async fn finish_dead(
+    /// The lease heartbeat: every lease/3 extends the lease and the message's
+    /// visibility together, and tells the handler when it was cancelled or
+    /// fenced. Never ends.
+    async fn heartbeat(
         &self,
         queue: &dyn Queue,
         msg: &ReceivedMessage,
         m: &JobMessage,
         attempt: i32,
-        reason: &str,
-    ) -> Result<Disposition, ConsumerError> {
-        let conn = self.conn().await?;
-        let n = conn
-            .execute(
-                &format!(
-                    "UPDATE jobs SET status = 'DEAD', dead_reason = $5, last_error = $5, finished_at = now(),
-                            lease_expires_at = NULL, updated_at = now() WHERE {FENCE}"
-                ),
-                &[&m.job_id, &self.config.worker_id, &attempt, &m.generation, &reason],
-            )
-            .await?;
-        if n == 0 {
-            return Ok(Disposition::Fenced);
-        }
-        tracing::warn!(job_id = %m.job_id, reason, "job DEAD");
-        queue.delete(&msg.receipt).await?;
-        Ok(Disposition::Dead { reason: reason.to_string() })
-    }
-
-    /// A message older than the job's generation: under `FOR UPDATE`, mark
-    /// the job DEAD('STALE') only if it is still on that generation (it is
-    /// not, unless the redrive that made it stale rolled back).
-    async fn reject_stale(&self, m: &JobMessage) -> Result<(), ConsumerError> {
-        let mut c = self.conn().await?;
-        let tx = c.transaction().await?;
-        let row =
-            tx.query_opt("SELECT redrive_generation FROM jobs WHERE job_id = $1 FOR UPDATE", &[&m.job_id]).await?;
-        if let Some(r) = row {
-            if r.get::<_, i32>(0) == m.generation {
-                tx.execute(
-                    "UPDATE jobs SET status = 'DEAD', dead_reason = 'STALE', finished_at = now(), updated_at = now()
-                      WHERE job_id = $1 AND redrive_generation = $2 AND status IN ('PENDING', 'CLAIMED')",
-                    &[&m.job_id, &m.generation],
+        cancel: watch::Sender<bool>,
+    ) {
+        let lease = self.config.lease;
+        loop {
+            tokio::time::sleep(lease / 3).await;
+            let Ok(c) = self.pool.get().await else { continue };
+            self.trip(1);
+            let r = c
+                .query_one(
+                    "SELECT outbox_renew_job_lease($1, $2, $3, $4, $5)",
+                    &[&m.job_id, &self.config.worker_id, &attempt, &m.generation, &lease.as_secs_f64()],
                 )
-                .await?;
+                .await;
+            let Ok(row) = r else { continue };
+            let state: String = row.get(0);
+            if state != "fenced" {
+                let _ = queue.change_visibility(&msg.receipt, lease + Duration::from_secs(5)).await;
+            }
+            if state != "held" {
+                let _ = cancel.send(true);
             }
         }
-        tx.commit().await?;
-        tracing::info!(job_id = %m.job_id, generation = m.generation, "stale generation message rejected");
-        Ok(())
     }
 
     /// `retry_base × 2^(attempt-1)`, capped at `retry_max`, jittered over its
-    /// upper half so retries of many jobs spread out.
-    pub fn backoff(&self, attempt: i32) -> Duration {
-        let doublings = (attempt - 1).clamp(0, 20) as u32;
-        let exp = self.config.retry_base.saturating_mul(1u32 << doublings).min(self.config.retry_max);
-        let half = exp / 2;
-        half + Duration::from_secs_f64(rand::rng().random::<f64>() * half.as_secs_f64())
+    /// upper half: computed by the database (`outbox_job_backoff`), as every
+    /// worker's retries are.
+    pub async fn backoff(&self, attempt: i32) -> Result<Duration, ConsumerError> {
+        let c = self.conn().await?;
+        let s: f64 = c
+            .query_one(
+                "SELECT outbox_job_backoff($1, $2, $3)",
+                &[&attempt, &self.config.retry_base.as_secs_f64(), &self.config.retry_max.as_secs_f64()],
+            )
+            .await?
+            .get(0);
+        Ok(secs(Some(s)))
     }
 
     /// A message SQS moved to the dead-letter queue: its job, if still
@@ -619,26 +623,30 @@ impl Consumer {
     pub async fn process_dlq(&self, queue: &dyn Queue, msg: &ReceivedMessage) -> Result<DlqDisposition, ConsumerError> {
         let Some(m) = JobMessage::parse(&msg.body) else { return Ok(DlqDisposition::Unrecognised) };
         let conn = self.conn().await?;
-        let Some(job) = self.seen(&**conn, &m.job_id).await? else { return Ok(DlqDisposition::Unrecognised) };
-        if job.status == "SUCCEEDED" || job.status == "DEAD" || m.generation < job.generation {
+        self.trip(1);
+        let answer: String = conn.query_one("SELECT outbox_dlq_job($1, $2)", &[&m.job_id, &m.generation]).await?.get(0);
+        let d = match answer.as_str() {
+            "marked_dead" => {
+                tracing::warn!(job_id = %m.job_id, "job DEAD: its message reached the DLQ");
+                DlqDisposition::MarkedDead
+            }
+            "already_terminal" => DlqDisposition::AlreadyTerminal,
+            "lease_live" => DlqDisposition::LeaseLive,
+            "unrecognised" => DlqDisposition::Unrecognised,
+            other => return Err(ConsumerError::Protocol(format!("outbox_dlq_job answered {other:?}"))),
+        };
+        if matches!(d, DlqDisposition::MarkedDead | DlqDisposition::AlreadyTerminal) {
             queue.delete(&msg.receipt).await?;
-            return Ok(DlqDisposition::AlreadyTerminal);
         }
-        let n = conn
-            .execute(
-                "UPDATE jobs SET status = 'DEAD', dead_reason = 'DLQ', last_error = coalesce(last_error, 'moved to the DLQ'),
-                        finished_at = now(), lease_expires_at = NULL, updated_at = now()
-                  WHERE job_id = $1 AND redrive_generation = $2
-                    AND (status = 'PENDING' OR (status = 'CLAIMED' AND lease_expires_at <= now()))",
-                &[&m.job_id, &m.generation],
-            )
-            .await?;
-        if n == 1 {
-            tracing::warn!(job_id = %m.job_id, "job DEAD: its message reached the DLQ");
-            queue.delete(&msg.receipt).await?;
-            Ok(DlqDisposition::MarkedDead)
-        } else {
-            Ok(DlqDisposition::LeaseLive)
-        }
+        Ok(d)
+    }
+}
+
+/// Apply a verdict's queue action to one message.
+async fn act(queue: &dyn Queue, receipt: &str, action: QueueAction) -> Result<(), queue::QueueError> {
+    match action {
+        QueueAction::Delete => queue.delete(receipt).await,
+        QueueAction::Hide(after) => queue.change_visibility(receipt, after).await,
+        QueueAction::Leave => Ok(()),
     }
 }

@@ -32,6 +32,8 @@ pub struct Stack {
     pub tls_dir: String,
     /// The server binaries of the major under test (`PG_MAJOR`, default 15).
     pub pg_bin: String,
+    /// The Python of the worker example's virtualenv (boto3, psycopg).
+    pub python: String,
 }
 
 /// The shared stack, started by the project's own script on first use.
@@ -53,6 +55,7 @@ pub fn stack() -> &'static Stack {
             sqs_url: get("OUTBOX_RELAY_TEST_SQS_URL"),
             tls_dir: get("OUTBOX_RELAY_TEST_TLS_DIR"),
             pg_bin: get("OUTBOX_RELAY_TEST_PG_BIN"),
+            python: get("OUTBOX_RELAY_TEST_PYTHON"),
         }
     })
 }
