@@ -10,103 +10,28 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::cluster::*;
 use common::*;
 use outbox_relay::config::{Config, FileConfig, Overrides, PublishedRows};
 use outbox_relay::db;
 use outbox_relay::publish::memory::MemoryPublisher;
 
-/// One server of the pair, in a directory of its own owned by `postgres`.
-struct Node {
-    bin: PathBuf,
-    data: PathBuf,
-    port: u16,
-}
-
-fn is_root() -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
-}
-
-fn as_pg(program: &Path) -> Command {
-    if is_root() {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program);
-        c
-    } else {
-        Command::new(program)
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn ok(c: &mut Command, what: &str) {
-    let out = c.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-impl Node {
-    fn url(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
-    }
-
-    fn start(&self, settings: &[String]) {
-        let mut opts = format!(
-            "-c listen_addresses=127.0.0.1 -c port={} -c unix_socket_directories={} -c wal_level=logical \
-             -c max_wal_senders=20 -c max_replication_slots=20 -c hot_standby_feedback=on -c fsync=off \
-             -c wal_sender_timeout=0",
-            self.port,
-            self.data.parent().unwrap().display()
-        );
-        for s in settings {
-            opts.push_str(&format!(" -c {s}"));
-        }
-        let log = self.data.with_extension("log");
-        ok(
-            as_pg(&self.bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&self.data)
-                .arg("-l")
-                .arg(&log)
-                .args(["-w", "-t", "60", "start", "-o", &opts]),
-            "pg_ctl start",
-        );
-    }
-
-    fn stop(&self, mode: &str) {
-        ok(as_pg(&self.bin.join("pg_ctl")).arg("-D").arg(&self.data).args(["-m", mode, "-w", "stop"]), "pg_ctl stop");
-    }
-
-    fn promote(&self) {
-        ok(as_pg(&self.bin.join("pg_ctl")).arg("-D").arg(&self.data).args(["-w", "promote"]), "pg_ctl promote");
-    }
-}
-
 /// The pair's directory, servers stopped and removed when dropped.
 struct Pair {
-    dir: PathBuf,
     primary: Node,
     standby: Node,
     major: u32,
+    _dir: ClusterDir,
 }
 
 impl Drop for Pair {
     fn drop(&mut self) {
-        for n in [&self.primary, &self.standby] {
-            let _ = as_pg(&n.bin.join("pg_ctl")).arg("-D").arg(&n.data).args(["-m", "immediate", "stop"]).output();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.primary.kill();
+        self.standby.kill();
     }
 }
 
@@ -114,18 +39,9 @@ impl Drop for Pair {
 /// a physical standby made from a copy of its cleanly stopped data directory,
 /// streaming through the physical slot `sb` (syncing logical slots on 17+).
 async fn build_pair() -> Pair {
-    let bin = PathBuf::from(&stack().pg_bin);
-    let dir = std::env::temp_dir().join(unique("outbox-relay-failover"));
-    std::fs::create_dir_all(&dir).unwrap();
-    if is_root() {
-        ok(Command::new("chown").arg("postgres").arg(&dir), "chown");
-    }
-    let primary = Node { bin: bin.clone(), data: dir.join("primary"), port: free_port() };
-    let standby = Node { bin: bin.clone(), data: dir.join("standby"), port: free_port() };
-    ok(
-        as_pg(&bin.join("initdb")).arg("-D").arg(&primary.data).args(["-U", "postgres", "-A", "trust", "--no-sync"]),
-        "initdb",
-    );
+    let dir = ClusterDir::new("outbox-relay-failover");
+    let primary = Node::init(&dir.0, "primary");
+    let standby = Node { bin: primary.bin.clone(), data: dir.0.join("standby"), port: free_port() };
     primary.start(&[]);
     let admin = db::connect(&primary.url("postgres")).await.unwrap();
     let major: u32 = admin
@@ -161,7 +77,7 @@ async fn build_pair() -> Pair {
     }
     primary.start(&primary_settings);
     standby.start(&standby_settings);
-    Pair { dir, primary, standby, major }
+    Pair { primary, standby, major, _dir: dir }
 }
 
 fn relay_config(pair: &Pair, queue: &str) -> Config {

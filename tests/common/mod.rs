@@ -18,6 +18,7 @@ use outbox_relay::{db, RelayHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
+pub mod cluster;
 pub mod faults;
 pub mod jobs;
 pub mod outage;

@@ -26,11 +26,14 @@ pub(crate) enum SlotState {
 }
 
 /// Why the server invalidated a slot, on every major: `invalidation_reason`
-/// (17+), `conflicting` (16: invalidated by recovery on a standby), or
-/// `wal_status = 'lost'` (13+). Read through `to_jsonb` so one query serves
-/// servers with and without the newer columns. NULL: the slot is usable.
+/// (17+); before 17, `wal_status = 'lost'` with no `restart_lsn` left is WAL
+/// removed (16 also sets `conflicting` for that, so it is read after),
+/// `conflicting` otherwise a conflict with recovery on a standby. Read
+/// through `to_jsonb` so one query serves servers with and without the
+/// newer columns. NULL: the slot is usable.
 pub const INVALIDATION_SQL: &str = "
     coalesce(to_jsonb(s) ->> 'invalidation_reason',
+             CASE WHEN s.wal_status = 'lost' AND s.restart_lsn IS NULL THEN 'wal_removed' END,
              CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'rows_removed' END,
              CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END)";
 
