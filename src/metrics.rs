@@ -97,7 +97,7 @@ impl Metrics {
             confirmed_lsn: IntGauge::new(CONFIRMED_LSN, "The LSN last confirmed to the server, as a number").unwrap(),
             sqs_entry_failures: IntCounterVec::new(Opts::new(SQS_ENTRY_FAILURES_TOTAL, "Failed SendMessageBatch entries and calls, by error code"), &["destination", "code"]).unwrap(),
             replayed_filtered: IntCounter::new(REPLAYED_FILTERED_TOTAL, "Replayed events skipped after a restart because their rows were already settled").unwrap(),
-            stream_restarts: IntCounter::new(STREAM_RESTARTS_TOTAL, "Times the replication stream was restarted after an error").unwrap(),
+            stream_restarts: IntCounter::new(STREAM_RESTARTS_TOTAL, "Times the replication stream was restarted after an error or a lost leader lock").unwrap(),
             lane_spooled: IntGaugeVec::new(Opts::new(LANE_SPOOLED, "1 while the destination's lane spools to the outbox table instead of streaming"), &["destination"]).unwrap(),
             lane_spool_switches: IntCounterVec::new(Opts::new(LANE_SPOOL_SWITCHES_TOTAL, "Times the lane switched from streaming to spooling"), &["destination"]).unwrap(),
             events_deferred: IntCounterVec::new(Opts::new(EVENTS_DEFERRED_TOTAL, "Events handed to the table path with a next_attempt_at (spooled or retried later)"), &["destination"]).unwrap(),

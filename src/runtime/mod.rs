@@ -181,6 +181,8 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
         env.metrics.leader_changes.inc();
         if lost {
             table_lanes.abort_all();
+            // The session ended with the lock; the next one is a restart.
+            env.metrics.stream_restarts.inc();
             tracing::error!(slot = %env.config.slot, "lost the leader lock's connection: stopped publishing; trying to lead again");
             continue;
         }
