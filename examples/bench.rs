@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use clap::Parser;
-use common::process::{cpu_and_peak_rss, free_addr, scrape, series, RelayConfig};
+use common::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
 use common::*;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
@@ -93,11 +93,17 @@ fn machine_jiffies() -> (u64, u64) {
 struct Phase {
     cpu: f64,
     jiffies: (u64, u64),
+    pg: f64,
 }
 
 impl Phase {
     fn start() -> Phase {
-        Phase { cpu: self_cpu(), jiffies: machine_jiffies() }
+        Phase { cpu: self_cpu(), jiffies: machine_jiffies(), pg: postgres_cpu().unwrap_or(0.0) }
+    }
+    /// CPU seconds PostgreSQL spent since the start (every process of it:
+    /// walsenders, the settlement's backend, background work).
+    fn pg_cpu(&self) -> f64 {
+        postgres_cpu().map_or(0.0, |c| c - self.pg)
     }
     /// (CPU seconds of this process, machine busy percent).
     fn end(&self) -> (f64, f64) {
@@ -278,11 +284,23 @@ struct Decode {
     /// The persistent drain again with `published_rows = "keep"`.
     keep_relay_rows_per_s: f64,
     keep_settle_wal_per_row: f64,
+    /// CPU seconds per 100k rows of PostgreSQL (all its processes) during
+    /// each drain, and of the relay where not given above: what each way of
+    /// reading and settling costs the database.
+    recvlogical_pg_cpu_s_per_100k: f64,
+    relay_null_pg_cpu_s_per_100k: f64,
+    transient_recvlogical_pg_cpu_s_per_100k: f64,
+    transient_relay_pg_cpu_s_per_100k: f64,
+    transient_relay_cpu_s_per_100k: f64,
+    keep_relay_pg_cpu_s_per_100k: f64,
+    keep_relay_cpu_s_per_100k: f64,
 }
 
-/// pg_recvlogical draining `slot` up to `end` to /dev/null; seconds.
-async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> f64 {
+/// pg_recvlogical draining `slot` up to `end` to /dev/null: seconds, and
+/// PostgreSQL's CPU seconds meanwhile.
+async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> (f64, f64) {
     let end_lsn = format!("{:X}/{:X}", end >> 32, end & 0xffff_ffff);
+    let phase = Phase::start();
     let t = Instant::now();
     let st = tokio::process::Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
         .args(["-d", &db.url, "--slot", slot, "--start", "--no-loop", "--endpos", &end_lsn, "-f", "/dev/null"])
@@ -291,12 +309,22 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> f64 {
         .await
         .unwrap();
     assert!(st.success(), "pg_recvlogical failed: {st:?}");
-    t.elapsed().as_secs_f64()
+    (t.elapsed().as_secs_f64(), phase.pg_cpu())
 }
 
-/// The relay in process, publishing `n` rows to a null publisher: seconds,
-/// CPU seconds, machine busy %, and the WAL it wrote meanwhile (bytes).
-async fn relay_null(a: &Args, db: &TestDb, n: usize, published_rows: PublishedRows) -> (f64, f64, f64, u64) {
+/// One drain of the relay in process to the null publisher.
+struct NullDrain {
+    secs: f64,
+    /// CPU seconds of this process (the relay) and of PostgreSQL.
+    cpu: f64,
+    pg_cpu: f64,
+    busy: f64,
+    /// WAL written meanwhile (bytes).
+    wal: u64,
+}
+
+/// The relay in process, publishing `n` rows to a null publisher.
+async fn relay_null(a: &Args, db: &TestDb, n: usize, published_rows: PublishedRows) -> NullDrain {
     let queues: Vec<(String, String)> =
         (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
     let mut cfg = config(db, &dests(&queues));
@@ -313,10 +341,11 @@ async fn relay_null(a: &Args, db: &TestDb, n: usize, published_rows: PublishedRo
     })
     .await;
     let secs = t.elapsed().as_secs_f64();
+    let pg_cpu = phase.pg_cpu();
     let (cpu, busy) = phase.end();
     let wal = db.current_lsn().await - wal_before;
     relay.stop().await;
-    (secs, cpu, busy, wal)
+    NullDrain { secs, cpu, pg_cpu, busy, wal }
 }
 
 /// The settle statement alone over `n` fresh rows: rows/s and WAL bytes per row.
@@ -366,8 +395,8 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let start_lsn = db.current_lsn().await;
     let end = insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
     let insert_wal = (end - start_lsn) as f64 / n as f64;
-    let recv_s = recvlogical(&db, "recvlogical", end).await;
-    let (relay_s, cpu, busy, settle_wal) = relay_null(a, &db, n, PublishedRows::Delete).await;
+    let (recv_s, recv_pg) = recvlogical(&db, "recvlogical", end).await;
+    let persistent = relay_null(a, &db, n, PublishedRows::Delete).await;
     let (mark_only, keep_wal) = settle_alone(a, &db, "k", n.min(100_000), PublishedRows::Keep).await;
     let (delete_only, _) = settle_alone(a, &db, "x", n.min(100_000), PublishedRows::Delete).await;
     drop(db);
@@ -376,32 +405,89 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     create_slot(&db, "recvlogical").await;
     create_slot(&db, &db.slot).await;
     let end = insert_transient_backlog(&db, n, a.destinations, a.txn_size, a.row_size).await;
-    let t_recv_s = recvlogical(&db, "recvlogical", end).await;
-    let (t_relay_s, _, _, t_wal) = relay_null(a, &db, n, PublishedRows::Delete).await;
+    let (t_recv_s, t_recv_pg) = recvlogical(&db, "recvlogical", end).await;
+    let transient = relay_null(a, &db, n, PublishedRows::Delete).await;
     drop(db);
     // The same drain with rows kept as PUBLISHED (the mark of before).
     let db = TestDb::new("bench_keep").await;
     create_slot(&db, &db.slot).await;
     insert_backlog(&db, "e", n, a.destinations, a.txn_size, a.row_size).await;
-    let (keep_s, _, _, keep_drain_wal) = relay_null(a, &db, n, PublishedRows::Keep).await;
+    let keep = relay_null(a, &db, n, PublishedRows::Keep).await;
     let r1 = |x: f64| (x * 10.0).round() / 10.0;
+    let per_100k = |cpu: f64| (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0;
     Decode {
         rows: n,
         recvlogical_rows_per_s: n as f64 / recv_s,
-        relay_null_rows_per_s: n as f64 / relay_s,
-        relay_null_cpu_s_per_100k: (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
-        relay_null_machine_busy_pct: busy,
+        relay_null_rows_per_s: n as f64 / persistent.secs,
+        relay_null_cpu_s_per_100k: per_100k(persistent.cpu),
+        relay_null_machine_busy_pct: persistent.busy,
+        recvlogical_pg_cpu_s_per_100k: per_100k(recv_pg),
+        relay_null_pg_cpu_s_per_100k: per_100k(persistent.pg_cpu),
+        transient_recvlogical_pg_cpu_s_per_100k: per_100k(t_recv_pg),
+        transient_relay_pg_cpu_s_per_100k: per_100k(transient.pg_cpu),
+        transient_relay_cpu_s_per_100k: per_100k(transient.cpu),
+        keep_relay_pg_cpu_s_per_100k: per_100k(keep.pg_cpu),
+        keep_relay_cpu_s_per_100k: per_100k(keep.cpu),
         mark_only_rows_per_s: mark_only,
         delete_only_rows_per_s: delete_only,
         insert_wal_per_row: r1(insert_wal),
-        settle_wal_per_row: r1(settle_wal as f64 / n as f64),
+        settle_wal_per_row: r1(persistent.wal as f64 / n as f64),
         keep_mark_wal_per_row: r1(keep_wal),
         transient_recvlogical_rows_per_s: n as f64 / t_recv_s,
-        transient_relay_rows_per_s: n as f64 / t_relay_s,
-        transient_settle_wal_per_row: r1(t_wal as f64 / n as f64),
-        keep_relay_rows_per_s: n as f64 / keep_s,
-        keep_settle_wal_per_row: r1(keep_drain_wal as f64 / n as f64),
+        transient_relay_rows_per_s: n as f64 / transient.secs,
+        transient_settle_wal_per_row: r1(transient.wal as f64 / n as f64),
+        keep_relay_rows_per_s: n as f64 / keep.secs,
+        keep_settle_wal_per_row: r1(keep.wal as f64 / n as f64),
     }
+}
+
+/// CPU per 100k rows of PostgreSQL and of the relay in each drain, side by
+/// side: what reading and settling costs the database.
+fn print_decode_cpu(d: &Decode) {
+    println!();
+    println!("| drain of {} rows | rows/s | PostgreSQL CPU s / 100k | relay CPU s / 100k |", d.rows);
+    println!("|---|---|---|---|");
+    let rows = [
+        ("pg_recvlogical, persistent rows", d.recvlogical_rows_per_s, d.recvlogical_pg_cpu_s_per_100k, None),
+        (
+            "relay, persistent rows deleted",
+            d.relay_null_rows_per_s,
+            d.relay_null_pg_cpu_s_per_100k,
+            Some(d.relay_null_cpu_s_per_100k),
+        ),
+        (
+            "relay, persistent rows kept",
+            d.keep_relay_rows_per_s,
+            d.keep_relay_pg_cpu_s_per_100k,
+            Some(d.keep_relay_cpu_s_per_100k),
+        ),
+        (
+            "pg_recvlogical, transient rows",
+            d.transient_recvlogical_rows_per_s,
+            d.transient_recvlogical_pg_cpu_s_per_100k,
+            None,
+        ),
+        (
+            "relay, transient rows",
+            d.transient_relay_rows_per_s,
+            d.transient_relay_pg_cpu_s_per_100k,
+            Some(d.transient_relay_cpu_s_per_100k),
+        ),
+    ];
+    for (what, rate, pg, relay) in rows {
+        let relay = relay.map_or("-".to_string(), |c| c.to_string());
+        println!("| {what} | {rate:.0} | {pg} | {relay} |");
+    }
+}
+
+fn decode_cpu_json(d: &Decode) -> serde_json::Value {
+    json!({
+        "recvlogical_pg": d.recvlogical_pg_cpu_s_per_100k,
+        "relay_delete_pg": d.relay_null_pg_cpu_s_per_100k, "relay_delete_relay": d.relay_null_cpu_s_per_100k,
+        "relay_keep_pg": d.keep_relay_pg_cpu_s_per_100k, "relay_keep_relay": d.keep_relay_cpu_s_per_100k,
+        "transient_recvlogical_pg": d.transient_recvlogical_pg_cpu_s_per_100k,
+        "transient_relay_pg": d.transient_relay_pg_cpu_s_per_100k, "transient_relay_relay": d.transient_relay_cpu_s_per_100k,
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -874,6 +960,7 @@ async fn main() {
             d.transient_settle_wal_per_row,
             d.keep_mark_wal_per_row
         );
+        print_decode_cpu(&d);
         drop(stack_guard);
         return;
     }
@@ -1017,6 +1104,7 @@ async fn main() {
         "| same, {} lanes, {} concurrent batches (limit {:.0} msg/s; ministack binds) | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | |",
         a.destinations, far3.concurrency, far3_limit, far3.raw_msgs_per_s, far3.relay_msgs_per_s, relay_vs_raw_far3
     );
+    print_decode_cpu(&dec);
     println!();
     println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows |");
     println!("|---|---|---|---|---|---|---|---|---|");
@@ -1077,7 +1165,8 @@ async fn main() {
             "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
             "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
             "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row,
-            "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row},
+            "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row,
+            "cpu_s_per_100k": decode_cpu_json(&dec)},
         "sqs": {
             "messages": sqsc.messages, "concurrency": sqsc.concurrency,
             "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),

@@ -53,6 +53,7 @@ async fn verify_full_with_scram_and_least_privilege_runs_the_relay_end_to_end() 
     p.add_queue(Q, false, 262_144);
     let mut cfg = config(&db, &[("orders", Q)]);
     cfg.database_url = url("localhost", &role, pw, &db, &format!("sslmode=verify-full&sslrootcert={}", ca()));
+    cfg.heartbeat_interval = Duration::from_millis(200);
     let c = db.client().await;
     insert_rows(&c, "before", "orders", 50, None).await;
     let relay = start(cfg, Arc::new(p.clone()));
@@ -60,6 +61,16 @@ async fn verify_full_with_scram_and_least_privilege_runs_the_relay_end_to_end() 
     insert_rows(&c, "after", "orders", 150, None).await;
     wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     assert_eq!(p.sent(Q).len(), 200);
+    // The heartbeat (pg_logical_emit_message) works under this role: one
+    // was written and read back from the slot.
+    wait_for("a heartbeat read back", Duration::from_secs(10), || async {
+        relay.metrics.render().lines().any(|l| {
+            l.strip_prefix("outbox_relay_heartbeat_rtt_seconds ")
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)
+        })
+    })
+    .await;
     // Both of the relay's kinds of connection are TLS with this role.
     let ssl: Vec<(bool, String)> = c
         .query(

@@ -174,15 +174,7 @@ pub fn free_addr() -> String {
 /// CPU seconds (user + system) and peak resident set (VmHWM, bytes) of a
 /// live process, from /proc.
 pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
-    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-    let ticks = *TICKS.get_or_init(|| {
-        Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-            .unwrap_or(100.0)
-    });
+    let ticks = clock_ticks();
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     // After the command name: state is field 3, utime 14, stime 15 (1-based).
@@ -191,6 +183,44 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
     let hwm_kb: u64 =
         status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
     Some((cpu, hwm_kb * 1024))
+}
+
+/// CPU seconds of the stack's PostgreSQL (`OUTBOX_RELAY_STACK_DIR`): the
+/// postmaster, its live children (walsenders, backends, background
+/// workers) and its reaped ones (`cutime`, `cstime`), so the difference of
+/// two readings counts processes that ended in between too.
+pub fn postgres_cpu() -> Option<f64> {
+    let dir = std::env::var("OUTBOX_RELAY_STACK_DIR").ok()?;
+    let pid_file = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid")).ok()?;
+    let postmaster: u32 = pid_file.lines().next()?.trim().parse().ok()?;
+    let fields = |pid: &str| -> Option<Vec<f64>> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // After the command name: ppid is field 4, utime 14 .. cstime 17 (1-based).
+        let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        [1, 11, 12, 13, 14].iter().map(|&i| f.get(i)?.parse().ok()).collect()
+    };
+    let own = fields(&postmaster.to_string())?;
+    let mut jiffies = own[1] + own[2] + own[3] + own[4];
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        if let Some(f) = fields(pid).filter(|f| f[0] == postmaster as f64) {
+            jiffies += f[1] + f[2];
+        }
+    }
+    Some(jiffies / clock_ticks())
+}
+
+fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    })
 }
 
 /// Stops the stack in `OUTBOX_RELAY_STACK_DIR` when dropped, panics included:

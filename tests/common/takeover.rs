@@ -20,16 +20,19 @@ async fn active_pid(db: &TestDb) -> Option<i32> {
 /// whether every row arrived.
 pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     let db = TestDb::new("takeover").await;
+    // Published rows are deleted: the audit copy knows every committed one.
+    db.audit_inserts().await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "takeover", false, None).await;
     let config = RelayConfig::new(&db, "cdc", &[("orders", &q)], "takeover_timeout = \"10s\"");
     let mut relays: Vec<RelayProcess> = vec![config.spawn()];
     wait_for("first leader streams", Duration::from_secs(30), || async { active_pid(&db).await.is_some() }).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
-        let c = db.client().await;
+        let (c, stop) = (db.client().await, std::sync::Arc::clone(&stop));
         tokio::spawn(async move {
             let mut k = 0;
-            loop {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 insert_rows(&c, &format!("t{k}"), "orders", 20, None).await;
                 k += 1;
                 tokio::time::sleep(Duration::from_millis(50)).await;
@@ -57,9 +60,11 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
         }
         times.push(killed_at.elapsed());
     }
-    writer.abort();
-    let _ = writer.await;
-    let total = db.count("true").await as usize;
+    // The writer finishes the insert it is in: every row is counted below.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.await.unwrap();
+    let c = db.client().await;
+    let total = c.query_one("SELECT count(*) FROM outbox_audit", &[]).await.unwrap().get::<_, i64>(0) as usize;
     wait_for("every row published", Duration::from_secs(120), || async { db.count("status = 'NEW'").await == 0 }).await;
     // At-least-once: a kill -9 mid-send duplicates what was in flight, so
     // receive until every distinct row came (not until `total` messages did).
@@ -73,5 +78,9 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     for r in relays {
         r.kill();
     }
+    let committed: HashSet<String> =
+        c.query("SELECT body FROM outbox_audit", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let strays = unique.difference(&committed).count();
+    assert_eq!(strays, 0, "only committed rows reach the queue");
     (times, total, unique.len())
 }
