@@ -309,7 +309,13 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> (f64, f64) {
         .await
         .unwrap();
     assert!(st.success(), "pg_recvlogical failed: {st:?}");
-    (t.elapsed().as_secs_f64(), phase.pg_cpu())
+    let secs = t.elapsed().as_secs_f64();
+    // Its walsender's CPU counts once the postmaster has reaped it.
+    wait_for("pg_recvlogical's walsender gone", Duration::from_secs(10), || async {
+        common::process::postgres_walsenders() == 0
+    })
+    .await;
+    (secs, phase.pg_cpu())
 }
 
 /// One drain of the relay in process to the null publisher.

@@ -211,6 +211,25 @@ pub fn postgres_cpu() -> Option<f64> {
     Some(jiffies / clock_ticks())
 }
 
+/// Walsender processes of the stack's PostgreSQL still alive.
+pub fn postgres_walsenders() -> usize {
+    let Ok(dir) = std::env::var("OUTBOX_RELAY_STACK_DIR") else { return 0 };
+    let Ok(pid_file) = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid")) else { return 0 };
+    let postmaster = pid_file.lines().next().unwrap_or("").trim().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
+    entries
+        .flatten()
+        .filter(|e| {
+            let pid = e.file_name();
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string));
+            pid.to_str().is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()))
+                && ppid.as_deref() == Some(postmaster.as_str())
+                && std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c.windows(9).any(|w| w == b"walsender"))
+        })
+        .count()
+}
+
 fn clock_ticks() -> f64 {
     static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     *TICKS.get_or_init(|| {
