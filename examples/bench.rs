@@ -68,6 +68,10 @@ struct Args {
     /// persistent rows, settlement WAL), with this many rows.
     #[arg(long)]
     decode_only: Option<usize>,
+    /// Run only the steady-rate latency runs at these rates (rows/s,
+    /// comma-separated): CDC, polling and the fixed linger at each.
+    #[arg(long, value_delimiter = ',')]
+    latency_only: Option<Vec<u64>>,
 }
 
 fn now_us() -> i64 {
@@ -494,6 +498,39 @@ fn decode_cpu_json(d: &Decode) -> serde_json::Value {
         "transient_recvlogical_pg": d.transient_recvlogical_pg_cpu_s_per_100k,
         "transient_relay_pg": d.transient_relay_pg_cpu_s_per_100k, "transient_relay_relay": d.transient_relay_cpu_s_per_100k,
     })
+}
+
+/// At each rate: CDC and polling, then the fixed 5 ms linger of before side
+/// by side (latency and calls).
+async fn latency_runs(a: &Args, sqs: &SqsPublisher, rates: &[u64], secs: u64) -> Vec<Latency> {
+    let mut lat = Vec::new();
+    for &rate in rates {
+        for mode in [Mode::Cdc, Mode::Polling] {
+            lat.push(steady(a, sqs, mode, rate, secs, true).await);
+        }
+        lat.push(steady(a, sqs, Mode::Cdc, rate, secs, false).await);
+    }
+    lat
+}
+
+fn print_latency(lat: &[Latency]) {
+    println!();
+    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for l in lat {
+        println!(
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            l.mode,
+            l.rows_per_s_target,
+            l.rows_per_s_achieved,
+            l.rows,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms,
+            l.calls_per_100k
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -949,6 +986,11 @@ async fn main() {
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
     let sqs = sqs().await;
     eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
+    if let Some(rates) = &a.latency_only {
+        print_latency(&latency_runs(&a, &sqs, rates, steady_s).await);
+        drop(stack_guard);
+        return;
+    }
     if let Some(n) = a.decode_only {
         let d = decode_ceiling(&a, n).await;
         println!(
@@ -1008,14 +1050,7 @@ async fn main() {
     let far3 = sqs_ceiling_rtt(&a, if q { 10_000 } else { 50_000 }, rtt, a.destinations).await;
     let far3_limit = far3.concurrency as f64 * 10.0 / rtt.as_secs_f64();
     eprintln!("bench: SQS ceiling at 15 ms RTT done ({:.0} s)", started.elapsed().as_secs_f64());
-    let mut lat = Vec::new();
-    for rate in [1_000, 5_000] {
-        for mode in [Mode::Cdc, Mode::Polling] {
-            lat.push(steady(&a, &sqs, mode, rate, steady_s, true).await);
-        }
-        // The fixed 5 ms linger of before, side by side: latency and calls.
-        lat.push(steady(&a, &sqs, Mode::Cdc, rate, steady_s, false).await);
-    }
+    let lat = latency_runs(&a, &sqs, &[1_000, 5_000], steady_s).await;
     eprintln!("bench: latency done ({:.0} s)", started.elapsed().as_secs_f64());
     let backlog = if q { 10_000 } else { 100_000 };
     let mut drains = vec![
@@ -1111,23 +1146,7 @@ async fn main() {
         a.destinations, far3.concurrency, far3_limit, far3.raw_msgs_per_s, far3.relay_msgs_per_s, relay_vs_raw_far3
     );
     print_decode_cpu(&dec);
-    println!();
-    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for l in &lat {
-        println!(
-            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
-            l.mode,
-            l.rows_per_s_target,
-            l.rows_per_s_achieved,
-            l.rows,
-            l.p50_ms,
-            l.p99_ms,
-            l.p999_ms,
-            l.max_ms,
-            l.calls_per_100k
-        );
-    }
+    print_latency(&lat);
     println!();
     println!("| run | mode | rows | destinations | seconds | rows/s | CPU s / 100k | peak RSS MB |");
     println!("|---|---|---|---|---|---|---|---|");

@@ -182,8 +182,8 @@ pub struct MarkReport {
     pub restored: u64,
 }
 
-/// The marking statement of `published`, as [`mark`] runs it.
-pub fn mark_sql(published: PublishedRows) -> &'static str {
+/// The marking statement of `published`.
+fn mark_sql(published: PublishedRows) -> &'static str {
     match published {
         PublishedRows::Delete => DELETE_SQL.as_str(),
         PublishedRows::Keep => KEEP_SQL.as_str(),
@@ -197,18 +197,6 @@ pub async fn mark<C: GenericClient>(
     batch: &[Settlement],
     marking: Marking,
 ) -> Result<MarkReport, tokio_postgres::Error> {
-    mark_prepared(client, None, batch, marking).await
-}
-
-/// [`mark`] with the marking statement prepared on `client` beforehand
-/// ([`mark_sql`]): a connection that settles again and again parses and
-/// plans it once, not at every flush.
-pub async fn mark_prepared<C: GenericClient>(
-    client: &C,
-    prepared: Option<&tokio_postgres::Statement>,
-    batch: &[Settlement],
-    marking: Marking,
-) -> Result<MarkReport, tokio_postgres::Error> {
     let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.row.is_some());
     let restore: Vec<&Settlement> =
         transient.iter().copied().filter(|s| !matches!(s.outcome, Outcome::Published)).collect();
@@ -217,7 +205,7 @@ pub async fn mark_prepared<C: GenericClient>(
         report.restored = restore_rows(client, &restore, marking).await?;
     }
     if !rows.is_empty() {
-        mark_rows(client, prepared, &rows, marking, &mut report).await?;
+        mark_rows(client, &rows, marking, &mut report).await?;
     }
     Ok(report)
 }
@@ -229,12 +217,11 @@ pub async fn mark_prepared<C: GenericClient>(
 /// deleted row costs that one query.
 async fn mark_rows<C: GenericClient>(
     client: &C,
-    prepared: Option<&tokio_postgres::Statement>,
     batch: &[&Settlement],
     marking: Marking,
     report: &mut MarkReport,
 ) -> Result<(), tokio_postgres::Error> {
-    let marked = mark_once(client, prepared, batch, marking).await?;
+    let marked = mark_once(client, batch, marking).await?;
     report.marked += marked.len() as u64;
     let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(&s.id)).collect();
     let started = std::time::Instant::now();
@@ -244,7 +231,7 @@ async fn mark_rows<C: GenericClient>(
         rest.retain(|s| pending.contains(&s.id) || invisible.contains(&s.id));
         if !pending.is_empty() {
             let todo: Vec<&Settlement> = rest.iter().copied().filter(|s| pending.contains(&s.id)).collect();
-            let now = mark_once(client, prepared, &todo, marking).await?;
+            let now = mark_once(client, &todo, marking).await?;
             report.marked += now.len() as u64;
             rest.retain(|s| !now.contains(&s.id));
         }
@@ -299,7 +286,6 @@ fn columns(outcome: &Outcome) -> (&'static str, Option<String>, bool) {
 
 async fn mark_once<C: GenericClient>(
     client: &C,
-    prepared: Option<&tokio_postgres::Statement>,
     batch: &[&Settlement],
     marking: Marking,
 ) -> Result<HashSet<i64>, tokio_postgres::Error> {
@@ -316,12 +302,10 @@ async fn mark_once<C: GenericClient>(
     }
     let base = marking.base.as_secs_f64();
     let max = marking.max.as_secs_f64();
+    // Planned at every flush, never as a prepared statement: a generic plan
+    // made while the table was small scans it whole once it has grown.
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [&ids, &statuses, &errors, &base, &max, &defer];
-    let rows = match prepared {
-        Some(statement) => client.query(statement, &params).await?,
-        None => client.query(mark_sql(marking.published), &params).await?,
-    };
-    Ok(rows.iter().map(|r| r.get(0)).collect())
+    Ok(client.query(mark_sql(marking.published), &params).await?.iter().map(|r| r.get(0)).collect())
 }
 
 /// Write transient rows that ended DEAD or deferred back to the table.
@@ -394,7 +378,6 @@ pub async fn run_settler(
     marking: Marking,
 ) -> Result<(), tokio_postgres::Error> {
     let mut batch = Vec::with_capacity(MAX_FLUSH);
-    let prepared = client.prepare(mark_sql(marking.published)).await?;
     while let Some(first) = rx.recv().await {
         batch.push(first);
         while batch.len() < MAX_FLUSH {
@@ -403,7 +386,7 @@ pub async fn run_settler(
                 Err(_) => break,
             }
         }
-        mark_prepared(&client, Some(&prepared), &batch, marking).await?;
+        mark(&client, &batch, marking).await?;
         {
             let mut wm = watermark.lock().unwrap();
             for s in &batch {
