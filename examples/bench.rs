@@ -314,7 +314,8 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> (f64, f64) {
         .unwrap();
     assert!(st.success(), "pg_recvlogical failed: {st:?}");
     let secs = t.elapsed().as_secs_f64();
-    // Its walsender's CPU counts once the postmaster has reaped it.
+    // Its walsender may outlive pg_recvlogical by a moment: wait until it
+    // has exited, so all of its CPU is counted.
     wait_for("pg_recvlogical's walsender gone", Duration::from_secs(10), || async {
         common::process::postgres_walsenders() == 0
     })

@@ -31,6 +31,15 @@ fn delivered(p: &MemoryPublisher, queue: &str) -> HashSet<String> {
     p.sent(queue).into_iter().map(|s| s.event_id).collect()
 }
 
+/// Wait until `n` distinct rows reached `queue`.
+async fn wait_delivered(what: &str, publisher: &MemoryPublisher, queue: &str, n: usize) {
+    wait_for(what, Duration::from_secs(60), || {
+        let p = publisher.clone();
+        async move { delivered(&p, queue).len() >= n }
+    })
+    .await;
+}
+
 async fn insert(c: &tokio_postgres::Client, prefix: &str, n: i32) {
     c.execute(
         "INSERT INTO outbox (event_id, destination, body) SELECT $1 || i, 'd', $1 || i FROM generate_series(1, $2) i",
@@ -62,11 +71,7 @@ async fn a_slot_invalidated_by_the_server_is_recreated_with_its_reason_and_nothi
     publisher.add_queue(queue, false, 262_144);
     let relay = start(relay_config(&node.url("app"), queue), Arc::new(publisher.clone()));
     insert(&c, "before:", 100).await;
-    wait_for("the first rows delivered", Duration::from_secs(60), || {
-        let p = publisher.clone();
-        async move { delivered(&p, queue).len() >= 100 }
-    })
-    .await;
+    wait_delivered("the first rows delivered", &publisher, queue, 100).await;
     relay.stop().await;
 
     // While no relay reads the slot: rows, then WAL far past the limit,
@@ -94,11 +99,7 @@ async fn a_slot_invalidated_by_the_server_is_recreated_with_its_reason_and_nothi
     // The next relay recreates it and catches the rows written meanwhile up from the table.
     let relay = start(relay_config(&node.url("app"), queue), Arc::new(publisher.clone()));
     insert(&c, "after:", 100).await;
-    wait_for("every row delivered", Duration::from_secs(60), || {
-        let p = publisher.clone();
-        async move { delivered(&p, queue).len() >= 700 }
-    })
-    .await;
+    wait_delivered("every row delivered", &publisher, queue, 700).await;
     let got = delivered(&publisher, queue);
     for prefix in ["before:", "away:", "after:"] {
         let n = if prefix == "away:" { 500 } else { 100 };

@@ -182,14 +182,6 @@ pub struct MarkReport {
     pub restored: u64,
 }
 
-/// The marking statement of `published`.
-fn mark_sql(published: PublishedRows) -> &'static str {
-    match published {
-        PublishedRows::Delete => DELETE_SQL.as_str(),
-        PublishedRows::Keep => KEEP_SQL.as_str(),
-    }
-}
-
 /// Record a set of settlements, in one statement for the rows in the table
 /// (and one for transient rows to write back), and make sure it took.
 pub async fn mark<C: GenericClient>(
@@ -302,10 +294,13 @@ async fn mark_once<C: GenericClient>(
     }
     let base = marking.base.as_secs_f64();
     let max = marking.max.as_secs_f64();
+    let sql = match marking.published {
+        PublishedRows::Delete => DELETE_SQL.as_str(),
+        PublishedRows::Keep => KEEP_SQL.as_str(),
+    };
     // Planned at every flush, never as a prepared statement: a generic plan
     // made while the table was small scans it whole once it has grown.
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [&ids, &statuses, &errors, &base, &max, &defer];
-    Ok(client.query(mark_sql(marking.published), &params).await?.iter().map(|r| r.get(0)).collect())
+    Ok(client.query(sql, &[&ids, &statuses, &errors, &base, &max, &defer]).await?.iter().map(|r| r.get(0)).collect())
 }
 
 /// Write transient rows that ended DEAD or deferred back to the table.

@@ -174,11 +174,8 @@ pub fn free_addr() -> String {
 /// CPU seconds (user + system) and peak resident set (VmHWM, bytes) of a
 /// live process, from /proc.
 pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
-    let ticks = clock_ticks();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    // After the command name: state is field 3, utime 14, stime 15 (1-based).
-    let cpu = (fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?) / ticks;
+    let fields = stat_fields(&pid.to_string())?;
+    let cpu = (fields.utime + fields.stime) / clock_ticks();
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let hwm_kb: u64 =
         status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
@@ -190,44 +187,53 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
 /// workers) and its reaped ones (`cutime`, `cstime`), so the difference of
 /// two readings counts processes that ended in between too.
 pub fn postgres_cpu() -> Option<f64> {
-    let dir = std::env::var("OUTBOX_RELAY_STACK_DIR").ok()?;
-    let pid_file = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid")).ok()?;
-    let postmaster: u32 = pid_file.lines().next()?.trim().parse().ok()?;
-    let fields = |pid: &str| -> Option<Vec<f64>> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // After the command name: ppid is field 4, utime 14 .. cstime 17 (1-based).
-        let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        [1, 11, 12, 13, 14].iter().map(|&i| f.get(i)?.parse().ok()).collect()
-    };
-    let own = fields(&postmaster.to_string())?;
-    let mut jiffies = own[1] + own[2] + own[3] + own[4];
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
-        if let Some(f) = fields(pid).filter(|f| f[0] == postmaster as f64) {
-            jiffies += f[1] + f[2];
-        }
-    }
-    Some(jiffies / clock_ticks())
+    let (postmaster, children) = postgres_processes()?;
+    let own = stat_fields(&postmaster)?;
+    let live: f64 = children.iter().map(|(_, f)| f.utime + f.stime).sum();
+    Some((own.utime + own.stime + own.cutime + own.cstime + live) / clock_ticks())
 }
 
 /// Walsender processes of the stack's PostgreSQL still alive.
 pub fn postgres_walsenders() -> usize {
-    let Ok(dir) = std::env::var("OUTBOX_RELAY_STACK_DIR") else { return 0 };
-    let Ok(pid_file) = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid")) else { return 0 };
-    let postmaster = pid_file.lines().next().unwrap_or("").trim().to_string();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return 0 };
-    entries
-        .flatten()
-        .filter(|e| {
-            let pid = e.file_name();
-            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-            let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1).map(str::to_string));
-            pid.to_str().is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()))
-                && ppid.as_deref() == Some(postmaster.as_str())
-                && std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c.windows(9).any(|w| w == b"walsender"))
+    let Some((_, children)) = postgres_processes() else { return 0 };
+    children
+        .iter()
+        .filter(|(pid, _)| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.windows(9).any(|w| w == b"walsender"))
         })
         .count()
+}
+
+/// The numbers of /proc/<pid>/stat this harness reads.
+struct Stat {
+    ppid: String,
+    utime: f64,
+    stime: f64,
+    cutime: f64,
+    cstime: f64,
+}
+
+fn stat_fields(pid: &str) -> Option<Stat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name: ppid is field 4, utime 14 .. cstime 17 (1-based).
+    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let n = |i: usize| f.get(i)?.parse::<f64>().ok();
+    Some(Stat { ppid: f.get(1)?.to_string(), utime: n(11)?, stime: n(12)?, cutime: n(13)?, cstime: n(14)? })
+}
+
+/// The postmaster of the stack in `OUTBOX_RELAY_STACK_DIR` and its live
+/// children (zombies included, until reaped), each with its stat.
+fn postgres_processes() -> Option<(String, Vec<(String, Stat)>)> {
+    let dir = std::env::var("OUTBOX_RELAY_STACK_DIR").ok()?;
+    let pid_file = std::fs::read_to_string(format!("{dir}/pg/postmaster.pid")).ok()?;
+    let postmaster = pid_file.lines().next()?.trim().to_string();
+    let children = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())).map(str::to_string))
+        .filter_map(|pid| stat_fields(&pid).filter(|s| s.ppid == postmaster).map(|s| (pid, s)))
+        .collect();
+    Some((postmaster, children))
 }
 
 fn clock_ticks() -> f64 {
