@@ -501,11 +501,12 @@ fn decode_cpu_json(d: &Decode) -> serde_json::Value {
     })
 }
 
-/// At each rate: CDC and polling, then the fixed 5 ms linger of before side
-/// by side (latency and calls).
+/// At each rate: the raw client's floor, CDC and polling, then the fixed
+/// 5 ms linger of before side by side (latency and calls).
 async fn latency_runs(a: &Args, sqs: &SqsPublisher, rates: &[u64], secs: u64) -> Vec<Latency> {
     let mut lat = Vec::new();
     for &rate in rates {
+        lat.push(steady_raw(a, sqs, rate, secs).await);
         for mode in [Mode::Cdc, Mode::Polling] {
             lat.push(steady(a, sqs, mode, rate, secs, true).await);
         }
@@ -516,11 +517,13 @@ async fn latency_runs(a: &Args, sqs: &SqsPublisher, rates: &[u64], secs: u64) ->
 
 fn print_latency(lat: &[Latency]) {
     println!();
-    println!("| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| mode | target rows/s | achieved | rows | p50 ms | p99 ms | p99.9 ms | max ms | calls / 100k rows | machine busy % |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for l in lat {
         println!(
-            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
             l.mode,
             l.rows_per_s_target,
             l.rows_per_s_achieved,
@@ -529,7 +532,8 @@ fn print_latency(lat: &[Latency]) {
             l.p99_ms,
             l.p999_ms,
             l.max_ms,
-            l.calls_per_100k
+            l.calls_per_100k,
+            l.machine_busy_pct
         );
     }
 }
@@ -697,6 +701,114 @@ struct Latency {
     max_ms: f64,
     /// SendMessageBatch calls per 100,000 rows.
     calls_per_100k: f64,
+    /// Share of both cores busy during the run (everything on the machine).
+    machine_busy_pct: f64,
+}
+
+/// Latency fields from a histogram of microseconds.
+fn latency_of(mode: String, rate: u64, achieved: f64, h: &Histogram<u64>, calls: u64, rows: u64, busy: f64) -> Latency {
+    let ms = |q: f64| (h.value_at_quantile(q) as f64 / 100.0).round() / 10.0;
+    Latency {
+        mode,
+        rows_per_s_target: rate,
+        rows_per_s_achieved: achieved.round(),
+        rows: h.len(),
+        p50_ms: ms(0.5),
+        p99_ms: ms(0.99),
+        p999_ms: ms(0.999),
+        max_ms: (h.max() as f64 / 100.0).round() / 10.0,
+        calls_per_100k: (calls as f64 * 100_000.0 / rows.max(1) as f64).round(),
+        machine_busy_pct: busy,
+    }
+}
+
+/// Every 10 ms, one transaction of rate/100 rows over the destinations,
+/// for `secs`, each followed by `after(tick, commit time in µs)` (the raw
+/// floor sends the rows itself). Returns (rows, achieved rows/s).
+async fn write_steadily<F, Fut>(a: &Args, db: &TestDb, rate: u64, secs: u64, mut after: F) -> (u64, f64)
+where
+    F: FnMut(i32, i64) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let per_tick = (rate / 100).max(1) as i32;
+    let c = db.client().await;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let t = Instant::now();
+    let mut rows = 0u64;
+    let mut k = 0i32;
+    while t.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body)
+             SELECT 'l' || $1::int || ':' || i, 'd' || (($1::int + i) % $3), rpad('l' || $1::int || ':' || i || ':', $4, 'x') FROM generate_series(1, $2) i",
+            &[&k, &per_tick, &(a.destinations as i32), &(a.row_size as i32)],
+        )
+        .await
+        .unwrap();
+        after(k, now_us()).await;
+        rows += per_tick as u64;
+        k += 1;
+    }
+    (rows, rows as f64 / t.elapsed().as_secs_f64())
+}
+
+/// The floor under the relay's latency on this machine: the same writer,
+/// and the same messages sent to ministack by the bench itself as each
+/// transaction commits (batches of 10 per destination, at most 8 in flight
+/// per destination, as the relay's lanes), from the commit to SQS's answer.
+/// What is left between it and the relay is the relay (its reading of the
+/// slot, batching and settling), not ministack or the machine's two cores.
+async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Latency {
+    let db = TestDb::new("bench_lat_raw").await;
+    let queues = create_queues(sqs, a.destinations).await;
+    let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3).unwrap()));
+    let calls = Arc::new(AtomicU64::new(0));
+    let lanes: Vec<Arc<tokio::sync::Semaphore>> =
+        (0..a.destinations).map(|_| Arc::new(tokio::sync::Semaphore::new(8))).collect();
+    let mut sends = tokio::task::JoinSet::new();
+    let per_tick = (rate / 100).max(1) as i32;
+    let phase = Phase::start();
+    let (rows, achieved) = write_steadily(a, &db, rate, secs, |k, committed_us| {
+        for (d, (_, url)) in queues.iter().enumerate() {
+            let bodies: Vec<String> = (1..=per_tick)
+                .filter(|i| (k + i) as usize % a.destinations == d)
+                .map(|i| format!("{:x<size$}", format!("l{k}:{i}:"), size = a.row_size))
+                .collect();
+            for chunk in bodies.chunks(10) {
+                let mut req = sqs.client().send_message_batch().queue_url(url);
+                for (j, body) in chunk.iter().enumerate() {
+                    let entry = aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                        .id(j.to_string())
+                        .message_body(body.clone())
+                        .build()
+                        .unwrap();
+                    req = req.entries(entry);
+                }
+                let (lane, hist, calls, n) =
+                    (Arc::clone(&lanes[d]), Arc::clone(&hist), Arc::clone(&calls), chunk.len());
+                sends.spawn(async move {
+                    let _slot = lane.acquire_owned().await.unwrap();
+                    calls.fetch_add(1, Ordering::Relaxed);
+                    let out = req.send().await.unwrap();
+                    assert_eq!(out.successful.len(), n, "ministack refused entries: {:?}", out.failed);
+                    let lat = (now_us() - committed_us).max(1) as u64;
+                    let mut h = hist.lock().unwrap();
+                    for _ in 0..n {
+                        h.saturating_record(lat);
+                    }
+                });
+            }
+        }
+        while sends.try_join_next().is_some() {}
+        std::future::ready(())
+    })
+    .await;
+    while sends.join_next().await.is_some() {}
+    let (_, busy) = phase.end();
+    delete_queues(sqs, &queues).await;
+    let h = hist.lock().unwrap();
+    latency_of("raw SQS client (floor)".into(), rate, achieved, &h, calls.load(Ordering::Relaxed), rows, busy)
 }
 
 async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64, adaptive: bool) -> Latency {
@@ -716,47 +828,19 @@ async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64, 
         wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    // A transaction every 10 ms of rate/100 rows over the destinations.
-    let per_tick = (rate / 100).max(1) as i32;
-    let c = db.client().await;
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let t = Instant::now();
-    let mut rows = 0u64;
-    let mut k = 0i32;
-    while t.elapsed() < Duration::from_secs(secs) {
-        tick.tick().await;
-        c.execute(
-            "INSERT INTO outbox (event_id, destination, body)
-             SELECT 'l' || $1::int || ':' || i, 'd' || (($1::int + i) % $3), rpad('l' || $1::int || ':' || i || ':', $4, 'x') FROM generate_series(1, $2) i",
-            &[&k, &per_tick, &(a.destinations as i32), &(a.row_size as i32)],
-        )
-        .await
-        .unwrap();
-        rows += per_tick as u64;
-        k += 1;
-    }
-    let achieved = rows as f64 / t.elapsed().as_secs_f64();
+    let phase = Phase::start();
+    let (rows, achieved) = write_steadily(a, &db, rate, secs, |_, _| std::future::ready(())).await;
     wait_for("steady rows published", Duration::from_secs(120), || {
         let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
         async move { published(&m, &queues) >= rows }
     })
     .await;
+    let (_, busy) = phase.end();
     relay.stop().await;
     delete_queues(sqs, &queues).await;
     let h = timed.hist.lock().unwrap();
-    let ms = |q: f64| (h.value_at_quantile(q) as f64 / 100.0).round() / 10.0;
-    Latency {
-        mode: if adaptive { mode.to_string() } else { format!("{mode}, fixed linger") },
-        rows_per_s_target: rate,
-        rows_per_s_achieved: achieved.round(),
-        rows: h.len(),
-        p50_ms: ms(0.5),
-        p99_ms: ms(0.99),
-        p999_ms: ms(0.999),
-        max_ms: (h.max() as f64 / 100.0).round() / 10.0,
-        calls_per_100k: (timed.calls.load(Ordering::Relaxed) as f64 * 100_000.0 / rows.max(1) as f64).round(),
-    }
+    let mode = if adaptive { mode.to_string() } else { format!("{mode}, fixed linger") };
+    latency_of(mode, rate, achieved, &h, timed.calls.load(Ordering::Relaxed), rows, busy)
 }
 
 // ---------------------------------------------------------------------------

@@ -92,6 +92,14 @@ async fn replayed_settled(sql: &Client, ids: &[i64]) -> Result<HashSet<i64>, Rou
     Ok(settled(ids, runs, marked))
 }
 
+/// For each event, whether it is the last of `events` bound for its destination.
+fn chunk_ends(events: &[OutboxEvent]) -> Vec<bool> {
+    let mut seen = HashSet::new();
+    let mut ends: Vec<bool> = events.iter().rev().map(|e| seen.insert(e.destination.as_str())).collect();
+    ends.reverse();
+    ends
+}
+
 /// Routes events to their lanes, or straight to the settler as DEAD.
 pub struct Router<'a> {
     pub queues: &'a BTreeMap<String, QueueInfo>,
@@ -125,13 +133,15 @@ impl Router<'_> {
                 events.retain(|e| !done.contains(&e.id));
             }
         }
-        for ev in events {
-            self.route(Some(seq), ev).await?;
+        let ends = chunk_ends(&events);
+        for (ev, chunk_end) in events.into_iter().zip(ends) {
+            self.route(Some(seq), ev, chunk_end).await?;
         }
         Ok(())
     }
 
-    pub async fn route(&mut self, seq: Option<TxnSeq>, ev: OutboxEvent) -> Result<(), RouteError> {
+    /// Route one event; `chunk_end`: the last of its chunk for its lane.
+    async fn route(&mut self, seq: Option<TxnSeq>, ev: OutboxEvent, chunk_end: bool) -> Result<(), RouteError> {
         let permit = self.budget.acquire(ev.size()).await;
         if let Some(seq) = seq {
             self.watermark.lock().unwrap().add(seq, 1);
@@ -147,7 +157,9 @@ impl Router<'_> {
             }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                return tx.send(LaneItem::new(entry, seq, Some(permit))).await.map_err(|_| RouteError::Stopped("lane"));
+                let item = LaneItem::new(entry, seq, Some(permit));
+                let item = if chunk_end { item } else { item.within_chunk() };
+                return tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
             }
             Err(reason) => (Outcome::Dead(reason), None),
         };
@@ -190,6 +202,30 @@ mod tests {
             let mut shuffled = runs.clone();
             shuffled.reverse();
             prop_assert_eq!(settled(&ids, shuffled, marked), expected);
+        }
+
+        /// Exactly one end per destination, at its last event.
+        #[test]
+        fn chunk_ends_mark_each_destinations_last_event(dests in proptest::collection::vec(0u8..4, 0..40)) {
+            let events: Vec<OutboxEvent> = dests
+                .iter()
+                .enumerate()
+                .map(|(i, d)| OutboxEvent {
+                    id: i as i64,
+                    event_id: i.to_string(),
+                    destination: format!("d{d}"),
+                    body: String::new(),
+                    group_key: None,
+                    attributes: None,
+                    commit_time_us: 0,
+                    xid: None,
+                    transient: false,
+                })
+                .collect();
+            let ends = chunk_ends(&events);
+            for (i, d) in dests.iter().enumerate() {
+                prop_assert_eq!(ends[i], !dests[i + 1..].contains(d));
+            }
         }
     }
 }

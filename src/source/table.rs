@@ -275,9 +275,10 @@ pub async fn claim_round(
         };
         let lane =
             tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
-        for item in items {
+        let last = items.len() - 1;
+        for (i, item) in items.into_iter().enumerate() {
             // Capacity is the number of items: never waits.
-            let _ = item_tx.send(item).await;
+            let _ = item_tx.send(if i == last { item } else { item.within_chunk() }).await;
         }
         drop(item_tx);
         while let Some(s) = settle_rx.recv().await {

@@ -42,11 +42,22 @@ pub struct LaneItem {
     pub txn: Option<TxnSeq>,
     pub permit: Option<Permit>,
     pub arrived: Instant,
+    /// The last entry for this lane of what its source hands over at once (a
+    /// transaction's chunk, a table round): an idle lane sends when it has
+    /// that much, not at the first entry while the rest is still arriving.
+    pub chunk_end: bool,
 }
 
 impl LaneItem {
+    /// An entry that ends its chunk (see [`LaneItem::within_chunk`]).
     pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<Permit>) -> Self {
-        Self { entry, txn, permit, arrived: Instant::now() }
+        Self { entry, txn, permit, arrived: Instant::now(), chunk_end: true }
+    }
+
+    /// More entries of the same chunk follow this one.
+    pub fn within_chunk(mut self) -> Self {
+        self.chunk_end = false;
+        self
     }
 }
 
@@ -222,16 +233,19 @@ impl Lane {
 
     /// Start batches while there is room in flight and a batch is due (full,
     /// lingered long enough, the input closed, or, adaptive, the lane is
-    /// idle: nothing in flight and no batch finished within the last linger.
-    /// A lone row does not wait for rows that may not come; a busy lane's
-    /// next batch fills as before, so a steady load makes no more calls).
+    /// idle: nothing in flight, no batch finished within the last linger, and
+    /// the chunk being received is whole. A lone row does not wait for rows
+    /// that may not come, a transaction's rows are not split because the
+    /// lane woke at its first, and a busy lane's next batch fills as before,
+    /// so a steady load makes no more calls).
     fn start_batches(&mut self) {
         let fifo = self.ctx.cfg.queue.fifo;
         let linger = self.ctx.cfg.linger;
         while self.in_flight.len() < self.ctx.cfg.max_in_flight && !self.pending.is_empty() {
             let idle = self.ctx.cfg.adaptive
                 && self.in_flight.is_empty()
-                && self.last_done.is_none_or(|t| t.elapsed() >= linger);
+                && self.last_done.is_none_or(|t| t.elapsed() >= linger)
+                && self.pending.back().is_some_and(|i| i.chunk_end);
             let due = idle || self.oldest.is_some_and(|t| t.elapsed() >= linger);
             if !(self.closed || due || full_batch_ready(&self.pending, fifo)) {
                 break;
@@ -257,11 +271,11 @@ impl Lane {
     /// When the linger of the pending entries ends (or, adaptive, the lane
     /// turns idle, if sooner), if a batch could start then.
     fn linger_deadline(&self) -> Option<Instant> {
-        let linger = self.ctx.cfg.linger;
-        let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty()).map(|t| t + linger);
-        self.oldest
-            .map(|t| idle_at.map_or(t + linger, |i| i.min(t + linger)))
-            .filter(|at| *at > Instant::now() && self.in_flight.len() < self.ctx.cfg.max_in_flight)
+        if self.in_flight.len() >= self.ctx.cfg.max_in_flight {
+            return None;
+        }
+        let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty());
+        next_deadline(Instant::now(), self.ctx.cfg.linger, self.oldest, idle_at)
     }
 
     /// An item arrived: take it and whatever else is waiting, up to 10,000.
@@ -308,6 +322,20 @@ impl Lane {
             }
         }
     }
+}
+
+/// The sooner of the future ones of: the end of the oldest pending entry's
+/// linger, and the end of the linger after the last batch finished (an idle
+/// lane). An idle lane waiting for the end of a chunk is past the second and
+/// still has the first.
+fn next_deadline(
+    now: Instant,
+    linger: Duration,
+    oldest: Option<Instant>,
+    last_done: Option<Instant>,
+) -> Option<Instant> {
+    let oldest = oldest?;
+    [Some(oldest + linger), last_done.map(|t| t + linger)].into_iter().flatten().filter(|at| *at > now).min()
 }
 
 pub(crate) fn now_unix_us() -> i64 {
@@ -431,6 +459,50 @@ mod tests {
         assert_eq!(p.sent(Q).len(), 3);
         drop(tx);
         lane.await.unwrap();
+    }
+
+    /// An idle adaptive lane sends a chunk whole once its end arrives, even
+    /// if it wakes at the chunk's first entry (the linger here never ends).
+    #[tokio::test]
+    async fn an_idle_lane_waits_for_the_end_of_the_chunk() {
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        let mut cfg = streaming_lane(8, Duration::from_millis(10), Duration::from_millis(100));
+        cfg.linger = Duration::from_secs(3600);
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        for id in 1..=2 {
+            tx.send(item(id).within_chunk()).await.unwrap();
+            for _ in 0..10 {
+                tokio::task::yield_now().await; // the lane takes what has arrived
+            }
+        }
+        assert_eq!(p.calls_started(), 0, "a chunk's first entries wait for its end");
+        tx.send(item(3)).await.unwrap();
+        for _ in 0..3 {
+            assert!(matches!(settle_rx.recv().await.unwrap().outcome, Outcome::Published));
+        }
+        assert_eq!(p.batch_sizes(), vec![3]);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// A chunk whose end never comes (its router waits for budget, say) is
+    /// sent when its linger ends, also by a lane that turned idle meanwhile.
+    #[test]
+    fn the_linger_still_ends_for_an_idle_lane_waiting_for_a_chunk() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        let linger = ms(200);
+        let oldest = Some(now - ms(100));
+        // Idle since 50 ms ago; the chunk's first entry is still within its linger.
+        assert_eq!(next_deadline(now, linger, oldest, Some(now - ms(250))), Some(now + ms(100)));
+        // Turning idle first.
+        assert_eq!(next_deadline(now, linger, oldest, Some(now - ms(150))), Some(now + ms(50)));
+        assert_eq!(next_deadline(now, linger, oldest, None), Some(now + ms(100)));
+        assert_eq!(next_deadline(now, linger, None, Some(now)), None, "nothing pending");
+        assert_eq!(next_deadline(now, linger, Some(now - ms(300)), None), None, "due now: no wait");
     }
 
     /// A closing lane (its session is stopping) does not keep retrying a
