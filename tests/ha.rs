@@ -157,8 +157,8 @@ fn names_in(expr: &str, out: &mut Vec<String>) {
 fn alert_rules_and_dashboard_name_only_exported_metrics() {
     let exported = outbox_relay::metrics::Metrics::new().names();
     let root = env!("CARGO_MANIFEST_DIR");
-    let alerts: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(format!("{root}/deploy/prometheus-alerts.yml")).unwrap())
+    let alerts: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(format!("{root}/deploy/prometheus-alerts.yml")).unwrap())
             .unwrap();
     let mut named = Vec::new();
     let mut rules = 0;
