@@ -171,6 +171,7 @@ struct Clocked {
     /// Microseconds since the Unix epoch; 0 until the first call.
     first_us: AtomicU64,
     last_us: AtomicU64,
+    calls: AtomicU64,
 }
 
 #[async_trait]
@@ -180,6 +181,7 @@ impl Publisher for Clocked {
     }
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let _ = self.first_us.compare_exchange(0, now_us() as u64, Ordering::AcqRel, Ordering::Acquire);
+        self.calls.fetch_add(1, Ordering::Relaxed);
         let r = self.inner.send_batch(queue_url, entries).await;
         self.last_us.fetch_max(now_us() as u64, Ordering::AcqRel);
         r
@@ -546,6 +548,9 @@ struct SqsCeiling {
     concurrency: usize,
     raw_msgs_per_s: f64,
     relay_msgs_per_s: f64,
+    /// The relay's SendMessageBatch calls per 100k messages (the raw
+    /// client's: 10,000).
+    relay_calls_per_100k: f64,
     /// CPU seconds per 100k messages of the sending process (the bench
     /// itself: the raw client, or the relay running in it).
     raw_cpu_s_per_100k: f64,
@@ -602,7 +607,12 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     let queues = create_queues(sqs, a.destinations).await;
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
-    let clocked = Arc::new(Clocked { inner: sqs.clone(), first_us: AtomicU64::new(0), last_us: AtomicU64::new(0) });
+    let clocked = Arc::new(Clocked {
+        inner: sqs.clone(),
+        first_us: AtomicU64::new(0),
+        last_us: AtomicU64::new(0),
+        calls: AtomicU64::new(0),
+    });
     let phase = Phase::start();
     let relay = start(cfg, clocked.clone());
     wait_for("relay drained to ministack", Duration::from_secs(600), || {
@@ -622,6 +632,7 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
         concurrency,
         raw_msgs_per_s: raw,
         relay_msgs_per_s: relay_rate,
+        relay_calls_per_100k: (clocked.calls.load(Ordering::Relaxed) as f64 * 100_000.0 / n as f64).round(),
         raw_cpu_s_per_100k: per_100k(raw_cpu),
         relay_cpu_s_per_100k: per_100k(relay_cpu),
         raw_machine_busy_pct: raw_busy,
@@ -1219,8 +1230,12 @@ async fn main() {
         sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, relay_vs_raw
     );
     println!(
-        "|  sender CPU s / 100k, machine busy | {} s, {}% | {} s, {}% | | |",
-        sqsc.raw_cpu_s_per_100k, sqsc.raw_machine_busy_pct, sqsc.relay_cpu_s_per_100k, sqsc.relay_machine_busy_pct
+        "|  sender CPU s / 100k, machine busy, calls / 100k | {} s, {}%, 10000 | {} s, {}%, {} | | |",
+        sqsc.raw_cpu_s_per_100k,
+        sqsc.raw_machine_busy_pct,
+        sqsc.relay_cpu_s_per_100k,
+        sqsc.relay_machine_busy_pct,
+        sqsc.relay_calls_per_100k
     );
     println!(
         "| SQS through a proxy adding 15 ms RTT, 1 lane, {} concurrent batches (limit {:.0} msg/s) | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.95 |",
@@ -1282,11 +1297,13 @@ async fn main() {
             "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),
             "raw_cpu_s_per_100k": sqsc.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": sqsc.relay_cpu_s_per_100k,
             "raw_machine_busy_pct": sqsc.raw_machine_busy_pct, "relay_machine_busy_pct": sqsc.relay_machine_busy_pct,
+            "relay_calls_per_100k": sqsc.relay_calls_per_100k,
         },
         "sqs_rtt_15ms": {
             "messages": far.messages, "concurrency": far.concurrency, "physical_limit_msgs_per_s": far_limit.round(),
             "raw_msgs_per_s": far.raw_msgs_per_s.round(), "relay_msgs_per_s": far.relay_msgs_per_s.round(),
             "raw_cpu_s_per_100k": far.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": far.relay_cpu_s_per_100k,
+            "relay_calls_per_100k": far.relay_calls_per_100k,
         },
         "sqs_rtt_15ms_all_lanes": {
             "messages": far3.messages, "concurrency": far3.concurrency, "physical_limit_msgs_per_s": far3_limit.round(),
