@@ -278,21 +278,29 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
-        Arc::new(OutboxEvent {
+impl OutboxEvent {
+    /// A row for tests: event id `e:{id}`, no group, no attributes.
+    pub(crate) fn for_test(id: i64, destination: &str, body: &str) -> Self {
+        OutboxEvent {
             id,
-            event_id: format!("e:{id}:0"),
-            destination: "orders".into(),
+            event_id: format!("e:{id}"),
+            destination: destination.into(),
             body: body.into(),
             group_key: None,
             attributes: None,
             commit_time_us: 0,
             xid: None,
             transient: false,
-        })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
+        Arc::new(OutboxEvent { event_id: format!("e:{id}:0"), ..OutboxEvent::for_test(id, "orders", body) })
     }
 
     fn q(fifo: bool, max: usize) -> QueueInfo {

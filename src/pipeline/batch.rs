@@ -87,17 +87,7 @@ mod tests {
 
     fn entry(id: i64, size: usize, group: Option<u8>) -> Entry {
         Entry {
-            event: Arc::new(OutboxEvent {
-                id,
-                event_id: id.to_string(),
-                destination: "d".into(),
-                body: String::new(),
-                group_key: None,
-                attributes: None,
-                commit_time_us: 0,
-                xid: None,
-                transient: false,
-            }),
+            event: Arc::new(OutboxEvent::for_test(id, "d", "")),
             attributes: vec![],
             size,
             group_id: group.map(|g| format!("g{g}")),

@@ -207,21 +207,8 @@ mod tests {
         /// Exactly one end per destination, at its last event.
         #[test]
         fn chunk_ends_mark_each_destinations_last_event(dests in proptest::collection::vec(0u8..4, 0..40)) {
-            let events: Vec<OutboxEvent> = dests
-                .iter()
-                .enumerate()
-                .map(|(i, d)| OutboxEvent {
-                    id: i as i64,
-                    event_id: i.to_string(),
-                    destination: format!("d{d}"),
-                    body: String::new(),
-                    group_key: None,
-                    attributes: None,
-                    commit_time_us: 0,
-                    xid: None,
-                    transient: false,
-                })
-                .collect();
+            let events: Vec<OutboxEvent> =
+                dests.iter().enumerate().map(|(i, d)| OutboxEvent::for_test(i as i64, &format!("d{d}"), "")).collect();
             let ends = chunk_ends(&events);
             for (i, d) in dests.iter().enumerate() {
                 prop_assert_eq!(ends[i], !dests[i + 1..].contains(d));

@@ -392,17 +392,7 @@ mod tests {
     const Q: &str = "http://memory.invalid/orders";
 
     fn item(id: i64) -> LaneItem {
-        let ev = OutboxEvent {
-            id,
-            event_id: format!("e:{id}"),
-            destination: "orders".into(),
-            body: format!("body {id}"),
-            group_key: None,
-            attributes: None,
-            commit_time_us: 0,
-            xid: None,
-            transient: false,
-        };
+        let ev = OutboxEvent::for_test(id, "orders", &format!("body {id}"));
         let queue = QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 };
         LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
     }
