@@ -157,8 +157,7 @@ impl Router<'_> {
             }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                let item = LaneItem::new(entry, seq, Some(permit));
-                let item = if chunk_end { item } else { item.within_chunk() };
+                let item = LaneItem::new(entry, seq, Some(permit)).ending_chunk(chunk_end);
                 return tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
             }
             Err(reason) => (Outcome::Dead(reason), None),

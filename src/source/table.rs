@@ -278,7 +278,7 @@ pub async fn claim_round(
         let last = items.len() - 1;
         for (i, item) in items.into_iter().enumerate() {
             // Capacity is the number of items: never waits.
-            let _ = item_tx.send(if i == last { item } else { item.within_chunk() }).await;
+            let _ = item_tx.send(item.ending_chunk(i == last)).await;
         }
         drop(item_tx);
         while let Some(s) = settle_rx.recv().await {

@@ -49,14 +49,14 @@ pub struct LaneItem {
 }
 
 impl LaneItem {
-    /// An entry that ends its chunk (see [`LaneItem::within_chunk`]).
+    /// An entry that ends its chunk (see [`LaneItem::ending_chunk`]).
     pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<Permit>) -> Self {
         Self { entry, txn, permit, arrived: Instant::now(), chunk_end: true }
     }
 
-    /// More entries of the same chunk follow this one.
-    pub fn within_chunk(mut self) -> Self {
-        self.chunk_end = false;
+    /// Whether this entry ends its chunk (`false`: more of it follow).
+    pub fn ending_chunk(mut self, end: bool) -> Self {
+        self.chunk_end = end;
         self
     }
 }
@@ -463,7 +463,7 @@ mod tests {
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
         for id in 1..=2 {
-            tx.send(item(id).within_chunk()).await.unwrap();
+            tx.send(item(id).ending_chunk(false)).await.unwrap();
             for _ in 0..10 {
                 tokio::task::yield_now().await; // the lane takes what has arrived
             }
