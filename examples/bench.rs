@@ -560,6 +560,23 @@ struct SqsCeiling {
     relay_machine_busy_pct: f64,
 }
 
+/// A SendMessageBatch of `bodies` (at most 10), as the raw client sends it.
+fn raw_batch(
+    sqs: &SqsPublisher,
+    url: &str,
+    bodies: impl Iterator<Item = String>,
+) -> aws_sdk_sqs::operation::send_message_batch::builders::SendMessageBatchFluentBuilder {
+    bodies.enumerate().fold(sqs.client().send_message_batch().queue_url(url), |req, (j, body)| {
+        req.entries(
+            aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                .id(j.to_string())
+                .message_body(body)
+                .build()
+                .unwrap(),
+        )
+    })
+}
+
 async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, concurrency: usize, size: usize) -> f64 {
     let next = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
@@ -572,18 +589,8 @@ async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, conc
                 if start >= n {
                     break;
                 }
-                let mut req = sqs.client().send_message_batch().queue_url(&url);
-                for i in start..(start + 10).min(n) {
-                    let body = format!("{:x<size$}", format!("raw{i}:"));
-                    req = req.entries(
-                        aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
-                            .id((i - start).to_string())
-                            .message_body(body)
-                            .build()
-                            .unwrap(),
-                    );
-                }
-                req.send().await.unwrap();
+                let bodies = (start..(start + 10).min(n)).map(|i| format!("{:x<size$}", format!("raw{i}:")));
+                raw_batch(&sqs, &url, bodies).send().await.unwrap();
             }
         }));
     }
@@ -716,6 +723,11 @@ struct Latency {
     machine_busy_pct: f64,
 }
 
+/// A histogram of latencies in microseconds, up to 120 s.
+fn latency_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()
+}
+
 /// Latency fields from a histogram of microseconds.
 fn latency_of(mode: String, rate: u64, achieved: f64, h: &Histogram<u64>, calls: u64, rows: u64, busy: f64) -> Latency {
     let ms = |q: f64| (h.value_at_quantile(q) as f64 / 100.0).round() / 10.0;
@@ -735,12 +747,8 @@ fn latency_of(mode: String, rate: u64, achieved: f64, h: &Histogram<u64>, calls:
 
 /// Every 10 ms, one transaction of rate/100 rows over the destinations,
 /// for `secs`, each followed by `after(tick, commit time in µs)` (the raw
-/// floor sends the rows itself). Returns (rows, achieved rows/s).
-async fn write_steadily<F, Fut>(a: &Args, db: &TestDb, rate: u64, secs: u64, mut after: F) -> (u64, f64)
-where
-    F: FnMut(i32, i64) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
+/// floor starts sending the rows itself). Returns (rows, achieved rows/s).
+async fn write_steadily(a: &Args, db: &TestDb, rate: u64, secs: u64, mut after: impl FnMut(i32, i64)) -> (u64, f64) {
     let per_tick = (rate / 100).max(1) as i32;
     let c = db.client().await;
     let mut tick = tokio::time::interval(Duration::from_millis(10));
@@ -757,7 +765,7 @@ where
         )
         .await
         .unwrap();
-        after(k, now_us()).await;
+        after(k, now_us());
         rows += per_tick as u64;
         k += 1;
     }
@@ -773,7 +781,7 @@ where
 async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Latency {
     let db = TestDb::new("bench_lat_raw").await;
     let queues = create_queues(sqs, a.destinations).await;
-    let hist = Arc::new(Mutex::new(Histogram::<u64>::new_with_bounds(1, 120_000_000, 3).unwrap()));
+    let hist = Arc::new(Mutex::new(latency_histogram()));
     let calls = Arc::new(AtomicU64::new(0));
     let lanes: Vec<Arc<tokio::sync::Semaphore>> =
         (0..a.destinations).map(|_| Arc::new(tokio::sync::Semaphore::new(8))).collect();
@@ -787,15 +795,7 @@ async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Laten
                 .map(|i| format!("{:x<size$}", format!("l{k}:{i}:"), size = a.row_size))
                 .collect();
             for chunk in bodies.chunks(10) {
-                let mut req = sqs.client().send_message_batch().queue_url(url);
-                for (j, body) in chunk.iter().enumerate() {
-                    let entry = aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
-                        .id(j.to_string())
-                        .message_body(body.clone())
-                        .build()
-                        .unwrap();
-                    req = req.entries(entry);
-                }
+                let req = raw_batch(sqs, url, chunk.iter().cloned());
                 let (lane, hist, calls, n) =
                     (Arc::clone(&lanes[d]), Arc::clone(&hist), Arc::clone(&calls), chunk.len());
                 sends.spawn(async move {
@@ -812,7 +812,6 @@ async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Laten
             }
         }
         while sends.try_join_next().is_some() {}
-        std::future::ready(())
     })
     .await;
     while sends.join_next().await.is_some() {}
@@ -829,18 +828,14 @@ async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64, 
     cfg.metrics_addr = None;
     cfg.mode = mode;
     cfg.adaptive_linger = adaptive;
-    let timed = Arc::new(Timed {
-        inner: sqs.clone(),
-        hist: Mutex::new(Histogram::new_with_bounds(1, 120_000_000, 3).unwrap()),
-        calls: AtomicU64::new(0),
-    });
+    let timed = Arc::new(Timed { inner: sqs.clone(), hist: Mutex::new(latency_histogram()), calls: AtomicU64::new(0) });
     let relay = start(cfg, timed.clone());
     if mode == Mode::Cdc {
         wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let phase = Phase::start();
-    let (rows, achieved) = write_steadily(a, &db, rate, secs, |_, _| std::future::ready(())).await;
+    let (rows, achieved) = write_steadily(a, &db, rate, secs, |_, _| {}).await;
     wait_for("steady rows published", Duration::from_secs(120), || {
         let (m, queues) = (Arc::clone(&relay.metrics), queues.clone());
         async move { published(&m, &queues) >= rows }
