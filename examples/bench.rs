@@ -366,12 +366,16 @@ async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: 
     insert_backlog(db, prefix, n, a.destinations, a.txn_size, a.row_size).await;
     let c = db.client().await;
     c.batch_execute("VACUUM outbox").await.unwrap();
-    let ids: Vec<(i64, String)> = c
-        .query("SELECT id, destination FROM outbox WHERE event_id LIKE $1 || '%' ORDER BY id", &[&prefix])
+    let sql = format!(
+        "SELECT {} FROM outbox WHERE event_id LIKE $1 || '%' ORDER BY id",
+        outbox_relay::event::OUTBOX_COLUMNS
+    );
+    let ids: Vec<Arc<outbox_relay::event::OutboxEvent>> = c
+        .query(&sql, &[&prefix])
         .await
         .unwrap()
         .iter()
-        .map(|r| (r.get(0), r.get(1)))
+        .map(|r| Arc::new(outbox_relay::event::OutboxEvent::from_row(r)))
         .collect();
     let marking = outbox_relay::pipeline::settle::Marking {
         base: Duration::from_secs(2),
@@ -383,15 +387,10 @@ async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: 
     for chunk in ids.chunks(outbox_relay::pipeline::settle::MAX_FLUSH) {
         let batch: Vec<outbox_relay::pipeline::settle::Settlement> = chunk
             .iter()
-            .map(|(id, d)| outbox_relay::pipeline::settle::Settlement {
-                id: *id,
-                xid: None,
-                txn: None,
-                destination: Arc::from(d.as_str()),
-                outcome: outbox_relay::pipeline::settle::Outcome::Published,
-                permit: None,
-                unmarked: None,
-                row: None,
+            .map(|ev| {
+                let destination = Arc::from(ev.destination.as_str());
+                let published = outbox_relay::pipeline::settle::Outcome::Published;
+                outbox_relay::pipeline::settle::Settlement::new(Arc::clone(ev), None, destination, published)
             })
             .collect();
         outbox_relay::pipeline::settle::mark(&c, &batch, marking).await.unwrap();

@@ -139,10 +139,16 @@ pub async fn connect(url: &str) -> Result<Client, DbError> {
     Db::new(url, Deadlines::default()).connect().await
 }
 
-/// Connect within `deadline` (TCP, TLS and authentication together).
+/// Connect within `deadline` (TCP, TLS and authentication together). With
+/// several hosts, each is tried in turn with a deadline of its own, so a
+/// host that accepts TCP and never answers costs one deadline, not every
+/// connection: the next host is tried.
 pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
     let tls =
         crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
+    if target.hosts.len() > 1 && target.hosts.iter().all(|(h, _)| !h.starts_with('/')) {
+        return connect_each_host(target, tls, deadline).await;
+    }
     let attempt = tokio::time::timeout(deadline, target.pg.connect(tls)).await.map_err(|_| DbError::Timeout {
         server: target.server(),
         what: "connecting (TCP, TLS and authentication)".into(),
@@ -159,6 +165,91 @@ pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) 
     Ok(client)
 }
 
+/// Hosts of a several-host URL found unusable and not back since: each is
+/// logged once when it is passed over and once when it answers again, not
+/// at every connection.
+static HOSTS_DOWN: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// A host of a several-host URL was passed over for `why`.
+pub(crate) fn host_passed_over(server: &str, why: &str) {
+    if HOSTS_DOWN.lock().unwrap().insert(server.to_string()) {
+        tracing::warn!(
+            server,
+            reason = why,
+            "database host passed over; trying the next one (logged once until it answers again)"
+        );
+    }
+}
+
+/// A host of a several-host URL was connected to.
+pub(crate) fn host_answered(server: &str) {
+    if HOSTS_DOWN.lock().unwrap().remove(server) {
+        tracing::info!(server, "database host answers again");
+    }
+}
+
+/// Every host of the URL in order, each within `deadline`: the first that
+/// answers and, under `target_session_attrs=read-write`, accepts writes.
+async fn connect_each_host(
+    target: &crate::pgconn::Target,
+    mut tls: crate::pgconn::MakeRustlsConnect,
+    deadline: Duration,
+) -> Result<Client, DbError> {
+    let mut passed = Vec::new();
+    for (host, port) in &target.hosts {
+        let server = format!("{host}:{port}");
+        let why = match tokio::time::timeout(deadline, connect_host(target, &mut tls, host, *port)).await {
+            Ok(Ok(Some(client))) => {
+                host_answered(&server);
+                return Ok(client);
+            }
+            Ok(Ok(None)) => format!("{server} does not accept writes (a standby)"),
+            Ok(Err(e)) => format!("{server}: {e}"),
+            Err(_) => format!("{server}: no answer within {deadline:?} (connect_timeout)"),
+        };
+        host_passed_over(&server, &why);
+        passed.push(why);
+    }
+    Err(DbError::Connect {
+        url: target.shown.clone(),
+        message: format!(
+            "no usable host ({}){}",
+            passed.join("; "),
+            if target.read_write { "; the relay needs the primary (target_session_attrs=read-write)" } else { "" }
+        ),
+    })
+}
+
+/// One host: TCP, TLS and authentication, then (read-write) whether it
+/// accepts writes. `None`: it answered but is read-only.
+async fn connect_host(
+    target: &crate::pgconn::Target,
+    tls: &mut crate::pgconn::MakeRustlsConnect,
+    host: &str,
+    port: u16,
+) -> Result<Option<Client>, String> {
+    use tokio_postgres::tls::MakeTlsConnect;
+    let stream = tokio::net::TcpStream::connect((host, port)).await.map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let connect =
+        <_ as MakeTlsConnect<tokio::net::TcpStream>>::make_tls_connect(tls, host).map_err(|e| e.to_string())?;
+    let (client, conn) =
+        target.pg.connect_raw(stream, connect).await.map_err(|e| crate::pgconn::explain(target, &e))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "postgres connection closed");
+        }
+    });
+    if target.read_write {
+        let ro = client.query_one("SHOW transaction_read_only", &[]).await.map_err(|e| e.to_string())?;
+        if ro.get::<_, String>(0) == "on" {
+            return Ok(None);
+        }
+    }
+    Ok(Some(client))
+}
+
 /// The migrations, in order; each runs once, recorded in `outbox_relay_migrations`.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("../migrations/0001_outbox.sql")),
@@ -169,6 +260,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (5, "published", include_str!("../migrations/0005_published.sql")),
     // The consumer's protocol functions, from its own crate.
     (outbox_consumer::PROTOCOL_MIGRATION, "job protocol", outbox_consumer::PROTOCOL_SQL),
+    (7, "runs survive id reuse", include_str!("../migrations/0007_runs_reuse.sql")),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent

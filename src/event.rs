@@ -23,6 +23,10 @@ pub struct OutboxEvent {
     /// The inserting transaction's id, when read from the stream: settlement
     /// tells a row not visible yet from one deleted by it.
     pub xid: Option<u32>,
+    /// The commit record's position of the inserting transaction, when read
+    /// from the stream: a run of published ids proves this row was published
+    /// only if it was written after this commit (ids can be reused).
+    pub commit_lsn: Option<replication::Lsn>,
     /// Deleted by the transaction that inserted it (seen in the stream): it
     /// has no row to settle, only the watermark records it.
     pub transient: bool,
@@ -45,6 +49,7 @@ impl OutboxEvent {
             attributes: r.get(5),
             commit_time_us: r.get(6),
             xid: None,
+            commit_lsn: None,
             transient: false,
         }
     }
@@ -89,6 +94,9 @@ pub struct Entry {
     /// FIFO only: `MessageDeduplicationId`.
     pub dedup_id: Option<String>,
 }
+
+/// SQS's limit on an attribute's `DataType`, its custom label included.
+pub const MAX_DATA_TYPE: usize = 256;
 
 /// SQS's limit on attributes per message.
 pub const MAX_ATTRIBUTES: usize = 10;
@@ -143,6 +151,12 @@ pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
         if base != "String" && base != "Number" {
             return Err(bad(format!(
                 "attribute {name:?}: DataType {data_type:?} is not String or Number (Binary is not supported)"
+            )));
+        }
+        if data_type.len() > MAX_DATA_TYPE {
+            return Err(bad(format!(
+                "attribute {name:?}: DataType is {} characters; SQS allows at most {MAX_DATA_TYPE}",
+                data_type.len()
             )));
         }
         if value.is_empty() {
@@ -290,6 +304,7 @@ impl OutboxEvent {
             attributes: None,
             commit_time_us: 0,
             xid: None,
+            commit_lsn: None,
             transient: false,
         }
     }
@@ -339,6 +354,9 @@ mod tests {
         assert!(parse_attributes(r#"{"AWS.x": "v"}"#).is_err());
         assert!(parse_attributes(r#"{"a": {"DataType": "Binary", "StringValue": "x"}}"#).is_err());
         assert!(parse_attributes(r#"{"a": ""}"#).is_err());
+        let label = |n: usize| format!(r#"{{"a": {{"DataType": "String.{}", "StringValue": "x"}}}}"#, "l".repeat(n));
+        assert!(parse_attributes(&label(256 - 7)).is_ok());
+        assert!(parse_attributes(&label(256 - 6)).unwrap_err().detail.contains("at most 256"));
         assert!(parse_attributes(r#"{"a": null}"#).is_err());
         assert_eq!(parse_attributes("null").unwrap(), vec![]);
     }

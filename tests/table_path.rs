@@ -351,7 +351,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     let xid = stream_xid(&writer).await;
     let marker = db.client().await;
     let task = tokio::spawn(async move {
-        let s = published(id, xid);
+        let s = published(id, "late", xid);
         mark(&marker, &[s], marking(PublishedRows::Keep)).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -363,36 +363,41 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
 
     // A row settled before (a replay) is left as it is.
     let c = db.client().await;
-    let s = Settlement {
-        id,
-        xid: Some(xid),
-        txn: None,
-        destination: Arc::from("a"),
-        outcome: Outcome::Dead(outbox_relay::policy::dead::DeadReason::new(
+    let s = Settlement::new(
+        stream_event(id, "late", xid),
+        None,
+        Arc::from("a"),
+        Outcome::Dead(outbox_relay::policy::dead::DeadReason::new(
             outbox_relay::policy::dead::DeadCode::SqsRejected,
             "y",
         )),
-        permit: None,
-        unmarked: None,
-        row: None,
-    };
+    );
     let report = mark(&c, &[s], marking(PublishedRows::Keep)).await.unwrap();
     assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
 }
 
 /// A settlement of row `id` as published, read from the stream in transaction `xid`.
-fn published(id: i64, xid: u32) -> outbox_relay::pipeline::settle::Settlement {
-    outbox_relay::pipeline::settle::Settlement {
+fn published(id: i64, event_id: &str, xid: u32) -> outbox_relay::pipeline::settle::Settlement {
+    use outbox_relay::pipeline::settle::{Outcome, Settlement};
+    Settlement::new(stream_event(id, event_id, xid), None, Arc::from("a"), Outcome::Published)
+}
+
+/// Row `id` as the stream reads it: inserted by transaction `xid`, committed
+/// at the start of WAL (any run of published ids comes after it).
+fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::OutboxEvent> {
+    Arc::new(outbox_relay::event::OutboxEvent {
         id,
+        event_id: event_id.into(),
+        destination: "a".into(),
+        body: "x".into(),
+        group_key: None,
+        attributes: None,
+        commit_time_us: 0,
         xid: Some(xid),
-        txn: None,
-        destination: Arc::from("a"),
-        outcome: outbox_relay::pipeline::settle::Outcome::Published,
-        permit: None,
-        unmarked: None,
-        row: None,
-    }
+        commit_lsn: Some(replication::Lsn(1)),
+        transient: false,
+    })
 }
 
 /// Marking with a test backoff, published rows kept or deleted.
@@ -426,7 +431,8 @@ async fn marking_a_deleted_row_does_not_wait() {
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[0]]).await.unwrap();
     c.batch_execute("COMMIT").await.unwrap();
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
-    let batch: Vec<Settlement> = ids.iter().map(|&id| published(id, xid)).collect();
+    let batch: Vec<Settlement> =
+        ids.iter().enumerate().map(|(i, &id)| published(id, &format!("v{}", i + 1), xid)).collect();
     let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
     let expected = outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, ..Default::default() };
     assert_eq!(report, expected);

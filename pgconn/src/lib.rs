@@ -424,6 +424,8 @@ impl ServerCertVerifier for Verifier {
     }
 }
 
+pub use tokio_postgres_rustls::MakeRustlsConnect;
+
 /// The connector for tokio-postgres.
 pub fn connector(t: &Target) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(tls_config(t)?))

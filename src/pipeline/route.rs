@@ -46,50 +46,67 @@ pub fn judge<'a>(
     }
 }
 
-/// Of replayed events, those settled by an earlier run: the row is DEAD,
-/// PUBLISHED (kept) or handed to the table, or it is gone and its id is in a
-/// run the settlement recorded when it deleted the row. A row gone without a
-/// run was deleted by another transaction (its own: transient; or a later
-/// one) and is sent again: nothing says it was published.
+/// Of replayed events, those settled by an earlier run: the row (same id
+/// and event id) is DEAD, PUBLISHED (kept) or handed to the table, or it is
+/// gone and a run of ids the settlement recorded when it deleted rows proves
+/// it published: a run containing its id, written after its commit. Ids can
+/// be reused (an identity reset, a restore, a table re-created), but a row
+/// can take an id only once the row before it is gone, and settlement always
+/// follows the commit it settles: a run written after this row's commit is
+/// about this row. A row gone without such a run was deleted by another
+/// transaction (its own: transient; or a later one) and is sent again:
+/// nothing says it was published.
 ///
-/// One statement of three index range scans for a chunk's ids ($1, from $2
-/// to $3): the runs that may cover them (the last starting at or before the
-/// smallest id, and those starting inside the range: runs never overlap),
-/// tagged false, and the settled rows still in the table, tagged true. Which
-/// ids the runs cover is worked out here ([`settled`]). A probe per id into
-/// the runs (as before) cost a backlog drain more than the settlement itself.
+/// One statement of two index scans for a chunk's ids ($1, from $2 to $3,
+/// all committed at $4): the runs overlapping that range and written after
+/// the commit (GiST on the id range), tagged false, and the settled rows
+/// still in the table with their event ids, tagged true. Which ids the runs
+/// cover is worked out here ([`settled`]); a probe per id into the runs cost
+/// a backlog drain more than the settlement itself.
 const REPLAYED_SQL: &str = "
-(SELECT false, lo, hi FROM outbox_published_runs WHERE lo <= $2 ORDER BY lo DESC LIMIT 1)
+SELECT false, lo, hi, NULL::text FROM outbox_published_runs
+ WHERE int8range(lo, hi, '[]') && int8range($2, $3, '[]') AND lsn > $4::text::pg_lsn
 UNION ALL
-SELECT false, lo, hi FROM outbox_published_runs WHERE lo > $2 AND lo <= $3
-UNION ALL
-SELECT true, id, id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
+SELECT true, id, id, event_id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
 
 /// Of `ids`, those settled: in `marked` (rows in the table that are no
 /// longer NEW or were handed to the table) or covered by one of `runs`
-/// (inclusive id ranges settlement deleted; disjoint).
+/// (inclusive id ranges settlement deleted; they may overlap).
 fn settled(ids: &[i64], mut runs: Vec<(i64, i64)>, marked: HashSet<i64>) -> HashSet<i64> {
     runs.sort_unstable();
+    // The furthest end among runs starting at or before each run's start.
+    let reach: Vec<i64> = runs
+        .iter()
+        .scan(i64::MIN, |far, r| {
+            *far = (*far).max(r.1);
+            Some(*far)
+        })
+        .collect();
     let covered = |id: i64| {
         let i = runs.partition_point(|r| r.0 <= id);
-        i > 0 && runs[i - 1].1 >= id
+        i > 0 && reach[i - 1] >= id
     };
     ids.iter().copied().filter(|id| marked.contains(id) || covered(*id)).collect()
 }
 
-/// Ask the database which of a replayed chunk's ids were settled before.
-async fn replayed_settled(sql: &Client, ids: &[i64]) -> Result<HashSet<i64>, RouteError> {
+/// Ask the database which of a replayed chunk's events were settled before.
+async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<i64>, RouteError> {
+    let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
     let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(HashSet::new()) };
+    // One transaction's chunk: one commit. Read from the table (no commit
+    // position), only the rows in the table can say.
+    let commit = events[0].commit_lsn.map_or_else(|| "FFFFFFFF/FFFFFFFF".to_string(), |l| l.to_string());
+    let event_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.event_id.as_str())).collect();
     let (mut runs, mut marked) = (Vec::new(), HashSet::new());
-    for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi]).await? {
+    for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
         let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
-        if in_table {
-            marked.insert(lo);
-        } else {
+        if !in_table {
             runs.push((lo, hi));
+        } else if event_of.get(&lo).copied() == r.get::<_, Option<&str>>(3) {
+            marked.insert(lo);
         }
     }
-    Ok(settled(ids, runs, marked))
+    Ok(settled(&ids, runs, marked))
 }
 
 /// For each event, whether it is the last of `events` bound for its destination.
@@ -126,8 +143,7 @@ impl Router<'_> {
             return Ok(());
         }
         if replayed {
-            let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-            let done = replayed_settled(sql, &ids).await?;
+            let done = replayed_settled(sql, &events).await?;
             if !done.is_empty() {
                 self.metrics.replayed_filtered.inc_by(done.len() as u64);
                 events.retain(|e| !done.contains(&e.id));
@@ -162,9 +178,8 @@ impl Router<'_> {
             }
             Err(reason) => (Outcome::Dead(reason), None),
         };
-        let (id, xid, destination) = (ev.id, ev.xid, Arc::from(label));
-        let row = ev.transient.then(|| Arc::clone(&ev));
-        let settlement = Settlement { id, xid, txn: seq, destination, outcome, permit: Some(permit), unmarked, row };
+        let destination = Arc::from(label);
+        let settlement = Settlement { event: ev, txn: seq, destination, outcome, permit: Some(permit), unmarked };
         self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
     }
 }
@@ -180,19 +195,11 @@ mod tests {
         #[test]
         fn settled_matches_a_scan_of_every_run(
             ids in proptest::collection::vec(0i64..400, 0..60),
-            cuts in proptest::collection::btree_set(0i64..400, 0..40),
-            keep in proptest::collection::vec(any::<bool>(), 40),
+            starts in proptest::collection::vec((0i64..400, 0i64..60), 0..40),
             marked in proptest::collection::hash_set(0i64..400, 0..20),
         ) {
-            // Disjoint runs: consecutive cut points, every other one kept.
-            let cuts: Vec<i64> = cuts.into_iter().collect();
-            let runs: Vec<(i64, i64)> = cuts
-                .windows(2)
-                .zip(&keep)
-                .filter(|(_, k)| **k)
-                .map(|(w, _)| (w[0], w[1] - 1))
-                .filter(|(lo, hi)| lo <= hi)
-                .collect();
+            // Runs that may overlap and nest (ids reused).
+            let runs: Vec<(i64, i64)> = starts.iter().map(|&(lo, len)| (lo, lo + len)).collect();
             let expected: HashSet<i64> = ids
                 .iter()
                 .copied()

@@ -6,7 +6,9 @@
 //! PUBLISHED. DEAD and deferred rows are updated in place. A transient row
 //! (deleted by its own transaction) needs nothing when published; DEAD or
 //! deferred, it is written back to the table so its reason, or its retry,
-//! is kept.
+//! is kept. So is any row found gone that nothing proves published: a row
+//! deleted by its own transaction after its chunk was handed on, or on a
+//! shard whose publication carries no deletes, looks persistent until then.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -34,9 +36,10 @@ pub enum Outcome {
 /// One event's settlement, on its way to the settler.
 #[derive(Debug)]
 pub struct Settlement {
-    pub id: i64,
-    /// The inserting transaction, for a row read from the stream.
-    pub xid: Option<u32>,
+    /// The row as it was read (stream or table): its id and event id say
+    /// which row to mark; if that row is gone from the table and the event
+    /// was not published, it is written back from here.
+    pub event: Arc<OutboxEvent>,
     /// `None`: not tied to the stream's watermark (table path).
     pub txn: Option<TxnSeq>,
     pub destination: Arc<str>,
@@ -46,9 +49,17 @@ pub struct Settlement {
     /// A deferred event of a streaming lane: its lane's count of deferred
     /// rows not yet marked, decremented once it is.
     pub unmarked: Option<Arc<Unmarked>>,
-    /// A transient row (its transaction deleted it): the row itself, written
-    /// back to the table if it ends DEAD or deferred.
-    pub row: Option<Arc<OutboxEvent>>,
+}
+
+impl Settlement {
+    /// A settlement with no budget permit and no lane count attached.
+    pub fn new(event: Arc<OutboxEvent>, txn: Option<TxnSeq>, destination: Arc<str>, outcome: Outcome) -> Self {
+        Settlement { event, txn, destination, outcome, permit: None, unmarked: None }
+    }
+
+    pub fn id(&self) -> i64 {
+        self.event.id
+    }
 }
 
 /// Deferred rows of one lane handed to the settler and not marked yet: the
@@ -99,12 +110,17 @@ fn update_set() -> String {
     )
 }
 
-const MARK_INPUT: &str = "unnest($1::bigint[], $2::text[], $3::text[], $6::bool[]) AS u(id, status, err, defer)";
+const MARK_INPUT: &str =
+    "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::bool[]) AS u(id, event_id, status, err, defer)";
+
+/// A row is the settlement's row when both its id and its event id match:
+/// ids can be reused (an identity reset, a restore), event ids are unique.
+const SAME_ROW: &str = "o.id = u.id AND o.event_id = u.event_id AND o.status = 'NEW'";
 
 /// `published_rows = "keep"`: one UPDATE marks a flush PUBLISHED, DEAD, or
 /// deferred (NEW with `next_attempt_at` from the retry policy's backoff).
 static KEEP_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE o.id = u.id AND o.status = 'NEW' RETURNING o.id", update_set())
+    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE {SAME_ROW} RETURNING o.id", update_set())
 });
 
 /// `published_rows = "delete"`: one statement deletes the published rows,
@@ -114,9 +130,9 @@ static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "WITH u AS (SELECT * FROM {MARK_INPUT}),
          upd AS (UPDATE outbox o {} FROM u
-                  WHERE o.id = u.id AND o.status = 'NEW' AND u.status <> 'PUBLISHED' RETURNING o.id),
+                  WHERE {SAME_ROW} AND u.status <> 'PUBLISHED' RETURNING o.id),
          del AS (DELETE FROM outbox o USING u
-                  WHERE o.id = u.id AND o.status = 'NEW' AND u.status = 'PUBLISHED' RETURNING o.id),
+                  WHERE {SAME_ROW} AND u.status = 'PUBLISHED' RETURNING o.id),
          runs AS (INSERT INTO outbox_published_runs (lo, hi)
                   SELECT min(id), max(id) FROM (SELECT id, id - row_number() OVER (ORDER BY id) AS g FROM del) r
                    GROUP BY g RETURNING lo)
@@ -125,145 +141,206 @@ static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
-/// A transient row that ended DEAD or deferred, written back under its own
-/// id (so a FIFO group keeps its order in the table). Its insert reaches the
-/// stream with a status or `next_attempt_at` set, which the decoder skips.
-static RESTORE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+/// Write rows back to the table, DEAD or deferred: `own_id` under their own
+/// id (so a FIFO group keeps its order in the table), otherwise under a new
+/// one, for rows whose id another row has taken since (ids reused) and whose
+/// event is not in the table. The insert reaches the stream with a status or
+/// `next_attempt_at` set, which the decoder skips. Returns the event ids written.
+fn restore_sql(own_id: bool) -> String {
+    let (id_col, id_val, overriding, unless) = if own_id {
+        ("id, ", "u.id, ", "OVERRIDING SYSTEM VALUE", "")
+    } else {
+        ("", "", "", "WHERE NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_id = u.event_id)")
+    };
     format!(
-        "INSERT INTO outbox (id, event_id, destination, body, group_key, attributes, created_at,
+        "INSERT INTO outbox ({id_col}event_id, destination, body, group_key, attributes, created_at,
                              status, attempts, next_attempt_at, last_error)
-         OVERRIDING SYSTEM VALUE
-         SELECT u.id, u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
+         {overriding}
+         SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
                 to_timestamp(u.created_us / 1e6), u.status, 1,
                 CASE WHEN u.defer THEN now() + make_interval(secs => {}) END, u.err
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
                        $8::text[], $9::bool[], $10::text[])
                 AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err)
-         ON CONFLICT DO NOTHING",
+         {unless}
+         ON CONFLICT DO NOTHING
+         RETURNING event_id",
         crate::policy::retry::backoff_sql("0", "$11", "$12")
     )
-});
+}
+
+static RESTORE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| restore_sql(true));
+static RESTORE_NEW_ID_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| restore_sql(false));
 
 /// How long [`mark`] waits, at most, for a row whose transaction is not
 /// visible yet (a safety net: that window lasts microseconds).
 const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Of the rows a mark did not update, in one statement: whether the row is
-/// there and NEW (mark it again now), and whether its inserting transaction
-/// is visible to this statement's snapshot. Visible and not NEW (or gone):
-/// it was settled before (a replay, the table path), or deleted (by its own
-/// transaction or a later one) — nothing to wait for. Not visible: the
-/// commit was decoded before it left the server's proc array; wait.
+/// there (same id and event id) and whether it is still NEW (mark it again
+/// now), and whether its inserting transaction is visible to this
+/// statement's snapshot. Visible and there but not NEW: settled before (a
+/// replay, the table path). Visible and absent: deleted (by its own
+/// transaction or a later one, or published and deleted before). Not
+/// visible: the commit was decoded before it left the server's proc array;
+/// wait.
 ///
 /// The stream gives 32-bit xids; they are widened against the snapshot's
 /// xmax (a committed transaction is less than 2^31 behind it).
 const MISSING_SQL: &str = "
-SELECT u.id,
-       EXISTS (SELECT 1 FROM outbox o WHERE o.id = u.id AND o.status = 'NEW') AS pending,
+SELECT u.id, o.status = 'NEW', o.id IS NOT NULL,
        u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
                          AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)) AS visible
-  FROM unnest($1::bigint[], $2::bigint[]) AS u(id, xid)
+  FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(id, xid, event_id)
+  LEFT JOIN outbox o ON o.id = u.id AND o.event_id = u.event_id
  CROSS JOIN (SELECT pg_current_snapshot() AS snap,
                     pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
  CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d";
+
+/// Of the given (id, commit position) pairs, the ids a run of published ids
+/// proves published: a run containing the id, written after the commit. A
+/// row read from the table has no commit position and nothing proves it.
+const PUBLISHED_SQL: &str = "
+SELECT u.id FROM unnest($1::bigint[], $2::text[]) AS u(id, lsn)
+ WHERE EXISTS (SELECT 1 FROM outbox_published_runs r
+                WHERE int8range(r.lo, r.hi, '[]') @> u.id AND r.lsn > u.lsn::pg_lsn)";
 
 /// What one [`mark`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct MarkReport {
     /// Rows updated or deleted.
     pub marked: u64,
-    /// Rows found settled already or deleted: nothing to record.
+    /// Rows found settled already (in the table, or proven published):
+    /// nothing to record.
     pub gone: u64,
     /// Times it waited for a transaction to become visible.
     pub waits: u32,
     /// Transient rows published: nothing written.
     pub transient: u64,
-    /// Transient rows written back to the table, DEAD or deferred.
+    /// Rows written back to the table, DEAD or deferred: transient ones, and
+    /// any other whose row was gone and not proven published.
     pub restored: u64,
 }
 
+/// Where a row the marking statement did not touch stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Missing {
+    /// There and NEW: mark it again.
+    Pending,
+    /// There, no longer NEW: settled before.
+    Settled,
+    /// Not in the table, its transaction visible: deleted.
+    Absent,
+    /// Its transaction is not visible yet: wait.
+    Invisible,
+}
+
 /// Record a set of settlements, in one statement for the rows in the table
-/// (and one for transient rows to write back), and make sure it took.
+/// (and one for rows to write back), and make sure it took. An event whose
+/// row is gone is settled only by its successful send, by proof that it was
+/// published before, or by writing its row back: never by "the row is gone".
 pub async fn mark<C: GenericClient>(
     client: &C,
     batch: &[Settlement],
     marking: Marking,
 ) -> Result<MarkReport, tokio_postgres::Error> {
-    let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.row.is_some());
-    let restore: Vec<&Settlement> =
-        transient.iter().copied().filter(|s| !matches!(s.outcome, Outcome::Published)).collect();
+    let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.event.transient);
+    let unpublished = |s: &&Settlement| !matches!(s.outcome, Outcome::Published);
+    let mut restore: Vec<&Settlement> = transient.iter().copied().filter(unpublished).collect();
     let mut report = MarkReport { transient: (transient.len() - restore.len()) as u64, ..Default::default() };
+    if !rows.is_empty() {
+        let absent = mark_rows(client, &rows, marking, &mut report).await?;
+        // Published and gone: the send settled it.
+        report.gone += absent.iter().filter(|s| !unpublished(s)).count() as u64;
+        let absent: Vec<&Settlement> = absent.into_iter().filter(unpublished).collect();
+        if !absent.is_empty() {
+            let proven = published_before(client, &absent).await?;
+            report.gone += proven.len() as u64;
+            restore.extend(absent.into_iter().filter(|s| !proven.contains(&s.id())));
+        }
+    }
     if !restore.is_empty() {
         report.restored = restore_rows(client, &restore, marking).await?;
-    }
-    if !rows.is_empty() {
-        mark_rows(client, &rows, marking, &mut report).await?;
     }
     Ok(report)
 }
 
-/// Mark rows of the table. A row the statement did not touch was settled
-/// already, was deleted, or belongs to a transaction whose commit the stream
-/// decoded before it became visible to new snapshots. One query
-/// ([`MISSING_SQL`]) tells them apart: only the last is waited for, so a
-/// deleted row costs that one query.
-async fn mark_rows<C: GenericClient>(
+/// Mark rows of the table; returns the settlements whose row is absent. A
+/// row the statement did not touch was settled already, is gone, or belongs
+/// to a transaction whose commit the stream decoded before it became visible
+/// to new snapshots. One query ([`MISSING_SQL`]) tells them apart: only the
+/// last is waited for, so an absent row costs that one query.
+async fn mark_rows<'a, C: GenericClient>(
     client: &C,
-    batch: &[&Settlement],
+    batch: &[&'a Settlement],
     marking: Marking,
     report: &mut MarkReport,
-) -> Result<(), tokio_postgres::Error> {
+) -> Result<Vec<&'a Settlement>, tokio_postgres::Error> {
     let marked = mark_once(client, batch, marking).await?;
     report.marked += marked.len() as u64;
-    let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(&s.id)).collect();
+    let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(&s.id())).collect();
+    let mut absent = Vec::new();
     let started = std::time::Instant::now();
     while !rest.is_empty() {
-        let (pending, invisible) = missing(client, &rest).await?;
-        report.gone += rest.iter().filter(|s| !pending.contains(&s.id) && !invisible.contains(&s.id)).count() as u64;
-        rest.retain(|s| pending.contains(&s.id) || invisible.contains(&s.id));
-        if !pending.is_empty() {
-            let todo: Vec<&Settlement> = rest.iter().copied().filter(|s| pending.contains(&s.id)).collect();
+        let state = missing(client, &rest).await?;
+        let of = |s: &Settlement| state.get(&s.id()).copied().unwrap_or(Missing::Absent);
+        report.gone += rest.iter().filter(|s| of(s) == Missing::Settled).count() as u64;
+        absent.extend(rest.iter().copied().filter(|s| of(s) == Missing::Absent));
+        rest.retain(|s| matches!(of(s), Missing::Pending | Missing::Invisible));
+        let todo: Vec<&Settlement> = rest.iter().copied().filter(|s| of(s) == Missing::Pending).collect();
+        if !todo.is_empty() {
             let now = mark_once(client, &todo, marking).await?;
             report.marked += now.len() as u64;
-            rest.retain(|s| !now.contains(&s.id));
+            rest.retain(|s| !now.contains(&s.id()));
         }
         if rest.is_empty() {
             break;
         }
         if started.elapsed() > VISIBILITY_DEADLINE {
-            let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-            tracing::warn!(?ids, "outbox rows to be marked did not become visible; nothing left to mark");
+            // Never settled as gone: whatever is still invisible is written back.
+            let ids: Vec<i64> = rest.iter().map(|s| s.id()).collect();
+            tracing::warn!(?ids, "outbox rows to be marked did not become visible; treating them as absent");
+            absent.append(&mut rest);
             break;
         }
         let wait = crate::policy::retry::backoff(report.waits, Duration::from_millis(1), Duration::from_millis(100));
         tokio::time::sleep(wait).await;
         report.waits += 1;
     }
-    if report.gone > 0 {
-        tracing::debug!(rows = report.gone, "outbox rows settled before or deleted: nothing to mark");
-    }
-    Ok(())
+    Ok(absent)
 }
 
-/// Of rows not marked: the ids still NEW (mark again), and the ids whose
-/// transaction is not visible yet (wait).
+/// Of rows not marked, where each stands ([`Missing`]).
 async fn missing<C: GenericClient>(
     client: &C,
     rest: &[&Settlement],
-) -> Result<(HashSet<i64>, HashSet<i64>), tokio_postgres::Error> {
-    let ids: Vec<i64> = rest.iter().map(|s| s.id).collect();
-    let xids: Vec<Option<i64>> = rest.iter().map(|s| s.xid.map(i64::from)).collect();
-    let mut pending = HashSet::new();
-    let mut invisible = HashSet::new();
-    for r in client.query(MISSING_SQL, &[&ids, &xids]).await? {
-        let (id, is_new, visible): (i64, bool, bool) = (r.get(0), r.get(1), r.get(2));
-        if is_new {
-            pending.insert(id);
-        } else if !visible {
-            invisible.insert(id);
-        }
+) -> Result<std::collections::HashMap<i64, Missing>, tokio_postgres::Error> {
+    let ids: Vec<i64> = rest.iter().map(|s| s.id()).collect();
+    let xids: Vec<Option<i64>> = rest.iter().map(|s| s.event.xid.map(i64::from)).collect();
+    let event_ids: Vec<&str> = rest.iter().map(|s| s.event.event_id.as_str()).collect();
+    let mut out = std::collections::HashMap::new();
+    for r in client.query(MISSING_SQL, &[&ids, &xids, &event_ids]).await? {
+        let (id, is_new, present, visible): (i64, Option<bool>, bool, bool) = (r.get(0), r.get(1), r.get(2), r.get(3));
+        let state = match (present, is_new == Some(true), visible) {
+            (true, true, _) => Missing::Pending,
+            (true, false, _) => Missing::Settled,
+            (false, _, true) => Missing::Absent,
+            (false, _, false) => Missing::Invisible,
+        };
+        out.insert(id, state);
     }
-    Ok((pending, invisible))
+    Ok(out)
+}
+
+/// Of settlements whose row is absent, the ids proven published before
+/// ([`PUBLISHED_SQL`]).
+async fn published_before<C: GenericClient>(
+    client: &C,
+    rows: &[&Settlement],
+) -> Result<HashSet<i64>, tokio_postgres::Error> {
+    let ids: Vec<i64> = rows.iter().map(|s| s.id()).collect();
+    let lsns: Vec<Option<String>> = rows.iter().map(|s| s.event.commit_lsn.map(|l| l.to_string())).collect();
+    Ok(client.query(PUBLISHED_SQL, &[&ids, &lsns]).await?.iter().map(|r| r.get(0)).collect())
 }
 
 /// A settlement's status, `last_error` and whether it is deferred, as the
@@ -282,12 +359,14 @@ async fn mark_once<C: GenericClient>(
     marking: Marking,
 ) -> Result<HashSet<i64>, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
+    let mut event_ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
     let mut defer = Vec::with_capacity(batch.len());
     for s in batch {
         let (status, err, d) = columns(&s.outcome);
-        ids.push(s.id);
+        ids.push(s.id());
+        event_ids.push(s.event.event_id.as_str());
         statuses.push(status);
         errors.push(err);
         defer.push(d);
@@ -300,16 +379,39 @@ async fn mark_once<C: GenericClient>(
     };
     // Planned at every flush, never as a prepared statement: a generic plan
     // made while the table was small scans it whole once it has grown.
-    Ok(client.query(sql, &[&ids, &statuses, &errors, &base, &max, &defer]).await?.iter().map(|r| r.get(0)).collect())
+    Ok(client
+        .query(sql, &[&ids, &statuses, &errors, &base, &max, &defer, &event_ids])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
 }
 
-/// Write transient rows that ended DEAD or deferred back to the table.
-/// Returns the rows written (a replay finds its earlier copy and skips it).
+/// Write rows that ended DEAD or deferred and are gone from the table back
+/// to it: under their own id, or, where another row has taken that id since,
+/// under a new one. Returns the rows written (a row whose event is in the
+/// table already, a replay's earlier copy, is skipped).
 async fn restore_rows<C: GenericClient>(
     client: &C,
     batch: &[&Settlement],
     marking: Marking,
 ) -> Result<u64, tokio_postgres::Error> {
+    let written = restore_with(client, RESTORE_SQL.as_str(), batch, marking).await?;
+    let rest: Vec<&Settlement> =
+        batch.iter().copied().filter(|s| !written.contains(s.event.event_id.as_str())).collect();
+    let mut n = written.len() as u64;
+    if !rest.is_empty() {
+        n += restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?.len() as u64;
+    }
+    Ok(n)
+}
+
+async fn restore_with<C: GenericClient>(
+    client: &C,
+    sql: &str,
+    batch: &[&Settlement],
+    marking: Marking,
+) -> Result<HashSet<String>, tokio_postgres::Error> {
     let n = batch.len();
     let (mut ids, mut event_ids, mut dests, mut bodies) =
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
@@ -317,7 +419,7 @@ async fn restore_rows<C: GenericClient>(
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut defer, mut errors) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for s in batch {
-        let ev = s.row.as_ref().expect("a transient settlement carries its row");
+        let ev = &s.event;
         let (status, err, d) = columns(&s.outcome);
         ids.push(ev.id);
         event_ids.push(ev.event_id.as_str());
@@ -331,12 +433,13 @@ async fn restore_rows<C: GenericClient>(
         errors.push(err);
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
-    client
-        .execute(
-            RESTORE_SQL.as_str(),
+    let rows = client
+        .query(
+            sql,
             &[&ids, &event_ids, &dests, &bodies, &groups, &attrs, &created, &statuses, &defer, &errors, &base, &max],
         )
-        .await
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// Count a flushed batch in the metrics, and log each DEAD row once.
@@ -345,16 +448,16 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
         match &s.outcome {
             Outcome::Published => {
                 metrics.events_published.with_label_values(&[&s.destination]).inc();
-                if s.row.is_some() {
+                if s.event.transient {
                     metrics.events_transient.with_label_values(&[&s.destination]).inc();
                 }
             }
             Outcome::Dead(r) => {
-                tracing::warn!(id = s.id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
+                tracing::warn!(id = s.id(), destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
             }
             Outcome::Deferred(e) => {
-                tracing::debug!(id = s.id, destination = %s.destination, error = %e, "outbox row deferred to the table");
+                tracing::debug!(id = s.id(), destination = %s.destination, error = %e, "outbox row deferred to the table");
                 metrics.events_deferred.with_label_values(&[&s.destination]).inc();
             }
         }

@@ -7,6 +7,45 @@
 
 use std::time::Duration;
 
+/// Why a lane spools. A fault (the lane stalled, or holds the slot's WAL
+/// over budget) is logged as a warning; rows already waiting in the table
+/// (a new slot's hand-off, an earlier spool) are how the table path takes
+/// over in order, logged as information.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpoolCause {
+    /// The oldest unsettled event is older than `lane_stall_timeout`.
+    Stalled { oldest: Duration, limit: Duration },
+    /// The slot holds over half of `max_retained_wal` and this lane is the
+    /// one holding it.
+    WalBudget { held: u64, max: u64, oldest: Duration },
+    /// Rows of this destination wait in the table: they go first.
+    RowsInTable,
+}
+
+impl SpoolCause {
+    pub fn is_fault(&self) -> bool {
+        !matches!(self, SpoolCause::RowsInTable)
+    }
+}
+
+impl std::fmt::Display for SpoolCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpoolCause::Stalled { oldest, limit } => write!(
+                f,
+                "oldest unsettled event is {:.1}s old (lane_stall_timeout {limit:?}): sends are failing or too slow",
+                oldest.as_secs_f64()
+            ),
+            SpoolCause::WalBudget { held, max, oldest } => write!(
+                f,
+                "slot holds {held} bytes of WAL, over half of max_retained_wal ({max}); this lane's oldest unsettled event is {:.1}s old",
+                oldest.as_secs_f64()
+            ),
+            SpoolCause::RowsInTable => f.write_str("rows of this destination are waiting in the outbox table"),
+        }
+    }
+}
+
 /// Events younger than this are in normal flight, not holding the slot.
 pub const MIN_HOLDING_AGE: Duration = Duration::from_secs(1);
 

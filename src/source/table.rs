@@ -243,19 +243,10 @@ pub async fn claim_round(
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
     for r in &rows {
-        let ev = OutboxEvent::from_row(r);
-        match prepare(Arc::new(ev), &cfg.queue) {
+        let ev = Arc::new(OutboxEvent::from_row(r));
+        match prepare(Arc::clone(&ev), &cfg.queue) {
             Ok(entry) => items.push(LaneItem::new(entry, None, None)),
-            Err(reason) => settled.push(Settlement {
-                id: r.get(0),
-                xid: None,
-                txn: None,
-                destination: Arc::clone(&cfg.name),
-                outcome: Outcome::Dead(reason),
-                permit: None,
-                unmarked: None,
-                row: None,
-            }),
+            Err(reason) => settled.push(Settlement::new(ev, None, Arc::clone(&cfg.name), Outcome::Dead(reason))),
         }
     }
     round.handled = items.len() + settled.len();

@@ -26,7 +26,7 @@ use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
 use crate::pipeline::settle::{Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
-use crate::policy::spool::stalled;
+use crate::policy::spool::{stalled, SpoolCause};
 use crate::publish::Publisher;
 
 mod send;
@@ -315,10 +315,7 @@ impl Lane {
         state.set_oldest(oldest);
         if let (Some(limit), Some(t)) = (self.ctx.cfg.stall_timeout, oldest) {
             if stalled(t.elapsed(), limit) && !state.is_spooling() {
-                state.start_spooling(&format!(
-                    "oldest unsettled event is {:.1}s old (lane_stall_timeout {limit:?})",
-                    t.elapsed().as_secs_f64()
-                ));
+                state.start_spooling(SpoolCause::Stalled { oldest: t.elapsed(), limit });
             }
         }
     }
@@ -358,14 +355,12 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
     // The settler outlives the lanes; if it is gone the pipeline is stopping
     // and the row stays NEW, to be read again.
     let sent = ctx.settle.send(Settlement {
-        id: item.entry.event.id,
-        xid: item.entry.event.xid,
+        event: Arc::clone(&item.entry.event),
         txn: item.txn,
         destination: Arc::clone(&ctx.cfg.name),
         outcome,
         permit: item.permit,
         unmarked,
-        row: item.entry.event.transient.then(|| Arc::clone(&item.entry.event)),
     });
     if let Err(mpsc::error::SendError(s)) = sent {
         if let Some(u) = s.unmarked {
@@ -438,7 +433,7 @@ mod tests {
             tx.send(item(id)).await.unwrap();
         }
         until("the batch's call to start", || p.calls_started() == 1).await;
-        state.start_spooling("test: retained WAL over budget");
+        state.start_spooling(SpoolCause::WalBudget { held: 2, max: 3, oldest: Duration::from_secs(2) });
         tokio::task::yield_now().await;
         p.open_gate();
         let mut outcomes = Vec::new();

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use super::now_unix_ms;
 use crate::metrics::Metrics;
 use crate::pipeline::settle::Unmarked;
+use crate::policy::spool::SpoolCause;
 
 /// A destination's streaming state, shared by its lane (one per replication
 /// session), the session's WAL watch, and its spool drain. It outlives
@@ -21,6 +22,9 @@ pub struct LaneState {
     oldest_unsettled_ms: AtomicU64,
     /// The last error SQS gave this lane, for the spooled rows' `last_error`.
     last_error: Mutex<String>,
+    /// Why the lane spools (or last spooled), for rows spooled with no SQS
+    /// error to show (sends only slow, or a hand-off).
+    spool_cause: Mutex<Option<SpoolCause>>,
     /// Deferred rows handed to the settler and not marked yet; the drain does
     /// not return the lane to streaming while any are on their way.
     unmarked: Arc<Unmarked>,
@@ -35,6 +39,7 @@ impl LaneState {
             spool: watch::channel(false).0,
             oldest_unsettled_ms: AtomicU64::new(0),
             last_error: Mutex::new(String::new()),
+            spool_cause: Mutex::new(None),
             unmarked: Arc::default(),
             metrics,
         })
@@ -44,12 +49,18 @@ impl LaneState {
         *self.spool.borrow()
     }
 
-    /// Spool from now on; logged once per switch.
-    pub fn start_spooling(&self, why: &str) {
+    /// Spool from now on; logged once per switch, as a warning for a fault.
+    pub fn start_spooling(&self, cause: SpoolCause) {
         if !self.spool.send_replace(true) {
             self.metrics.lane_spooled.with_label_values(&[&self.name]).set(1);
             self.metrics.lane_spool_switches.with_label_values(&[&self.name]).inc();
-            tracing::warn!(destination = %self.name, reason = why, last_error = %self.last_error(), "lane spooling: its events go to the outbox table and the slot moves on");
+            let (reason, last_error) = (cause.to_string(), self.last_error());
+            if cause.is_fault() {
+                tracing::warn!(destination = %self.name, %reason, %last_error, "lane spooling: its events go to the outbox table and the slot moves on");
+            } else {
+                tracing::info!(destination = %self.name, %reason, "lane draining the outbox table first: its events go there until it is empty");
+            }
+            *self.spool_cause.lock().unwrap() = Some(cause);
         }
     }
 
@@ -79,13 +90,16 @@ impl LaneState {
     }
 
     /// The `last_error` of a row of this lane deferred to the table for
-    /// `why`: the reason, and the last error SQS gave the lane, if any.
+    /// `why`: the reason, and the last error SQS gave the lane or, with none,
+    /// why the lane spools.
     pub fn deferral(&self, why: &str) -> String {
         let last = self.last_error();
-        if last.is_empty() {
-            why.to_string()
-        } else {
-            format!("{why}: {last}")
+        if !last.is_empty() {
+            return format!("{why}: {last}");
+        }
+        match self.spool_cause.lock().unwrap().as_ref() {
+            Some(cause) => format!("{why}: {cause}"),
+            None => why.to_string(),
         }
     }
 

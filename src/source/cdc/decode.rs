@@ -94,7 +94,7 @@ impl Decoder {
                     return Ok(());
                 }
                 let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
-                let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid))?;
+                let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
                 t.buf_bytes += row.size();
                 t.buffered.insert(row.id, t.buf.len());
                 t.buf.push(row);

@@ -188,7 +188,7 @@ async fn start_pipeline<'a>(
     for (name, state) in &ctx.lanes {
         state.reset_deferred();
         if spooled.contains(name) {
-            state.start_spooling("rows of this destination are waiting in the outbox table");
+            state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
         }
     }
     let wal_watch =

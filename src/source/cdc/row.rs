@@ -1,6 +1,6 @@
 //! A decoded pgoutput tuple of the outbox table, mapped by column name.
 
-use replication::{Relation, Tuple, TupleValue};
+use replication::{Lsn, Relation, Tuple, TupleValue};
 
 use crate::event::OutboxEvent;
 
@@ -32,6 +32,7 @@ pub(crate) fn row_from_tuple(
     t: &Tuple,
     commit_time_us: i64,
     xid: Option<u32>,
+    commit_lsn: Lsn,
 ) -> Result<OutboxEvent, CdcError> {
     let col = |name: &str| -> Result<Option<&str>, CdcError> {
         let i = rel
@@ -58,6 +59,7 @@ pub(crate) fn row_from_tuple(
         attributes: col("attributes")?.map(str::to_owned),
         commit_time_us,
         xid,
+        commit_lsn: Some(commit_lsn),
         transient: false,
     })
 }

@@ -154,12 +154,17 @@ pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClien
             Ok(repl) => in_recovery(cfg, repl).await,
             Err(e) => Err(e),
         };
-        match attempt {
-            Ok(Ok(repl)) => return Ok(repl),
-            Ok(Err(())) => passed.push(format!("{server} is a standby (in recovery)")),
+        let why = match attempt {
+            Ok(Ok(repl)) => {
+                db::host_answered(&server);
+                return Ok(repl);
+            }
+            Ok(Err(())) => format!("{server} is a standby (in recovery)"),
             Err(e) if t.hosts.len() == 1 => return Err(e),
-            Err(e) => passed.push(format!("{server}: {e}")),
-        }
+            Err(e) => format!("{server}: {e}"),
+        };
+        db::host_passed_over(&server, &why);
+        passed.push(why);
     }
     Err(CdcError::Db(db::DbError::Connect {
         url: t.shown.clone(),

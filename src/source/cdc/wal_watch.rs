@@ -42,10 +42,11 @@ pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, l
         let ages: Vec<Option<Duration>> =
             lanes.iter().map(|l| if l.is_spooling() { None } else { l.oldest_unsettled_age() }).collect();
         if let Some(i) = lane_to_spool(held, max_retained_wal, &ages) {
-            lanes[i].start_spooling(&format!(
-                "slot holds {held} bytes of WAL, over half of max_retained_wal ({max_retained_wal}); this lane's oldest unsettled event is {:.1}s old",
-                ages[i].unwrap_or_default().as_secs_f64()
-            ));
+            lanes[i].start_spooling(crate::policy::spool::SpoolCause::WalBudget {
+                held,
+                max: max_retained_wal,
+                oldest: ages[i].unwrap_or_default(),
+            });
         }
     }
 }
