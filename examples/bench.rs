@@ -366,10 +366,8 @@ async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: 
     insert_backlog(db, prefix, n, a.destinations, a.txn_size, a.row_size).await;
     let c = db.client().await;
     c.batch_execute("VACUUM outbox").await.unwrap();
-    let sql = format!(
-        "SELECT {} FROM outbox WHERE event_id LIKE $1 || '%' ORDER BY id",
-        outbox_relay::event::OUTBOX_COLUMNS
-    );
+    let sql =
+        format!("SELECT {} FROM outbox WHERE event_id LIKE $1 || '%' ORDER BY id", outbox_relay::event::OUTBOX_COLUMNS);
     let ids: Vec<Arc<outbox_relay::event::OutboxEvent>> = c
         .query(&sql, &[&prefix])
         .await

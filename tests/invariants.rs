@@ -220,7 +220,7 @@ async fn a_gone_row_is_written_back_unless_proven_published() {
     let commit =
         c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64;
     c.batch_execute("INSERT INTO outbox_published_runs (lo, hi) VALUES (10, 20)").await.unwrap();
-    let deferred = || Outcome::Deferred("spooled".into());
+    let deferred = || Outcome::Deferred("spooled".into(), outbox_relay::pipeline::settle::Due::Backoff);
     let batch = vec![
         Settlement::new(read(15, "proven", commit), None, Arc::from("orders"), deferred()),
         Settlement::new(read(25, "unproven", commit), None, Arc::from("orders"), deferred()),
@@ -278,4 +278,42 @@ async fn a_hung_or_refusing_first_host_does_not_block_sql_connections() {
     let err = outbox_relay::db::Db::new(&url, deadlines).connect().await.unwrap_err().to_string();
     assert!(err.contains(&format!(":{frozen}")) && err.contains(&format!(":{refused}")), "{err}");
     task.abort();
+}
+
+/// Under a steady load, a lane spooled by an outage streams again once its
+/// sends succeed, without waiting for the writer to stop: rows spooled
+/// because the lane was behind are due at once, and the spool drains beside
+/// the stream (a standard queue: order does not matter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spooled_lane_streams_again_under_a_steady_load() {
+    let db = TestDb::new("steady_spool").await;
+    let p = publisher();
+    let relay = start(quick_spool(&db), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let spooled = |m: &str| m.contains("outbox_relay_lane_spooled{destination=\"orders\"} 1");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (c, stop) = (db.client().await, Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut k = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                insert_rows(&c, &format!("st{k}"), "orders", 10, None).await;
+                k += 1;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            k
+        })
+    };
+    p.break_queue(Q, CallError::transport("connection refused"));
+    wait_for("the lane spools", Duration::from_secs(30), || async { spooled(&relay.metrics.render()) }).await;
+    p.fix_queue(Q);
+    wait_for("the lane streams again while the writer writes", Duration::from_secs(30), || async {
+        !spooled(&relay.metrics.render())
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches = writer.await.unwrap();
+    wait_for("every row delivered", Duration::from_secs(60), || async { bodies(&p, "st").len() == batches * 10 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    relay.stop().await;
 }

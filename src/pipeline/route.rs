@@ -13,7 +13,7 @@ use crate::event::{prepare, Entry, OutboxEvent, QueueInfo};
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
 use crate::pipeline::lane::{LaneItem, LaneState};
-use crate::pipeline::settle::{Outcome, Settlement};
+use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
 
@@ -169,7 +169,7 @@ impl Router<'_> {
             Ok(_) if self.states[&ev.destination].is_spooling() => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];
-                (Outcome::Deferred(state.deferral("spooled")), Some(state.deferring()))
+                (Outcome::Deferred(state.deferral("spooled"), Due::Now), Some(state.deferring()))
             }
             Ok(entry) => {
                 let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");

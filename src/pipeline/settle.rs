@@ -27,10 +27,29 @@ use crate::pipeline::watermark::{TxnSeq, Watermark};
 pub enum Outcome {
     Published,
     Dead(DeadReason),
-    /// Not sent now: the row stays NEW with `next_attempt_at` set (time-based
-    /// backoff on its attempts) and the table path sends it later. The text
-    /// becomes `last_error`.
-    Deferred(String),
+    /// Not sent now: the row stays NEW with `next_attempt_at` set and the
+    /// table path sends it. The text becomes `last_error`.
+    Deferred(String, Due),
+}
+
+/// When a deferred row is due in the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// Its send failed: after the retry policy's backoff on its attempts.
+    Backoff,
+    /// It was never tried (its lane spools because it is behind, or it
+    /// follows an earlier entry of its group): at once.
+    Now,
+}
+
+impl Due {
+    /// The code the marking statements take (`u.defer`): 0 not deferred.
+    fn code(self) -> i16 {
+        match self {
+            Due::Backoff => 1,
+            Due::Now => 2,
+        }
+    }
 }
 
 /// One event's settlement, on its way to the settler.
@@ -103,15 +122,16 @@ fn update_set() -> String {
     format!(
         "SET status = u.status,
              published_at = CASE WHEN u.status = 'PUBLISHED' THEN now() ELSE o.published_at END,
-             next_attempt_at = CASE WHEN u.defer THEN now() + make_interval(secs => {}) ELSE o.next_attempt_at END,
+             next_attempt_at = CASE u.defer WHEN 1 THEN now() + make_interval(secs => {})
+                                            WHEN 2 THEN now() ELSE o.next_attempt_at END,
              last_error = u.err,
-             attempts = o.attempts + 1",
+             attempts = o.attempts + CASE WHEN u.defer = 2 THEN 0 ELSE 1 END",
         crate::policy::retry::backoff_sql("o.attempts", "$4", "$5")
     )
 }
 
 const MARK_INPUT: &str =
-    "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::bool[]) AS u(id, event_id, status, err, defer)";
+    "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[]) AS u(id, event_id, status, err, defer)";
 
 /// A row is the settlement's row when both its id and its event id match:
 /// ids can be reused (an identity reset, a restore), event ids are unique.
@@ -157,10 +177,10 @@ fn restore_sql(own_id: bool) -> String {
                              status, attempts, next_attempt_at, last_error)
          {overriding}
          SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
-                to_timestamp(u.created_us / 1e6), u.status, 1,
-                CASE WHEN u.defer THEN now() + make_interval(secs => {}) END, u.err
+                to_timestamp(u.created_us / 1e6), u.status, CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
+                CASE u.defer WHEN 1 THEN now() + make_interval(secs => {}) WHEN 2 THEN now() END, u.err
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
-                       $8::text[], $9::bool[], $10::text[])
+                       $8::text[], $9::int2[], $10::text[])
                 AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err)
          {unless}
          ON CONFLICT DO NOTHING
@@ -343,13 +363,13 @@ async fn published_before<C: GenericClient>(
     Ok(client.query(PUBLISHED_SQL, &[&ids, &lsns]).await?.iter().map(|r| r.get(0)).collect())
 }
 
-/// A settlement's status, `last_error` and whether it is deferred, as the
-/// marking statements take them.
-fn columns(outcome: &Outcome) -> (&'static str, Option<String>, bool) {
+/// A settlement's status, `last_error` and deferral code ([`Due::code`]),
+/// as the marking statements take them.
+fn columns(outcome: &Outcome) -> (&'static str, Option<String>, i16) {
     match outcome {
-        Outcome::Published => ("PUBLISHED", None, false),
-        Outcome::Dead(r) => ("DEAD", Some(r.last_error()), false),
-        Outcome::Deferred(e) => ("NEW", Some(e.clone()), true),
+        Outcome::Published => ("PUBLISHED", None, 0),
+        Outcome::Dead(r) => ("DEAD", Some(r.last_error()), 0),
+        Outcome::Deferred(e, due) => ("NEW", Some(e.clone()), due.code()),
     }
 }
 
@@ -456,7 +476,7 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
                 tracing::warn!(id = s.id(), destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
             }
-            Outcome::Deferred(e) => {
+            Outcome::Deferred(e, _) => {
                 tracing::debug!(id = s.id(), destination = %s.destination, error = %e, "outbox row deferred to the table");
                 metrics.events_deferred.with_label_values(&[&s.destination]).inc();
             }

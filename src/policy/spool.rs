@@ -2,8 +2,9 @@
 //! moves on. A lane spools when its oldest unsettled event is older than
 //! `lane_stall_timeout` ([`stalled`]), or when the slot holds more than half
 //! of `max_retained_wal` and it is the lane holding the watermark back
-//! ([`lane_to_spool`]). The table path returns it to streaming when its spool
-//! is drained and sends succeed ([`may_stream_again`]).
+//! ([`lane_to_spool`]). The table path returns it to streaming when sends
+//! succeed, and for a FIFO queue once its spool is drained too
+//! ([`may_stream_again`]).
 
 use std::time::Duration;
 
@@ -72,11 +73,44 @@ pub fn lane_to_spool(held: u64, max_retained_wal: u64, ages: &[Option<Duration>]
         .map(|(_, i)| i)
 }
 
-/// A spooling lane may stream again when its last claim found nothing due,
-/// its last sends succeeded and no deferred row is on its way to the table;
-/// then one query checks that nothing of it waits in the table.
-pub fn may_stream_again(claimed_now: usize, sends_ok: bool, deferred_unmarked: usize) -> bool {
-    claimed_now == 0 && sends_ok && deferred_unmarked == 0
+/// Whether a spooling lane streams again, after a table-path round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Not yet: its sends fail (or nothing was tried).
+    No,
+    /// A standard queue whose sends succeed: at once. Order does not
+    /// matter there, so the spool drains beside the stream; waiting for an
+    /// empty spool would never end under a steady load, every row going
+    /// through the table.
+    Now,
+    /// A FIFO queue: only once one query finds nothing of it waiting in the
+    /// table, so no group is overtaken by its own newer events.
+    IfSpoolEmpty,
+}
+
+/// After a round of a spooling lane's drain: `published_now` rows sent and
+/// `claimed_now` claimed, `sends_ok` whether its last sends succeeded,
+/// `deferred_unmarked` deferred rows still on their way to the table.
+pub fn may_stream_again(
+    fifo: bool,
+    claimed_now: usize,
+    published_now: usize,
+    sends_ok: bool,
+    deferred_unmarked: usize,
+) -> Resume {
+    if !sends_ok {
+        Resume::No
+    } else if !fifo {
+        if published_now > 0 || claimed_now == 0 {
+            Resume::Now
+        } else {
+            Resume::No
+        }
+    } else if claimed_now == 0 && deferred_unmarked == 0 {
+        Resume::IfSpoolEmpty
+    } else {
+        Resume::No
+    }
 }
 
 #[cfg(test)]
@@ -93,8 +127,20 @@ mod tests {
         assert_eq!(lane_to_spool(200, 256, &[Some(Duration::from_millis(500)), None]), None);
         assert!(stalled(Duration::from_secs(30), Duration::from_secs(30)));
         assert!(!stalled(Duration::from_secs(29), Duration::from_secs(30)));
-        assert!(may_stream_again(0, true, 0));
-        assert!(!may_stream_again(0, true, 1));
-        assert!(!may_stream_again(3, true, 0));
+    }
+
+    #[test]
+    fn a_standard_lane_streams_again_once_sends_succeed_a_fifo_one_once_its_spool_is_empty() {
+        // Standard: sends succeeding is enough, whatever is left in the table.
+        assert_eq!(may_stream_again(false, 100, 100, true, 5), Resume::Now);
+        assert_eq!(may_stream_again(false, 0, 0, true, 0), Resume::Now);
+        assert_eq!(may_stream_again(false, 100, 100, false, 0), Resume::No);
+        // Claimed rows none of which went out (all DEAD, say): no proof yet.
+        assert_eq!(may_stream_again(false, 10, 0, true, 0), Resume::No);
+        // FIFO: only an empty spool, checked by one query.
+        assert_eq!(may_stream_again(true, 0, 0, true, 0), Resume::IfSpoolEmpty);
+        assert_eq!(may_stream_again(true, 0, 0, true, 1), Resume::No);
+        assert_eq!(may_stream_again(true, 3, 3, true, 0), Resume::No);
+        assert_eq!(may_stream_again(true, 0, 0, false, 0), Resume::No);
     }
 }

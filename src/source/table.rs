@@ -9,8 +9,8 @@
 //! It serves two sources:
 //! - [`Source::Poll`]: polling mode, every NEW row that is due.
 //! - [`Source::Spool`]: CDC mode, the rows a spooling lane (or `dead redrive`)
-//!   handed to the table (`next_attempt_at` set). When a spooling lane's spool
-//!   is empty and its sends succeed, the lane streams again.
+//!   handed to the table (`next_attempt_at` set). When a spooling lane's
+//!   sends succeed (and, FIFO, its spool is empty), the lane streams again.
 //!
 //! Several relays may run this at once: `SKIP LOCKED` keeps them off each
 //! other's rows. A FIFO destination is drained by one relay at a time (a
@@ -31,7 +31,7 @@ use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPoli
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Marking, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
-use crate::policy::spool::may_stream_again;
+use crate::policy::spool::{may_stream_again, Resume};
 use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
@@ -128,15 +128,20 @@ pub async fn run_table_lane(
             sends_ok = ok;
         }
         if let Some(state) = &state {
-            if state.is_spooling() && may_stream_again(round.claimed, sends_ok, state.deferred_unmarked()) {
-                match spool_is_empty(c, &cfg.name).await {
+            let resume =
+                may_stream_again(cfg.queue.fifo, round.claimed, round.published, sends_ok, state.deferred_unmarked());
+            match resume {
+                _ if !state.is_spooling() => {}
+                Resume::No => {}
+                Resume::Now => state.stop_spooling(),
+                Resume::IfSpoolEmpty => match spool_is_empty(c, &cfg.name).await {
                     Ok(true) => state.stop_spooling(),
                     Ok(false) => {}
                     Err(e) => {
                         tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
                         client = None;
                     }
-                }
+                },
             }
         }
         if round.claimed < cfg.claim_limit && sleep_or_stop(cfg.poll_interval, &mut stop).await {
@@ -281,7 +286,7 @@ pub async fn claim_round(
         match s.outcome {
             Outcome::Published => round.published += 1,
             Outcome::Dead(_) => round.dead += 1,
-            Outcome::Deferred(_) => round.deferred += 1,
+            Outcome::Deferred(..) => round.deferred += 1,
         }
     }
     if !settled.is_empty() {

@@ -24,7 +24,7 @@ use crate::event::{Entry, QueueInfo};
 use crate::metrics::Metrics;
 use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
-use crate::pipeline::settle::{Outcome, Settlement};
+use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
 use crate::policy::spool::{stalled, SpoolCause};
 use crate::publish::Publisher;
@@ -216,7 +216,7 @@ impl Lane {
     fn defer_what_must_follow(&mut self) {
         if spooling(&self.spool_rx) && !self.pending.is_empty() {
             for item in self.pending.drain(..) {
-                defer(&self.ctx, item, "spooled");
+                defer(&self.ctx, item, "spooled", Due::Now);
             }
             self.oldest = None;
         }
@@ -226,7 +226,7 @@ impl Lane {
                 self.pending.drain(..).partition(|i| i.entry.group_id.as_ref().is_none_or(|g| !held.contains(g)));
             self.pending = keep;
             for item in follow {
-                defer(&self.ctx, item, "held behind an earlier entry of its group");
+                defer(&self.ctx, item, "held behind an earlier entry of its group", Due::Now);
             }
         }
     }
@@ -349,7 +349,7 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
         ctx.metrics.commit_to_publish_seconds.observe(lag);
     }
     let unmarked = match (&outcome, &ctx.state) {
-        (Outcome::Deferred(_), Some(s)) => Some(s.deferring()),
+        (Outcome::Deferred(..), Some(s)) => Some(s.deferring()),
         _ => None,
     };
     // The settler outlives the lanes; if it is gone the pipeline is stopping
@@ -369,9 +369,9 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
     }
 }
 
-pub(crate) fn defer(ctx: &Ctx, item: LaneItem, why: &str) {
+pub(crate) fn defer(ctx: &Ctx, item: LaneItem, why: &str, due: Due) {
     let text = ctx.state.as_ref().map(|s| s.deferral(why)).unwrap_or_else(|| why.to_string());
-    settle(ctx, item, Outcome::Deferred(text));
+    settle(ctx, item, Outcome::Deferred(text, due));
 }
 
 pub(crate) fn spooling(spool: &Option<watch::Receiver<bool>>) -> bool {

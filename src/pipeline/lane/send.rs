@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use super::{defer, settle, spooling, Ctx, LaneItem, RetryPolicy};
 use crate::event::Entry;
-use crate::pipeline::settle::Outcome;
+use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
 use crate::publish::{CallError, EntryResult};
@@ -79,7 +79,8 @@ pub(super) async fn send_until_settled(
         if spooling(&spool) {
             for item in todo.drain(..) {
                 deferred_groups.extend(item.entry.group_id.clone());
-                defer(ctx, item, "spooled");
+                // Tried and failed already, or not tried yet.
+                defer(ctx, item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
             }
             break;
         }
@@ -101,7 +102,7 @@ pub(super) async fn send_until_settled(
         if ctx.cfg.retry == RetryPolicy::ToTable {
             for (item, err) in retry {
                 deferred_groups.extend(item.entry.group_id.clone());
-                settle(ctx, item, Outcome::Deferred(err));
+                settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
             }
             break;
         }

@@ -68,7 +68,7 @@ impl LaneState {
     pub fn stop_spooling(&self) {
         if self.spool.send_replace(false) {
             self.metrics.lane_spooled.with_label_values(&[&self.name]).set(0);
-            tracing::info!(destination = %self.name, "lane streaming again: its spool is drained and sends succeed");
+            tracing::info!(destination = %self.name, "lane streaming again: sends succeed (a FIFO queue: and its spool is drained)");
         }
     }
 
