@@ -317,3 +317,247 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
     wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
     relay.stop().await;
 }
+
+/// A generated workload, seeded: transactions of persistent and transient
+/// rows on both sides of the chunk limits (1,000 rows, 4 MiB), rows deleted
+/// by their own transaction before and after their chunk was handed on,
+/// several destinations (one FIFO), unknown destinations, queue outages,
+/// identity resets, relays killed without a goodbye and restarted, and, for
+/// even seeds, two shards (insert-only publications) instead of one relay.
+/// After it: every committed row delivered or DEAD with its reason, none
+/// left NEW, every slot confirmed past the last commit.
+///
+/// The short run here takes two seeds of 20 steps; a long one:
+/// `OUTBOX_RELAY_INVARIANT_SEEDS=1-50 OUTBOX_RELAY_INVARIANT_STEPS=80 cargo test --release
+/// --features outbox-relay/test-utils --test invariants randomized -- --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_workloads_keep_every_invariant() {
+    let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
+    let (lo, hi) = seeds.split_once('-').unwrap_or((&seeds, &seeds));
+    let steps: usize = std::env::var("OUTBOX_RELAY_INVARIANT_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    for seed in lo.parse::<u64>().unwrap()..=hi.parse::<u64>().unwrap() {
+        let started = std::time::Instant::now();
+        let tally = workload::run(seed, steps).await;
+        eprintln!("seed {seed}: {tally} in {:.1}s", started.elapsed().as_secs_f64());
+    }
+}
+
+mod workload {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::time::Instant;
+
+    const QUEUES: [(&str, &str, bool); 3] = [
+        ("a", "http://memory.invalid/a", false),
+        ("b", "http://memory.invalid/b", false),
+        ("f", "http://memory.invalid/f.fifo", true),
+    ];
+
+    /// What the workload committed, and what became of it.
+    #[derive(Default)]
+    pub struct Tally {
+        delivered: usize,
+        dead: usize,
+        transient: usize,
+        failed_txns: usize,
+        outages: usize,
+        restarts: usize,
+        resets: usize,
+    }
+
+    impl std::fmt::Display for Tally {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "{} delivered ({} transient), {} DEAD with their reason; {} outages, {} kills, {} identity resets, {} producer transactions refused",
+                self.delivered, self.transient, self.dead, self.outages, self.restarts, self.resets, self.failed_txns
+            )
+        }
+    }
+
+    /// The relays of one run: one for every destination, or two shards.
+    struct Relays {
+        configs: Vec<outbox_relay::config::Config>,
+        running: Vec<Option<Running>>,
+    }
+
+    impl Relays {
+        fn start(&mut self, i: usize, p: &MemoryPublisher) {
+            self.running[i] = Some(start(self.configs[i].clone(), Arc::new(p.clone())));
+        }
+    }
+
+    async fn relays(db: &TestDb, sharded: bool) -> Relays {
+        let all: Vec<(&str, &str)> = QUEUES.iter().map(|(d, q, _)| (*d, *q)).collect();
+        let mut configs = Vec::new();
+        let groups: Vec<Vec<(&str, &str)>> =
+            if sharded { vec![all[..2].to_vec(), all[2..].to_vec()] } else { vec![all] };
+        for (i, g) in groups.iter().enumerate() {
+            let mut cfg = config(db, g);
+            cfg.lane_stall_timeout = Duration::from_secs(1);
+            cfg.retry_base = Duration::from_millis(200);
+            cfg.retry_max = Duration::from_secs(1);
+            if sharded {
+                cfg.publication = format!("outbox_shard{i}");
+                cfg.slot = format!("{}_{i}", db.slot);
+                outbox_relay::ops::slot_create(&cfg).await.unwrap();
+            }
+            configs.push(cfg);
+        }
+        let running = configs.iter().map(|_| None).collect();
+        Relays { configs, running }
+    }
+
+    /// One producer transaction: `n` rows, some deleted by it (transient),
+    /// some big. Returns the committed rows (event id, destination), and
+    /// which were transient, or nothing if the server refused it.
+    async fn produce(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        tag: &str,
+        dests: &[&str],
+    ) -> Option<Vec<(String, String, bool)>> {
+        let n = match rng.random_range(0..10) {
+            0 => rng.random_range(1_000..1_300),
+            1 => rng.random_range(40..50),
+            _ => rng.random_range(1..30),
+        };
+        let big = n < 50 && rng.random_bool(0.3);
+        let transient_share = [0.0, 0.5, 1.0][rng.random_range(0..3)];
+        let rows: Vec<(String, String, bool)> = (0..n)
+            .map(|i| {
+                let d = dests[rng.random_range(0..dests.len())].to_string();
+                (format!("{tag}:{i}"), d, rng.random_bool(transient_share))
+            })
+            .collect();
+        let ids: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+        let ds: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
+        let gone: Vec<&str> = rows.iter().filter(|r| r.2).map(|r| r.0.as_str()).collect();
+        let pad = if big { 100_000 } else { 0 };
+        let tx = c.transaction().await.ok()?;
+        tx.execute(
+            "INSERT INTO outbox (event_id, destination, body, group_key)
+             SELECT e, d, e || repeat('.', $3), CASE WHEN d = 'f' THEN 'g' || (length(e) % 3) END
+               FROM unnest($1::text[], $2::text[]) AS u(e, d)",
+            &[&ids, &ds, &pad],
+        )
+        .await
+        .ok()?;
+        if !gone.is_empty() {
+            tx.execute("DELETE FROM outbox WHERE event_id = ANY($1)", &[&gone]).await.ok()?;
+        }
+        tx.commit().await.ok()?;
+        Some(rows)
+    }
+
+    async fn confirmed(db: &TestDb, slot: &str) -> u64 {
+        let c = db.client().await;
+        let sql = "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1";
+        c.query_opt(sql, &[&slot]).await.unwrap().and_then(|r| r.get::<_, Option<i64>>(0)).unwrap_or(0) as u64
+    }
+
+    pub async fn run(seed: u64, steps: usize) -> Tally {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let sharded = seed % 2 == 0;
+        let db = TestDb::new(&format!("random{seed}")).await;
+        let p = MemoryPublisher::new();
+        for (_, q, fifo) in QUEUES {
+            p.add_queue(q, fifo, 262_144);
+        }
+        let mut relays = relays(&db, sharded).await;
+        for i in 0..relays.configs.len() {
+            relays.start(i, &p);
+        }
+        // Transient rows committed before a slot exists are seen by nothing.
+        for cfg in &relays.configs {
+            wait_for("the slot exists", Duration::from_secs(30), || async { confirmed(&db, &cfg.slot).await > 0 })
+                .await;
+        }
+        // Shards see only their destinations: an unknown one would wait for
+        // a relay that serves it, so only the single relay gets those.
+        let mut dests = vec!["a", "b", "f"];
+        if !sharded {
+            dests.push("nowhere");
+        }
+        let mut c = db.client().await;
+        let mut tally = Tally::default();
+        let mut committed = Vec::new();
+        for step in 0..steps {
+            match rng.random_range(0..12) {
+                0 => {
+                    let (_, q, _) = QUEUES[rng.random_range(0..QUEUES.len())];
+                    p.break_queue(q, CallError::transport("connection refused"));
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_000))).await;
+                    p.fix_queue(q);
+                    tally.outages += 1;
+                }
+                1 => {
+                    let i = rng.random_range(0..relays.running.len());
+                    if let Some(r) = relays.running[i].take() {
+                        r.abort();
+                    }
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+                    relays.start(i, &p);
+                    tally.restarts += 1;
+                }
+                2 => {
+                    // Only an empty table: a reset never truncates a row.
+                    c.batch_execute(
+                        "DO $$ BEGIN LOCK TABLE outbox;
+                           IF NOT EXISTS (SELECT 1 FROM outbox) THEN TRUNCATE outbox RESTART IDENTITY; END IF; END $$",
+                    )
+                    .await
+                    .unwrap();
+                    tally.resets += 1;
+                }
+                _ => match produce(&mut c, &mut rng, &format!("s{seed}t{step}"), &dests).await {
+                    Some(rows) => committed.extend(rows),
+                    None => tally.failed_txns += 1,
+                },
+            }
+        }
+        let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
+        let expect_sent: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
+        let sent = |p: &MemoryPublisher| -> HashSet<String> {
+            QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect()
+        };
+        let end = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < end && !expect_sent.iter().all(|e| sent(&p).contains(*e)) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let got = sent(&p);
+        let missing: Vec<&&str> = expect_sent.iter().filter(|e| !got.contains(**e)).take(10).collect();
+        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+        wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
+            db.count("status = 'NEW'").await == 0
+        })
+        .await;
+        let dead: HashSet<String> = db
+            .client()
+            .await
+            .query("SELECT event_id FROM outbox WHERE status = 'DEAD' AND last_error LIKE 'unknown_destination%'", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let not_dead: Vec<&&str> = expect_dead.iter().filter(|e| !dead.contains(**e)).take(10).collect();
+        assert!(
+            not_dead.is_empty(),
+            "seed {seed}: rows for an unknown destination not DEAD with their reason: {not_dead:?}"
+        );
+        let last = db.current_lsn().await;
+        for cfg in &relays.configs {
+            let what = format!("seed {seed}: slot {} confirmed past the last commit", cfg.slot);
+            wait_for(&what, Duration::from_secs(60), || async { confirmed(&db, &cfg.slot).await >= last }).await;
+        }
+        for r in relays.running.iter_mut().filter_map(Option::take) {
+            r.stop().await;
+        }
+        tally.delivered = expect_sent.len();
+        tally.dead = expect_dead.len();
+        tally.transient = committed.iter().filter(|r| r.2).count();
+        tally
+    }
+}
