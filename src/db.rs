@@ -112,12 +112,35 @@ impl Db {
     where
         E: From<DbError>,
     {
-        match tokio::time::timeout(self.deadlines.query, fut).await {
+        self.within_for(self.deadlines.query, what, fut).await
+    }
+
+    /// [`within`](Self::within) for work that also opens a connection (a
+    /// replication probe, say): the query deadline plus a connect deadline
+    /// per host of the URL, each of which may be tried in turn.
+    pub async fn within_connecting<T, E>(&self, what: &str, fut: impl Future<Output = Result<T, E>>) -> Result<T, E>
+    where
+        E: From<DbError>,
+    {
+        let hosts = self.target().map(|t| t.hosts.len()).unwrap_or(1).max(1) as u32;
+        self.within_for(self.deadlines.query + self.deadlines.connect * hosts, what, fut).await
+    }
+
+    async fn within_for<T, E>(
+        &self,
+        after: Duration,
+        what: &str,
+        fut: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E>
+    where
+        E: From<DbError>,
+    {
+        match tokio::time::timeout(after, fut).await {
             Ok(r) => r,
             Err(_) => Err(E::from(DbError::Timeout {
                 server: self.server(),
                 what: what.to_string(),
-                after: self.deadlines.query,
+                after,
                 key: "query_timeout",
             })),
         }

@@ -147,7 +147,9 @@ fn overrides(c: &CommonArgs) -> Overrides {
 
 fn init_logging(format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // pgwire-replication logs each failed connection at ERROR itself;
+        // the relay reports those (once per host) with what it does next.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pgwire_replication=off"));
     // Colour only for a terminal: logs in a file or a pipe stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
@@ -251,7 +253,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             let client = config.db().connect().await?;
             let status = config
                 .db()
-                .within("reading the status", async { anyhow::Ok(ops::status(&client, &config).await?) })
+                .within_connecting("reading the status", async { anyhow::Ok(ops::status(&client, &config).await?) })
                 .await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&status)?);

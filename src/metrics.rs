@@ -33,6 +33,7 @@ pub const LANE_SPOOLED: &str = "outbox_relay_lane_spooled";
 pub const LANE_SPOOL_SWITCHES_TOTAL: &str = "outbox_relay_lane_spool_switches_total";
 pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
 pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
+pub const STREAM_HELD: &str = "outbox_relay_stream_held";
 pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
 
@@ -67,6 +68,8 @@ pub struct Metrics {
     pub slot_recreated: IntCounterVec,
     pub slot_active: IntGauge,
     pub retention_deleted: IntCounter,
+    /// 1 while the server holds the stream back (rows go by the table).
+    pub stream_held: IntGauge,
     pub ready: AtomicBool,
     /// The slot's confirmed LSN has not moved for `readiness_stall` while it has lag.
     pub stalled: AtomicBool,
@@ -104,6 +107,7 @@ impl Metrics {
             slot_recreated: IntCounterVec::new(Opts::new(SLOT_RECREATED_TOTAL, "Times the replication slot was found dropped or invalidated and created again (with a catch-up from the table), by reason"), &["reason"]).unwrap(),
             slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
+            stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             ready: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
             registry,
@@ -147,6 +151,7 @@ impl Metrics {
             Box::new(self.slot_recreated.clone()),
             Box::new(self.slot_active.clone()),
             Box::new(self.retention_deleted.clone()),
+            Box::new(self.stream_held.clone()),
         ]
     }
 
@@ -168,8 +173,9 @@ impl Metrics {
         self.ready.store(ready, Ordering::Relaxed);
     }
 
-    /// Streaming (or polling) and the confirmed LSN not stalled: `/readyz`.
+    /// Streaming (or polling), the confirmed LSN not stalled and the stream
+    /// not held back by the server: `/readyz`.
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed)
+        self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed) && self.stream_held.get() == 0
     }
 }

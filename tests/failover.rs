@@ -252,3 +252,72 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     }
     relay.stop().await;
 }
+
+/// Resets `synchronized_standby_slots` on the shared server when dropped.
+struct StandbySlotsSetting(String);
+
+impl StandbySlotsSetting {
+    async fn set(url: &str, value: &str) -> StandbySlotsSetting {
+        let c = db::connect(url).await.unwrap();
+        c.batch_execute(&format!("ALTER SYSTEM SET synchronized_standby_slots = '{value}'; SELECT pg_reload_conf()"))
+            .await
+            .unwrap();
+        StandbySlotsSetting(url.to_string())
+    }
+}
+
+impl Drop for StandbySlotsSetting {
+    fn drop(&mut self) {
+        let url = self.0.clone();
+        let reset = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let c = db::connect(&url).await.unwrap();
+                c.batch_execute("ALTER SYSTEM RESET synchronized_standby_slots; SELECT pg_reload_conf()")
+                    .await
+                    .unwrap();
+            })
+        });
+        let _ = reset.join();
+    }
+}
+
+/// PostgreSQL 17+: a failover slot while `synchronized_standby_slots` names
+/// a slot the server lacks (a standby promoted with the old primary's
+/// setting): the server holds the walsender for ever. The relay names the
+/// setting (log, `outbox_relay_stream_held`, `status`), publishes the rows
+/// from the table meanwhile, and streams again once the setting is fixed.
+/// Before 17 there are no failover slots and no such hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_slot_the_server_lacks_is_named_and_rows_go_by_the_table() {
+    let db = TestDb::new("standby_hold").await;
+    let c = db.client().await;
+    let version: i32 = c.query_one("SHOW server_version_num", &[]).await.unwrap().get::<_, String>(0).parse().unwrap();
+    if version < 170_000 {
+        eprintln!("PostgreSQL {version}: no failover slots before 17, nothing to hold");
+        return;
+    }
+    let q = "http://memory.invalid/orders";
+    let p = MemoryPublisher::new();
+    p.add_queue(q, false, 262_144);
+    let mut cfg = config(&db, &[("orders", q)]);
+    cfg.failover = true;
+    cfg.lane_stall_timeout = Duration::from_secs(1);
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let held = |m: &str| m.lines().any(|l| l == "outbox_relay_stream_held 1");
+    let sent = |p: &MemoryPublisher, prefix: &str| p.sent(q).iter().filter(|s| s.body.starts_with(prefix)).count();
+    let setting = StandbySlotsSetting::set(&stack().pg_url, "ghost_standby").await;
+    insert_rows(&c, "hold", "orders", 100, None).await;
+    wait_for("the hold named", Duration::from_secs(30), || async { held(&relay.metrics.render()) }).await;
+    let status = outbox_relay::ops::status(&c, &cfg).await.unwrap();
+    let why = status.slot.held_back.unwrap_or_default();
+    assert!(why.contains("ghost_standby") && why.contains("synchronized_standby_slots"), "{why}");
+    wait_for("rows delivered by the table path", Duration::from_secs(30), || async { sent(&p, "hold:") == 100 }).await;
+    drop(setting);
+    wait_for("the stream flows again", Duration::from_secs(30), || async { !held(&relay.metrics.render()) }).await;
+    insert_rows(&c, "after", "orders", 20, None).await;
+    wait_for("rows after delivered", Duration::from_secs(30), || async { sent(&p, "after:") == 20 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    relay.stop().await;
+}

@@ -117,6 +117,50 @@ async fn transient_rows_on_a_shard_survive_a_spool() {
     relay.stop().await;
 }
 
+/// A transient transaction larger than a chunk while its queue is gone, then
+/// its ids given to new rows (`ALTER COLUMN id RESTART`) that are published
+/// from the table first: the transient rows are not taken for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
+    let db = TestDb::new("reuse_spool").await;
+    let p = publisher();
+    let relay = start(quick_spool(&db), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let c = db.client().await;
+    c.batch_execute("TRUNCATE outbox RESTART IDENTITY").await.unwrap();
+    p.break_queue(Q, CallError::transport("connection refused"));
+    c.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (event_id, destination, body) SELECT 'x:' || i, 'orders', 'x:' || i FROM generate_series(1, 1500) i;
+         DELETE FROM outbox;
+         COMMIT;
+         ALTER TABLE outbox ALTER COLUMN id RESTART;",
+    )
+    .await
+    .unwrap();
+    insert_rows(&c, "y", "orders", 1_500, None).await;
+    wait_for("the lane spools", Duration::from_secs(30), || async {
+        relay.metrics.render().contains("outbox_relay_lane_spooled{destination=\"orders\"} 1")
+    })
+    .await;
+    p.fix_queue(Q);
+    let end = std::time::Instant::now() + Duration::from_secs(90);
+    while std::time::Instant::now() < end && (bodies(&p, "x:").len() < 1_500 || bodies(&p, "y:").len() < 1_500) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (x, y) = (bodies(&p, "x:").len(), bodies(&p, "y:").len());
+    let left: Vec<String> = c
+        .query("SELECT format('%s %s %s', status, count(*), min(last_error)) FROM outbox GROUP BY status", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!((x, y), (1_500, 1_500), "in the table: {left:?}");
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    relay.stop().await;
+}
+
 /// Ids reused while streaming and between runs: `TRUNCATE ... RESTART
 /// IDENTITY`, `ALTER COLUMN id RESTART`. Settlement records runs of the same
 /// ids again, and the replay after a restart does not take the new rows for
@@ -219,17 +263,30 @@ async fn a_gone_row_is_written_back_unless_proven_published() {
     let c = db.client().await;
     let commit =
         c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64;
-    c.batch_execute("INSERT INTO outbox_published_runs (lo, hi) VALUES (10, 20)").await.unwrap();
+    // A run of rows committed at `commit` (and a later one, written after
+    // `commit` too, of the same ids: rows that reused them).
+    c.execute(
+        "INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi)
+         VALUES (10, 20, $1::text::pg_lsn, $1::text::pg_lsn), (10, 20, '7FFFFFFF/0', '7FFFFFFF/0'),
+                (30, 40, NULL, NULL)",
+        &[&replication::Lsn(commit).to_string()],
+    )
+    .await
+    .unwrap();
     let deferred = || Outcome::Deferred("spooled".into(), outbox_relay::pipeline::settle::Due::Backoff);
     let batch = vec![
         Settlement::new(read(15, "proven", commit), None, Arc::from("orders"), deferred()),
         Settlement::new(read(25, "unproven", commit), None, Arc::from("orders"), deferred()),
-        // Committed after the run: the run is about an earlier row with its id.
-        Settlement::new(read(12, "later", u64::MAX / 2), None, Arc::from("orders"), deferred()),
+        // Committed after the first run: that run is about an earlier row
+        // with its id; the second covers rows committed later still.
+        Settlement::new(read(12, "later", u64::MAX / 4), None, Arc::from("orders"), deferred()),
+        // A run written by the table path: its id reused by a row published
+        // from the table after this one's commit.
+        Settlement::new(read(35, "reused", commit), None, Arc::from("orders"), deferred()),
     ];
     let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
-    assert_eq!((report.gone, report.restored), (1, 2), "{report:?}");
-    assert_eq!(db.count("event_id IN ('unproven', 'later') AND next_attempt_at IS NOT NULL").await, 2);
+    assert_eq!((report.gone, report.restored), (1, 3), "{report:?}");
+    assert_eq!(db.count("event_id IN ('unproven', 'later', 'reused') AND next_attempt_at IS NOT NULL").await, 3);
     assert_eq!(db.count("event_id = 'proven'").await, 0);
 }
 
@@ -527,8 +584,19 @@ mod workload {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let got = sent(&p);
-        let missing: Vec<&&str> = expect_sent.iter().filter(|e| !got.contains(**e)).take(10).collect();
-        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+        let missing: Vec<&str> = expect_sent.iter().filter(|e| !got.contains(**e)).take(10).copied().collect();
+        if !missing.is_empty() {
+            let rows: Vec<String> = db
+                .client()
+                .await
+                .query("SELECT format('%s id=%s %s next=%s err=%s', event_id, id, status, next_attempt_at, last_error) FROM outbox WHERE event_id = ANY($1)", &[&missing])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            panic!("seed {seed}: committed rows never delivered, e.g. {missing:?}; in the table: {rows:?}");
+        }
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
         })
@@ -560,4 +628,58 @@ mod workload {
         tally.transient = committed.iter().filter(|r| r.2).count();
         tally
     }
+}
+
+/// Sends SIGCONT to a stopped process when dropped, whatever the test did.
+struct Stopped(i32);
+
+impl Stopped {
+    fn stop(pid: i32) -> Stopped {
+        let ok = std::process::Command::new("kill").args(["-STOP", &pid.to_string()]).status().unwrap().success();
+        assert!(ok, "kill -STOP {pid}");
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill").args(["-CONT", &self.0.to_string()]).status();
+    }
+}
+
+/// A walsender that stops sending (here: frozen with SIGSTOP) while rows
+/// are written: the relay names it within seconds (metric, readiness) and
+/// the rows go by the table meanwhile; once it sends again, the stream
+/// takes over and nothing is left NEW.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
+    let db = TestDb::new("held").await;
+    let p = publisher();
+    let relay = start(quick_spool(&db), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let c = db.client().await;
+    let active = "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1";
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    let pid: i32 = loop {
+        if let Some(pid) = c.query_one(active, &[&db.slot]).await.unwrap().get(0) {
+            break pid;
+        }
+        assert!(std::time::Instant::now() < end, "no walsender reads the slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let held = |m: &str| m.lines().any(|l| l == "outbox_relay_stream_held 1");
+    let frozen = Stopped::stop(pid);
+    insert_rows(&c, "held", "orders", 200, None).await;
+    wait_for("the held stream named", Duration::from_secs(20), || async { held(&relay.metrics.render()) }).await;
+    assert!(!relay.metrics.is_ready(), "not ready while the stream is held");
+    wait_for("the rows delivered by the table path", Duration::from_secs(30), || async {
+        bodies(&p, "held:").len() == 200
+    })
+    .await;
+    drop(frozen);
+    wait_for("the stream flows again", Duration::from_secs(30), || async { !held(&relay.metrics.render()) }).await;
+    insert_rows(&c, "after", "orders", 50, None).await;
+    wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(&p, "after:").len() == 50 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    relay.stop().await;
 }

@@ -44,6 +44,11 @@ pub struct SlotStatus {
     /// Created with FAILOVER (17+): standbys running `sync_replication_slots` keep a copy.
     #[serde(default)]
     pub failover: Option<bool>,
+    /// Why the server holds the slot's walsender back, when it shows it
+    /// (`synchronized_standby_slots` on 17+); the running relay names any
+    /// other hold in its log and `outbox_relay_stream_held`.
+    #[serde(default)]
+    pub held_back: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -83,6 +88,7 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
         confirmed_flush_lsn: row.as_ref().and_then(|r| r.get(5)),
         invalidation_reason: row.as_ref().and_then(|r| r.get(6)),
         failover: row.as_ref().and_then(|r| r.get(7)),
+        held_back: if row.is_some() { crate::source::cdc::server_hold(client, slot).await? } else { None },
     })
 }
 
@@ -156,8 +162,12 @@ pub fn format_slot(s: &SlotStatus) -> String {
         None => String::new(),
     };
     let failover = if s.failover == Some(true) { " failover" } else { "" };
+    let held = match &s.held_back {
+        Some(why) => format!("\n  HELD BACK by the server: {why}; the relay publishes from the table meanwhile"),
+        None => String::new(),
+    };
     format!(
-        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}{failover}{invalid}\n",
+        "slot {}: {} wal_status={} lag={} bytes retained={} bytes confirmed_flush_lsn={}{failover}{invalid}{held}\n",
         s.name,
         match (s.active, s.active_pid) {
             (Some(true), Some(pid)) => format!("active (pid {pid})"),

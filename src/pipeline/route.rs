@@ -49,23 +49,22 @@ pub fn judge<'a>(
 /// Of replayed events, those settled by an earlier run: the row (same id
 /// and event id) is DEAD, PUBLISHED (kept) or handed to the table, or it is
 /// gone and a run of ids the settlement recorded when it deleted rows proves
-/// it published: a run containing its id, written after its commit. Ids can
-/// be reused (an identity reset, a restore, a table re-created), but a row
-/// can take an id only once the row before it is gone, and settlement always
-/// follows the commit it settles: a run written after this row's commit is
-/// about this row. A row gone without such a run was deleted by another
+/// it published ([`crate::pipeline::settle::PROVEN_BY_RUN`]: the run covers
+/// its id and its commit position, and was written after it; ids can be
+/// reused). A row gone without such a run was deleted by another
 /// transaction (its own: transient; or a later one) and is sent again:
 /// nothing says it was published.
 ///
 /// One statement of two index scans for a chunk's ids ($1, from $2 to $3,
-/// all committed at $4): the runs overlapping that range and written after
-/// the commit (GiST on the id range), tagged false, and the settled rows
+/// all committed at $4): the runs overlapping that range that may prove
+/// them (GiST on the id range), tagged false, and the settled rows
 /// still in the table with their event ids, tagged true. Which ids the runs
 /// cover is worked out here ([`settled`]); a probe per id into the runs cost
 /// a backlog drain more than the settlement itself.
 const REPLAYED_SQL: &str = "
-SELECT false, lo, hi, NULL::text FROM outbox_published_runs
+SELECT false, lo, hi, NULL::text FROM outbox_published_runs r
  WHERE int8range(lo, hi, '[]') && int8range($2, $3, '[]') AND lsn > $4::text::pg_lsn
+   AND commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn
 UNION ALL
 SELECT true, id, id, event_id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
 

@@ -79,6 +79,12 @@ impl Settlement {
     pub fn id(&self) -> i64 {
         self.event.id
     }
+
+    /// What tells settlements of one flush apart: the event id (unique),
+    /// not the row id (a reused id can stand for two rows in one flush).
+    pub fn key(&self) -> &str {
+        &self.event.event_id
+    }
 }
 
 /// Deferred rows of one lane handed to the settler and not marked yet: the
@@ -130,8 +136,8 @@ fn update_set() -> String {
     )
 }
 
-const MARK_INPUT: &str =
-    "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[]) AS u(id, event_id, status, err, defer)";
+const MARK_INPUT: &str = "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[], $8::text[])
+                          AS u(id, event_id, status, err, defer, commit)";
 
 /// A row is the settlement's row when both its id and its event id match:
 /// ids can be reused (an identity reset, a restore), event ids are unique.
@@ -140,23 +146,27 @@ const SAME_ROW: &str = "o.id = u.id AND o.event_id = u.event_id AND o.status = '
 /// `published_rows = "keep"`: one UPDATE marks a flush PUBLISHED, DEAD, or
 /// deferred (NEW with `next_attempt_at` from the retry policy's backoff).
 static KEEP_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE {SAME_ROW} RETURNING o.id", update_set())
+    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE {SAME_ROW} RETURNING o.event_id", update_set())
 });
 
 /// `published_rows = "delete"`: one statement deletes the published rows,
-/// records their ids as runs of consecutive ids (for the replay filter), and
-/// updates the DEAD and deferred ones.
+/// records their ids as runs of consecutive ids with the range of their
+/// commit positions (for the replay filter: [`PROVEN_BY_RUN`]), and updates
+/// the DEAD and deferred ones.
 static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "WITH u AS (SELECT * FROM {MARK_INPUT}),
          upd AS (UPDATE outbox o {} FROM u
-                  WHERE {SAME_ROW} AND u.status <> 'PUBLISHED' RETURNING o.id),
+                  WHERE {SAME_ROW} AND u.status <> 'PUBLISHED' RETURNING o.event_id),
          del AS (DELETE FROM outbox o USING u
-                  WHERE {SAME_ROW} AND u.status = 'PUBLISHED' RETURNING o.id),
-         runs AS (INSERT INTO outbox_published_runs (lo, hi)
-                  SELECT min(id), max(id) FROM (SELECT id, id - row_number() OVER (ORDER BY id) AS g FROM del) r
+                  WHERE {SAME_ROW} AND u.status = 'PUBLISHED' RETURNING o.id, o.event_id, u.commit::pg_lsn AS commit),
+         runs AS (INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi)
+                  SELECT min(id), max(id),
+                         CASE WHEN bool_and(commit IS NOT NULL) THEN min(commit) END,
+                         CASE WHEN bool_and(commit IS NOT NULL) THEN max(commit) END
+                    FROM (SELECT id, commit, id - row_number() OVER (ORDER BY id) AS g FROM del) r
                    GROUP BY g RETURNING lo)
-         SELECT id FROM upd UNION ALL SELECT id FROM del",
+         SELECT event_id FROM upd UNION ALL SELECT event_id FROM del",
         update_set()
     )
 });
@@ -208,7 +218,7 @@ const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
 /// The stream gives 32-bit xids; they are widened against the snapshot's
 /// xmax (a committed transaction is less than 2^31 behind it).
 const MISSING_SQL: &str = "
-SELECT u.id, o.status = 'NEW', o.id IS NOT NULL,
+SELECT u.event_id, o.status = 'NEW', o.id IS NOT NULL,
        u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
                          AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)) AS visible
   FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(id, xid, event_id)
@@ -217,13 +227,27 @@ SELECT u.id, o.status = 'NEW', o.id IS NOT NULL,
                     pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
  CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d";
 
-/// Of the given (id, commit position) pairs, the ids a run of published ids
-/// proves published: a run containing the id, written after the commit. A
-/// row read from the table has no commit position and nothing proves it.
-const PUBLISHED_SQL: &str = "
-SELECT u.id FROM unnest($1::bigint[], $2::text[]) AS u(id, lsn)
- WHERE EXISTS (SELECT 1 FROM outbox_published_runs r
-                WHERE int8range(r.lo, r.hi, '[]') @> u.id AND r.lsn > u.lsn::pg_lsn)";
+/// When a run of published ids (`r`) proves that the row with id `$id`
+/// committed at `$commit` was published: it covers the id, the row's commit
+/// lies within the commit positions of the rows it covers, and it was
+/// written after that commit. Covering the id is not enough: the id may have
+/// been given to another row since (an identity reset, or a row deleted and
+/// its id reused) and that row published. Rows published by the table path
+/// record no commit position, so their runs prove nothing (a replay sends
+/// them again: a duplicate, never a loss).
+pub const PROVEN_BY_RUN: &str =
+    "int8range(r.lo, r.hi, '[]') @> $id AND r.lsn > $commit AND r.commit_lo <= $commit AND r.commit_hi >= $commit";
+
+/// Of the given (id, commit position, event id), the event ids a run proves published
+/// ([`PROVEN_BY_RUN`]). A row read from the table has no commit position and
+/// nothing proves it.
+static PUBLISHED_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT u.event_id FROM unnest($1::bigint[], $2::text[], $3::text[]) AS u(id, lsn, event_id)
+          WHERE EXISTS (SELECT 1 FROM outbox_published_runs r WHERE {})",
+        PROVEN_BY_RUN.replace("$id", "u.id").replace("$commit", "u.lsn::pg_lsn")
+    )
+});
 
 /// What one [`mark`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -276,11 +300,12 @@ pub async fn mark<C: GenericClient>(
         if !absent.is_empty() {
             let proven = published_before(client, &absent).await?;
             report.gone += proven.len() as u64;
-            restore.extend(absent.into_iter().filter(|s| !proven.contains(&s.id())));
+            restore.extend(absent.into_iter().filter(|s| !proven.contains(s.key())));
         }
     }
     if !restore.is_empty() {
         report.restored = restore_rows(client, &restore, marking).await?;
+        tracing::debug!(rows = restore.len(), written = report.restored, "rows gone from the table written back");
     }
     Ok(report)
 }
@@ -298,12 +323,12 @@ async fn mark_rows<'a, C: GenericClient>(
 ) -> Result<Vec<&'a Settlement>, tokio_postgres::Error> {
     let marked = mark_once(client, batch, marking).await?;
     report.marked += marked.len() as u64;
-    let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(&s.id())).collect();
+    let mut rest: Vec<&Settlement> = batch.iter().copied().filter(|s| !marked.contains(s.key())).collect();
     let mut absent = Vec::new();
     let started = std::time::Instant::now();
     while !rest.is_empty() {
         let state = missing(client, &rest).await?;
-        let of = |s: &Settlement| state.get(&s.id()).copied().unwrap_or(Missing::Absent);
+        let of = |s: &Settlement| state.get(s.key()).copied().unwrap_or(Missing::Absent);
         report.gone += rest.iter().filter(|s| of(s) == Missing::Settled).count() as u64;
         absent.extend(rest.iter().copied().filter(|s| of(s) == Missing::Absent));
         rest.retain(|s| matches!(of(s), Missing::Pending | Missing::Invisible));
@@ -311,7 +336,7 @@ async fn mark_rows<'a, C: GenericClient>(
         if !todo.is_empty() {
             let now = mark_once(client, &todo, marking).await?;
             report.marked += now.len() as u64;
-            rest.retain(|s| !now.contains(&s.id()));
+            rest.retain(|s| !now.contains(s.key()));
         }
         if rest.is_empty() {
             break;
@@ -334,20 +359,21 @@ async fn mark_rows<'a, C: GenericClient>(
 async fn missing<C: GenericClient>(
     client: &C,
     rest: &[&Settlement],
-) -> Result<std::collections::HashMap<i64, Missing>, tokio_postgres::Error> {
+) -> Result<std::collections::HashMap<String, Missing>, tokio_postgres::Error> {
     let ids: Vec<i64> = rest.iter().map(|s| s.id()).collect();
     let xids: Vec<Option<i64>> = rest.iter().map(|s| s.event.xid.map(i64::from)).collect();
     let event_ids: Vec<&str> = rest.iter().map(|s| s.event.event_id.as_str()).collect();
     let mut out = std::collections::HashMap::new();
     for r in client.query(MISSING_SQL, &[&ids, &xids, &event_ids]).await? {
-        let (id, is_new, present, visible): (i64, Option<bool>, bool, bool) = (r.get(0), r.get(1), r.get(2), r.get(3));
+        let (key, is_new, present, visible): (String, Option<bool>, bool, bool) =
+            (r.get(0), r.get(1), r.get(2), r.get(3));
         let state = match (present, is_new == Some(true), visible) {
             (true, true, _) => Missing::Pending,
             (true, false, _) => Missing::Settled,
             (false, _, true) => Missing::Absent,
             (false, _, false) => Missing::Invisible,
         };
-        out.insert(id, state);
+        out.insert(key, state);
     }
     Ok(out)
 }
@@ -357,10 +383,11 @@ async fn missing<C: GenericClient>(
 async fn published_before<C: GenericClient>(
     client: &C,
     rows: &[&Settlement],
-) -> Result<HashSet<i64>, tokio_postgres::Error> {
+) -> Result<HashSet<String>, tokio_postgres::Error> {
     let ids: Vec<i64> = rows.iter().map(|s| s.id()).collect();
     let lsns: Vec<Option<String>> = rows.iter().map(|s| s.event.commit_lsn.map(|l| l.to_string())).collect();
-    Ok(client.query(PUBLISHED_SQL, &[&ids, &lsns]).await?.iter().map(|r| r.get(0)).collect())
+    let keys: Vec<&str> = rows.iter().map(|s| s.key()).collect();
+    Ok(client.query(PUBLISHED_SQL.as_str(), &[&ids, &lsns, &keys]).await?.iter().map(|r| r.get(0)).collect())
 }
 
 /// A settlement's status, `last_error` and deferral code ([`Due::code`]),
@@ -377,14 +404,16 @@ async fn mark_once<C: GenericClient>(
     client: &C,
     batch: &[&Settlement],
     marking: Marking,
-) -> Result<HashSet<i64>, tokio_postgres::Error> {
+) -> Result<HashSet<String>, tokio_postgres::Error> {
     let mut ids = Vec::with_capacity(batch.len());
     let mut event_ids = Vec::with_capacity(batch.len());
     let mut statuses = Vec::with_capacity(batch.len());
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
     let mut defer = Vec::with_capacity(batch.len());
+    let mut commits: Vec<Option<String>> = Vec::with_capacity(batch.len());
     for s in batch {
         let (status, err, d) = columns(&s.outcome);
+        commits.push(s.event.commit_lsn.map(|l| l.to_string()));
         ids.push(s.id());
         event_ids.push(s.event.event_id.as_str());
         statuses.push(status);
@@ -400,7 +429,7 @@ async fn mark_once<C: GenericClient>(
     // Planned at every flush, never as a prepared statement: a generic plan
     // made while the table was small scans it whole once it has grown.
     Ok(client
-        .query(sql, &[&ids, &statuses, &errors, &base, &max, &defer, &event_ids])
+        .query(sql, &[&ids, &statuses, &errors, &base, &max, &defer, &event_ids, &commits])
         .await?
         .iter()
         .map(|r| r.get(0))

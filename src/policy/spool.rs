@@ -21,6 +21,8 @@ pub enum SpoolCause {
     WalBudget { held: u64, max: u64, oldest: Duration },
     /// Rows of this destination wait in the table: they go first.
     RowsInTable,
+    /// The server holds the replication stream back (the cause, named).
+    StreamHeld(String),
 }
 
 impl SpoolCause {
@@ -43,8 +45,19 @@ impl std::fmt::Display for SpoolCause {
                 oldest.as_secs_f64()
             ),
             SpoolCause::RowsInTable => f.write_str("rows of this destination are waiting in the outbox table"),
+            SpoolCause::StreamHeld(cause) => write!(f, "the server holds the replication stream back: {cause}"),
         }
     }
+}
+
+/// A stream that has brought nothing for this long while the session waits
+/// on it gets a probe (a logical message the server must send back).
+pub const STREAM_QUIET: Duration = Duration::from_secs(3);
+
+/// A probe not sent back after this long means the server holds the stream:
+/// `lane_stall_timeout`, at most 10 s (a held stream holds every lane).
+pub fn stream_held_after(lane_stall_timeout: Duration) -> Duration {
+    lane_stall_timeout.min(Duration::from_secs(10))
 }
 
 /// Events younger than this are in normal flight, not holding the slot.
@@ -78,13 +91,14 @@ pub fn lane_to_spool(held: u64, max_retained_wal: u64, ages: &[Option<Duration>]
 pub enum Resume {
     /// Not yet: its sends fail (or nothing was tried).
     No,
-    /// A standard queue whose sends succeed: at once. Order does not
+    /// A standard queue whose drain just sent rows: at once. Order does not
     /// matter there, so the spool drains beside the stream; waiting for an
     /// empty spool would never end under a steady load, every row going
     /// through the table.
     Now,
-    /// A FIFO queue: only once one query finds nothing of it waiting in the
-    /// table, so no group is overtaken by its own newer events.
+    /// Nothing sent to judge by (a standard queue), or a FIFO queue: once
+    /// one query finds nothing of it waiting in the table (FIFO: so no group
+    /// is overtaken by its own newer events).
     IfSpoolEmpty,
 }
 
@@ -100,12 +114,8 @@ pub fn may_stream_again(
 ) -> Resume {
     if !sends_ok {
         Resume::No
-    } else if !fifo {
-        if published_now > 0 || claimed_now == 0 {
-            Resume::Now
-        } else {
-            Resume::No
-        }
+    } else if !fifo && published_now > 0 {
+        Resume::Now
     } else if claimed_now == 0 && deferred_unmarked == 0 {
         Resume::IfSpoolEmpty
     } else {
@@ -133,7 +143,9 @@ mod tests {
     fn a_standard_lane_streams_again_once_sends_succeed_a_fifo_one_once_its_spool_is_empty() {
         // Standard: sends succeeding is enough, whatever is left in the table.
         assert_eq!(may_stream_again(false, 100, 100, true, 5), Resume::Now);
-        assert_eq!(may_stream_again(false, 0, 0, true, 0), Resume::Now);
+        // Nothing claimed: no evidence that sends succeed, only an empty spool.
+        assert_eq!(may_stream_again(false, 0, 0, true, 0), Resume::IfSpoolEmpty);
+        assert_eq!(may_stream_again(false, 0, 0, true, 2), Resume::No);
         assert_eq!(may_stream_again(false, 100, 100, false, 0), Resume::No);
         // Claimed rows none of which went out (all DEAD, say): no proof yet.
         assert_eq!(may_stream_again(false, 10, 0, true, 0), Resume::No);

@@ -78,7 +78,7 @@ pub(crate) async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) 
     let db = config.db();
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
-        db.within("checking the CDC prerequisites", crate::source::cdc::check_cdc(sql, config)).await?;
+        db.within_connecting("checking the CDC prerequisites", crate::source::cdc::check_cdc(sql, config)).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
         db.within("checking the publication's shard", db::check_shard(sql, &config.publication, &destinations)).await
     };

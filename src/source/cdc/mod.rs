@@ -40,7 +40,10 @@ use session::{open_session, Opened};
 pub use slot::INVALIDATION_SQL;
 pub(crate) use slot::{create_slot_exporting, hand_to_table, import_snapshot};
 use slot::{prepare_slot, SlotState};
+mod held;
 mod wal_watch;
+pub use held::server_hold;
+use held::{watch_held, HeldWatch, StreamProgress};
 use wal_watch::watch_wal;
 
 /// Events of one transaction are checked against the table and dispatched in
@@ -138,6 +141,8 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     pipeline.lanes.abort_all();
     settler.abort();
     pipeline.wal_watch.abort();
+    pipeline.held_watch.abort();
+    ctx.metrics.stream_held.set(0);
     let _ = repl.shutdown().await;
     result
 }
@@ -148,6 +153,8 @@ struct Pipeline<'a> {
     router: Router<'a>,
     lanes: JoinSet<()>,
     wal_watch: tokio::task::JoinHandle<()>,
+    held_watch: tokio::task::JoinHandle<()>,
+    progress: Arc<StreamProgress>,
 }
 
 type Settler = tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>;
@@ -191,8 +198,22 @@ async fn start_pipeline<'a>(
             state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
         }
     }
-    let wal_watch =
-        tokio::spawn(watch_wal(db, cfg.slot.clone(), cfg.max_retained_wal, ctx.lanes.values().cloned().collect()));
+    let wal_watch = tokio::spawn(watch_wal(
+        db.clone(),
+        cfg.slot.clone(),
+        cfg.max_retained_wal,
+        ctx.lanes.values().cloned().collect(),
+    ));
+    let progress = Arc::new(StreamProgress::default());
+    let held_watch = tokio::spawn(watch_held(HeldWatch {
+        db,
+        slot: cfg.slot.clone(),
+        destinations: ctx.queues.keys().cloned().collect(),
+        lanes: ctx.lanes.values().cloned().collect(),
+        progress: Arc::clone(&progress),
+        metrics: Arc::clone(&ctx.metrics),
+        lane_stall_timeout: cfg.lane_stall_timeout,
+    }));
     let mut lanes = JoinSet::new();
     let mut lane_tx = HashMap::new();
     for (name, queue) in &ctx.queues {
@@ -228,7 +249,7 @@ async fn start_pipeline<'a>(
         watermark: Arc::clone(watermark),
         metrics: Arc::clone(&ctx.metrics),
     };
-    Ok((Pipeline { router, lanes, wal_watch }, settler))
+    Ok((Pipeline { router, lanes, wal_watch, held_watch, progress }, settler))
 }
 
 /// Graceful end: no more reading; the lanes finish what they hold (within
@@ -283,12 +304,17 @@ async fn stream(
                     Ok(None) => return Err(CdcError::Protocol("replication stream ended".into())),
                     Err(e) => return Err(e.into()),
                 };
+                if let Some(lsn) = position(&ev) {
+                    pipeline.progress.saw(lsn);
+                }
                 // Handing events on may wait for a lane or the budget:
                 // shutdown is honoured meanwhile (nothing unsettled is confirmed).
+                pipeline.progress.set_busy(true);
                 let handled = tokio::select! {
                     r = decoder.handle(ev, sql, &mut pipeline.router, ctx) => r?,
                     _ = shutdown.wait_for(|s| *s) => return Ok(()),
                 };
+                pipeline.progress.set_busy(false);
                 if handled == Handled::Stopped {
                     return Ok(());
                 }
@@ -308,6 +334,18 @@ async fn stream(
             }
         }
         *sent = confirm_if_advanced(repl, &pipeline.router.watermark, *sent, &ctx.metrics);
+    }
+}
+
+/// How far the server has streamed, from an event that carries it
+/// (keepalives do not: a held walsender still sends them).
+fn position(ev: &pgwire_replication::ReplicationEvent) -> Option<Lsn> {
+    use pgwire_replication::ReplicationEvent as E;
+    match ev {
+        E::XLogData { wal_start, .. } if wal_start.0 > 0 => Some(Lsn(wal_start.0)),
+        E::Commit { end_lsn, .. } => Some(Lsn(end_lsn.0)),
+        E::Message { lsn, .. } => Some(Lsn(lsn.0)),
+        _ => None,
     }
 }
 

@@ -149,10 +149,23 @@ pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClien
     let mut passed = Vec::new();
     for (host, port) in &t.hosts {
         let server = format!("{host}:{port}");
-        let attempt = match connect_host(cfg, replication_config(cfg, &t, host, *port)).await {
-            Ok(repl) if !t.read_write => return Ok(repl),
-            Ok(repl) => in_recovery(cfg, repl).await,
-            Err(e) => Err(e),
+        // Connecting and asking whether it is a standby, under one connect
+        // deadline: a host that accepts TCP and never answers costs that.
+        let one = async {
+            match connect_host(cfg, replication_config(cfg, &t, host, *port)).await {
+                Ok(repl) if !t.read_write => Ok(Ok(repl)),
+                Ok(repl) => in_recovery(cfg, repl).await,
+                Err(e) => Err(e),
+            }
+        };
+        let attempt = match tokio::time::timeout(cfg.connect_timeout, one).await {
+            Ok(a) => a,
+            Err(_) => Err(CdcError::Db(db::DbError::Timeout {
+                server: server.clone(),
+                what: "opening the replication connection and asking pg_is_in_recovery()".into(),
+                after: cfg.connect_timeout,
+                key: "connect_timeout",
+            })),
         };
         let why = match attempt {
             Ok(Ok(repl)) => {

@@ -1,0 +1,231 @@
+//! The held-stream watch of a session: the server sending nothing of the
+//! slot's stream while this relay waits for it. PostgreSQL 17 holds a
+//! failover slot's walsender while `synchronized_standby_slots` names a slot
+//! that does not exist or lags; a walsender can also stop (a frozen process,
+//! a wedged host). Rows must not wait on it: the watch names the cause (log,
+//! `outbox_relay_stream_held`, readiness) and hands this relay's NEW rows to
+//! the table path, as a spooled lane does, until the stream moves again.
+//!
+//! How it knows: when the stream has brought nothing new for
+//! [`policy::spool::STREAM_QUIET`] while the session waits on it, the watch
+//! writes a probe (a transactional logical message, as the heartbeat is). A
+//! server that streams sends it back within milliseconds; one that has not
+//! sent it after [`policy::spool::stream_held_after`] holds the stream.
+//!
+//! [`policy::spool::STREAM_QUIET`]: crate::policy::spool::STREAM_QUIET
+//! [`policy::spool::stream_held_after`]: crate::policy::spool::stream_held_after
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use replication::Lsn;
+use tokio_postgres::Client;
+
+use crate::db;
+use crate::metrics::Metrics;
+use crate::pipeline::lane::LaneState;
+use crate::policy::spool::{stream_held_after, SpoolCause, STREAM_QUIET};
+
+use super::HEARTBEAT_PREFIX;
+
+/// What the session's stream loop tells the watch.
+#[derive(Debug, Default)]
+pub(crate) struct StreamProgress {
+    /// The furthest WAL position of anything received (messages, commits,
+    /// changes; not keepalives, which a held walsender still sends).
+    received: AtomicU64,
+    /// The loop is handing events on (waiting on its own lanes, not on the
+    /// server).
+    busy: AtomicBool,
+}
+
+impl StreamProgress {
+    pub(crate) fn saw(&self, lsn: Lsn) {
+        self.received.fetch_max(lsn.0, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_busy(&self, busy: bool) {
+        self.busy.store(busy, Ordering::Relaxed);
+    }
+}
+
+/// Rows handed to the table per statement while the stream is held.
+const HAND_OVER_BATCH: i64 = 10_000;
+
+/// What the watch needs of the session.
+pub(crate) struct HeldWatch {
+    pub db: db::Db,
+    pub slot: String,
+    pub destinations: Vec<String>,
+    pub lanes: Vec<Arc<LaneState>>,
+    pub progress: Arc<StreamProgress>,
+    pub metrics: Arc<Metrics>,
+    pub lane_stall_timeout: Duration,
+}
+
+/// Where the watch stands: the probe in flight, and whether it has called
+/// the stream held (with the cause it named).
+#[derive(Default)]
+struct Watch {
+    received: u64,
+    advanced: Option<Instant>,
+    probe: Option<(u64, Instant)>,
+    held: Option<String>,
+}
+
+/// Once a second until the session ends (the task is aborted with it, and
+/// the session clears `outbox_relay_stream_held`).
+pub(crate) async fn watch_held(w: HeldWatch) {
+    let mut client: Option<Client> = None;
+    let mut state = Watch { advanced: Some(Instant::now()), ..Default::default() };
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = w.db.connect().await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        if let Err(e) = w.db.query("watching the stream", step(&w, c, &mut state)).await {
+            tracing::debug!(error = %e, "held-stream watch query failed; reconnecting");
+            client = None;
+        }
+    }
+}
+
+/// One tick: note progress, write a probe when the stream is quiet, call it
+/// held when the probe does not come back, hand rows over while it is.
+async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_postgres::Error> {
+    let received = w.progress.received.load(Ordering::Relaxed);
+    if received != s.received {
+        s.received = received;
+        s.advanced = Some(Instant::now());
+    }
+    let quiet = s.advanced.is_none_or(|t| t.elapsed() >= STREAM_QUIET) && !w.progress.busy.load(Ordering::Relaxed);
+    match s.probe {
+        Some((lsn, _)) if received >= lsn => {
+            s.probe = None;
+            if s.held.take().is_some() {
+                w.metrics.stream_held.set(0);
+                tracing::info!(slot = %w.slot, "the server streams again; lanes return to streaming as their spools allow");
+            }
+        }
+        Some((_, at)) if quiet && at.elapsed() >= stream_held_after(w.lane_stall_timeout) => {
+            if s.held.is_none() {
+                let cause = diagnose(c, &w.slot).await?;
+                tracing::warn!(slot = %w.slot, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
+                w.metrics.stream_held.set(1);
+                for lane in &w.lanes {
+                    lane.start_spooling(SpoolCause::StreamHeld(cause.clone()));
+                }
+                s.held = Some(cause);
+            }
+            let cause = s.held.as_deref().unwrap_or_default();
+            hand_over(c, &w.destinations, cause).await?;
+        }
+        Some(_) => {}
+        None if quiet => {
+            let lsn: String = c
+                .query_one(
+                    "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)::text",
+                    &[&HEARTBEAT_PREFIX],
+                )
+                .await?
+                .get(0);
+            if let Ok(lsn) = lsn.parse::<Lsn>() {
+                s.probe = Some((lsn.0, Instant::now()));
+            }
+        }
+        None => {}
+    }
+    Ok(())
+}
+
+/// Hand this relay's NEW rows the stream has not brought to the table path:
+/// due now, the cause as their `last_error`. A batch per tick.
+async fn hand_over(c: &Client, destinations: &[String], cause: &str) -> Result<u64, tokio_postgres::Error> {
+    let why = format!("stream held back: {cause}");
+    c.execute(
+        "UPDATE outbox SET next_attempt_at = now(), last_error = $2
+          WHERE id IN (SELECT id FROM outbox
+                        WHERE status = 'NEW' AND next_attempt_at IS NULL AND destination = ANY($1)
+                        ORDER BY id LIMIT $3)",
+        &[&destinations, &why, &HAND_OVER_BATCH],
+    )
+    .await
+}
+
+/// Why the server may be holding the slot's walsender, in an operator's
+/// words: what [`server_hold`] finds, or else what the walsender waits on.
+pub async fn diagnose(c: &Client, slot: &str) -> Result<String, tokio_postgres::Error> {
+    if let Some(cause) = server_hold(c, slot).await? {
+        return Ok(cause);
+    }
+    let r = c
+        .query_opt(
+            "SELECT s.active_pid, a.wait_event_type, a.wait_event
+               FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let Some(r) = r else { return Ok(format!("the slot {slot} does not exist")) };
+    let (pid, wait_type, wait): (Option<i32>, Option<String>, Option<String>) = (r.get(0), r.get(1), r.get(2));
+    Ok(match pid {
+        Some(pid) => format!(
+            "the walsender (pid {pid}) sends nothing while this relay waits; it waits on {}/{}",
+            wait_type.unwrap_or_else(|| "-".into()),
+            wait.unwrap_or_else(|| "nothing (it runs, or is stopped)".into())
+        ),
+        None => "no walsender reads the slot".to_string(),
+    })
+}
+
+/// A hold the server itself shows, for `status` and the watch: a failover
+/// slot (PostgreSQL 17+) while `synchronized_standby_slots` names a slot
+/// this server lacks (its walsender waits for ever; typical of a standby
+/// promoted with the old primary's setting), or its walsender waiting for
+/// those standby slots to confirm.
+pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio_postgres::Error> {
+    let Some(r) = c
+        .query_opt(
+            "SELECT a.wait_event, current_setting('synchronized_standby_slots', true),
+                    (to_jsonb(s) ->> 'failover')::bool
+               FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let (wait, standby, failover): (Option<String>, Option<String>, Option<bool>) = (r.get(0), r.get(1), r.get(2));
+    let standby: Vec<String> = standby
+        .unwrap_or_default()
+        .split(',')
+        .map(|n| n.trim().trim_matches('"').to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
+    if failover != Some(true) || standby.is_empty() {
+        return Ok(None);
+    }
+    let present: Vec<String> = c
+        .query("SELECT slot_name::text FROM pg_replication_slots WHERE slot_name = ANY($1)", &[&standby])
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let missing: Vec<&String> = standby.iter().filter(|n| !present.contains(n)).collect();
+    Ok(if !missing.is_empty() {
+        Some(format!(
+            "synchronized_standby_slots names {missing:?}, which this server does not have: PostgreSQL holds every failover slot's walsender until they exist and confirm (remove them from the setting on this server, the new primary after a failover)"
+        ))
+    } else if wait.as_deref() == Some("WaitForStandbyConfirmation") {
+        Some(format!(
+            "the walsender waits for the standby slots of synchronized_standby_slots ({standby:?}) to confirm the WAL: a standby is behind or gone"
+        ))
+    } else {
+        None
+    })
+}
