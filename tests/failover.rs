@@ -259,9 +259,8 @@ struct StandbySlotsSetting(String);
 impl StandbySlotsSetting {
     async fn set(url: &str, value: &str) -> StandbySlotsSetting {
         let c = db::connect(url).await.unwrap();
-        c.batch_execute(&format!("ALTER SYSTEM SET synchronized_standby_slots = '{value}'; SELECT pg_reload_conf()"))
-            .await
-            .unwrap();
+        c.batch_execute(&format!("ALTER SYSTEM SET synchronized_standby_slots = '{value}'")).await.unwrap();
+        c.batch_execute("SELECT pg_reload_conf()").await.unwrap();
         StandbySlotsSetting(url.to_string())
     }
 }
@@ -273,9 +272,8 @@ impl Drop for StandbySlotsSetting {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             rt.block_on(async {
                 let c = db::connect(&url).await.unwrap();
-                c.batch_execute("ALTER SYSTEM RESET synchronized_standby_slots; SELECT pg_reload_conf()")
-                    .await
-                    .unwrap();
+                c.batch_execute("ALTER SYSTEM RESET synchronized_standby_slots").await.unwrap();
+                c.batch_execute("SELECT pg_reload_conf()").await.unwrap();
             })
         });
         let _ = reset.join();
