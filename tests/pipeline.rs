@@ -128,13 +128,15 @@ async fn rows_settled_before_a_crash_are_not_sent_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_deleted_by_settlement_before_a_crash_are_not_sent_again() {
-    // Deleted rows with their runs, as settlement leaves them; and five rows
+    // Deleted rows with their runs, as settlement leaves them (covering the
+    // rows' commit, written after it); and five rows
     // a later transaction deleted (no run): nothing says they were
     // published, so they are sent.
     replay_filtered(
         PublishedRows::Delete,
         "WITH d AS (DELETE FROM outbox WHERE event_id LIKE 'r:%' AND id % 2 = 0 RETURNING id)
-         INSERT INTO outbox_published_runs (lo, hi) SELECT id, id FROM d;
+         INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi)
+         SELECT id, id, '0/0', pg_current_wal_lsn() FROM d;
          DELETE FROM outbox WHERE id IN (SELECT id FROM outbox WHERE event_id LIKE 'r:%' AND id % 2 = 1 ORDER BY id LIMIT 5)",
         25,
     )
