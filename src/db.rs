@@ -284,6 +284,9 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     // The consumer's protocol functions, from its own crate.
     (outbox_consumer::PROTOCOL_MIGRATION, "job protocol", outbox_consumer::PROTOCOL_SQL),
     (7, "runs survive id reuse", include_str!("../migrations/0007_runs_reuse.sql")),
+    (8, "publish updates", include_str!("../migrations/0008_publish_updates.sql")),
+    (9, "durable slot hand-off", include_str!("../migrations/0009_handoffs.sql")),
+    (10, "runs list the table path's event ids", include_str!("../migrations/0010_runs_event_ids.sql")),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent
@@ -341,6 +344,29 @@ pub async fn check_settlement(client: &Client, published: crate::config::Publish
         if !ok {
             return Err(DbError::Check(format!(
                 "role {user:?} lacks {privilege} on {table}, which settlement needs (published_rows = {published:?}): GRANT {privilege} ON {table} TO {user}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A new slot's hand-off is recorded in `outbox_relay_handoffs` while it runs
+/// (CDC mode): the table and the role's SELECT, INSERT and DELETE on it.
+pub async fn check_handoffs(client: &Client) -> Result<(), DbError> {
+    let exists: bool = client.query_one("SELECT to_regclass('outbox_relay_handoffs') IS NOT NULL", &[]).await?.get(0);
+    if !exists {
+        return Err(DbError::Check(
+            "the table outbox_relay_handoffs does not exist: run `outbox-relay migrate --database-url ...` (migration 9)"
+                .into(),
+        ));
+    }
+    let user: String = client.query_one("SELECT current_user::text", &[]).await?.get(0);
+    for privilege in ["SELECT", "INSERT", "DELETE"] {
+        let ok: bool =
+            client.query_one("SELECT has_table_privilege('outbox_relay_handoffs', $1)", &[&privilege]).await?.get(0);
+        if !ok {
+            return Err(DbError::Check(format!(
+                "role {user:?} lacks {privilege} on outbox_relay_handoffs, where a new slot's hand-off is recorded: GRANT SELECT, INSERT, DELETE ON outbox_relay_handoffs TO {user}"
             )));
         }
     }
@@ -466,7 +492,7 @@ pub async fn check_cdc_prerequisites(client: &Client, publication: &str) -> Resu
     let publ = client.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&publication]).await?;
     if publ.is_none() {
         return Err(DbError::CdcUnavailable(format!(
-            "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert, delete')"
+            "publication {publication:?} does not exist: run `outbox-relay migrate`, or CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert, update, delete')"
         )));
     }
     Ok(())
@@ -511,6 +537,7 @@ pub async fn check_shard(client: &Client, publication: &str, destinations: &[Str
         .await?;
     let mine: std::collections::BTreeSet<String> = destinations.iter().cloned().collect();
     let mut sharded = false;
+    let mut shards = Vec::new();
     for r in &rows {
         let (name, filter): (String, Option<String>) = (r.get(0), r.get(1));
         let set = filter_destinations(filter.as_deref());
@@ -532,7 +559,15 @@ pub async fn check_shard(client: &Client, publication: &str, destinations: &[Str
                     "destinations {shared:?} are also carried by publication {name:?} (another relay's shard): shards must have disjoint destinations"
                 )));
             }
+            shards.push(name);
         }
+    }
+    if !sharded && !shards.is_empty() {
+        tracing::warn!(
+            publication,
+            ?shards,
+            "this relay reads every row of the outbox while shard publications exist beside it: rows of the shards' destinations, which this relay does not know, end DEAD (unknown_destination) unless they are in its destinations; give this relay a shard of its own (`slot create` with a publication filtered to its destinations)"
+        );
     }
     Ok(sharded)
 }

@@ -70,6 +70,8 @@ pub struct Metrics {
     pub retention_deleted: IntCounter,
     /// 1 while the server holds the stream back (rows go by the table).
     pub stream_held: IntGauge,
+    /// What holds the stream back (or keeps sessions from streaming), named.
+    held_cause: std::sync::Mutex<Option<String>>,
     pub ready: AtomicBool,
     /// The slot's confirmed LSN has not moved for `readiness_stall` while it has lag.
     pub stalled: AtomicBool,
@@ -108,6 +110,7 @@ impl Metrics {
             slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
+            held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
             registry,
@@ -167,6 +170,29 @@ impl Metrics {
         let mut buf = Vec::new();
         prometheus::TextEncoder::new().encode(&self.registry.gather(), &mut buf).expect("text encoding");
         String::from_utf8(buf).expect("utf-8")
+    }
+
+    /// The stream is held back, or no session streams, for `cause`:
+    /// `outbox_relay_stream_held` 1 and `/readyz` says why.
+    pub fn hold(&self, cause: &str) {
+        self.stream_held.set(1);
+        *self.held_cause.lock().unwrap() = Some(cause.to_string());
+    }
+
+    pub fn release_hold(&self) {
+        self.stream_held.set(0);
+        *self.held_cause.lock().unwrap() = None;
+    }
+
+    /// What `/readyz` answers when not ready: why, as far as known.
+    pub fn unready_reason(&self) -> String {
+        if let Some(cause) = self.held_cause.lock().unwrap().as_ref() {
+            return format!("stream held: {cause}");
+        }
+        if self.stalled.load(Ordering::Relaxed) {
+            return "the slot's confirmed position is stalled".to_string();
+        }
+        "not streaming".to_string()
     }
 
     pub fn set_ready(&self, ready: bool) {

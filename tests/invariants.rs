@@ -33,7 +33,11 @@ fn bodies(p: &MemoryPublisher, prefix: &str) -> HashSet<String> {
 /// A relay that spools a failing lane within a second and retries its
 /// spool quickly.
 fn quick_spool(db: &TestDb) -> outbox_relay::config::Config {
-    let mut cfg = config(db, &[("orders", Q)]);
+    quick_spool_to(db, Q)
+}
+
+fn quick_spool_to(db: &TestDb, queue: &str) -> outbox_relay::config::Config {
+    let mut cfg = config(db, &[("orders", queue)]);
     cfg.lane_stall_timeout = Duration::from_secs(1);
     cfg.retry_base = Duration::from_millis(200);
     cfg.retry_max = Duration::from_secs(1);
@@ -159,6 +163,44 @@ async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
     assert_eq!((x, y), (1_500, 1_500), "in the table: {left:?}");
     wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
     relay.stop().await;
+}
+
+/// What is sent is what was committed: a row inserted and then updated by
+/// its own transaction goes out as updated (body, destination), a TOASTed
+/// body the update left alone included, in CDC as in polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_updated_by_its_own_transaction_is_sent_as_committed() {
+    const B: &str = "http://memory.invalid/billing";
+    for mode in [outbox_relay::config::Mode::Cdc, outbox_relay::config::Mode::Polling] {
+        let db = TestDb::new("same_txn").await;
+        let p = publisher();
+        p.add_queue(B, false, 262_144);
+        let mut cfg = config(&db, &[("orders", Q), ("billing", B)]);
+        cfg.mode = mode;
+        let relay = start(cfg, Arc::new(p.clone()));
+        if mode == outbox_relay::config::Mode::Cdc {
+            wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+        }
+        let big = "b".repeat(100_000);
+        db.client()
+            .await
+            .batch_execute(&format!(
+                "BEGIN;
+                 INSERT INTO outbox (event_id, destination, body) VALUES ('u1', 'orders', 'v1'), ('u2', 'orders', '{big}');
+                 UPDATE outbox SET body = 'v2', destination = 'billing' WHERE event_id = 'u1';
+                 UPDATE outbox SET destination = 'billing' WHERE event_id = 'u2';
+                 COMMIT;"
+            ))
+            .await
+            .unwrap();
+        wait_for("both rows sent", Duration::from_secs(30), || async { p.sent(B).len() >= 2 }).await;
+        let sent = p.sent(B);
+        let body = |e: &str| sent.iter().find(|s| s.event_id == e).map(|s| s.body.clone());
+        assert_eq!(body("u1").as_deref(), Some("v2"), "{mode:?}");
+        assert_eq!(body("u2").map(|b| b.len()), Some(100_000), "{mode:?}");
+        assert!(p.sent(Q).is_empty(), "{mode:?}: nothing to the destination it was inserted with");
+        relay.stop().await;
+    }
 }
 
 /// Ids reused while streaming and between runs: `TRUNCATE ... RESTART
@@ -647,10 +689,49 @@ impl Drop for Stopped {
     }
 }
 
+/// The pid of the walsender reading `slot`, once there is one.
+async fn walsender(c: &tokio_postgres::Client, slot: &str) -> i32 {
+    let active = "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1";
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(pid) = c.query_one(active, &[&slot]).await.unwrap().get(0) {
+            return pid;
+        }
+        assert!(std::time::Instant::now() < end, "no walsender reads the slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn held(relay: &Running) -> bool {
+    relay.metrics.render().lines().any(|l| l == "outbox_relay_stream_held 1")
+}
+
+/// While the stream is held (or down) the lane stays spooled: its drain
+/// sending rows does not take it back to a stream that brings nothing.
+async fn stays_spooled(relay: &Running) {
+    for _ in 0..10 {
+        let m = relay.metrics.render();
+        assert!(
+            m.contains("outbox_relay_lane_spooled{destination=\"orders\"} 1"),
+            "the lane left the spool while held"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Each of `n` rows whose body starts with `prefix` sent exactly once.
+fn sent_once(p: &MemoryPublisher, prefix: &str, n: usize) -> bool {
+    let sent: Vec<String> = p.sent(Q).into_iter().map(|s| s.body).filter(|b| b.starts_with(prefix)).collect();
+    let distinct: HashSet<&String> = sent.iter().collect();
+    assert_eq!(sent.len(), distinct.len(), "{prefix} rows sent twice: by the table while held, then by the stream");
+    distinct.len() == n
+}
+
 /// A walsender that stops sending (here: frozen with SIGSTOP) while rows
 /// are written: the relay names it within seconds (metric, readiness) and
-/// the rows go by the table meanwhile; once it sends again, the stream
-/// takes over and nothing is left NEW.
+/// the rows go by the table meanwhile, the lane staying spooled; once it
+/// sends again, the stream takes over, does not send those rows again, and
+/// nothing is left NEW.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
     let db = TestDb::new("held").await;
@@ -658,28 +739,144 @@ async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
     let relay = start(quick_spool(&db), Arc::new(p.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let c = db.client().await;
-    let active = "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1";
-    let end = std::time::Instant::now() + Duration::from_secs(30);
-    let pid: i32 = loop {
-        if let Some(pid) = c.query_one(active, &[&db.slot]).await.unwrap().get(0) {
-            break pid;
-        }
-        assert!(std::time::Instant::now() < end, "no walsender reads the slot");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let held = |m: &str| m.lines().any(|l| l == "outbox_relay_stream_held 1");
-    let frozen = Stopped::stop(pid);
+    let frozen = Stopped::stop(walsender(&c, &db.slot).await);
     insert_rows(&c, "held", "orders", 200, None).await;
-    wait_for("the held stream named", Duration::from_secs(20), || async { held(&relay.metrics.render()) }).await;
+    wait_for("the held stream named", Duration::from_secs(20), || async { held(&relay) }).await;
     assert!(!relay.metrics.is_ready(), "not ready while the stream is held");
-    wait_for("the rows delivered by the table path", Duration::from_secs(30), || async {
-        bodies(&p, "held:").len() == 200
-    })
-    .await;
+    let why = relay.metrics.unready_reason();
+    assert!(why.contains("walsender"), "the cause is named: {why}");
+    wait_for("the rows delivered by the table path", Duration::from_secs(30), || async { sent_once(&p, "held:", 200) })
+        .await;
+    stays_spooled(&relay).await;
     drop(frozen);
-    wait_for("the stream flows again", Duration::from_secs(30), || async { !held(&relay.metrics.render()) }).await;
+    wait_for("the stream flows again", Duration::from_secs(30), || async { !held(&relay) }).await;
     insert_rows(&c, "after", "orders", 50, None).await;
     wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(&p, "after:").len() == 50 }).await;
     wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert!(sent_once(&p, "held:", 200));
+    relay.stop().await;
+}
+
+/// A relay restarted while its old walsender, frozen, still owns the slot
+/// ("slot is active for PID n"): no session can stream, so after the same
+/// delay the relay names the process holding the slot and its rows go by
+/// the table; when the old walsender goes, a session streams again and
+/// nothing is sent twice or left NEW.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_held_by_a_stale_walsender_is_named_and_rows_go_by_the_table() {
+    let db = TestDb::new("stale").await;
+    let p = publisher();
+    let first = start(quick_spool(&db), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let c = db.client().await;
+    let pid = walsender(&c, &db.slot).await;
+    let frozen = Stopped::stop(pid);
+    first.abort();
+    let relay = start(quick_spool(&db), Arc::new(p.clone()));
+    insert_rows(&c, "stale", "orders", 200, None).await;
+    wait_for("no session named", Duration::from_secs(30), || async { held(&relay) }).await;
+    wait_for("the rows delivered by the table path", Duration::from_secs(30), || async {
+        sent_once(&p, "stale:", 200)
+    })
+    .await;
+    stays_spooled(&relay).await;
+    let why = relay.metrics.unready_reason();
+    assert!(why.contains(&format!("in use by pid {pid}")), "the process holding the slot is named: {why}");
+    // Let the old walsender run: its client is gone, it ends, the slot is free.
+    drop(frozen);
+    wait_for("a session streams again", Duration::from_secs(60), || async {
+        !held(&relay) && relay.metrics.is_ready()
+    })
+    .await;
+    insert_rows(&c, "after", "orders", 50, None).await;
+    wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(&p, "after:").len() == 50 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert!(sent_once(&p, "stale:", 200));
+    let reader: Option<i32> = c
+        .query_one("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", &[&db.slot])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(reader.is_some_and(|r| r != pid), "the new relay's walsender reads the slot: {reader:?}");
+    relay.stop().await;
+}
+
+/// What a relay killed between creating its slot and the end of the
+/// hand-off leaves: a slot whose consistent point is past NEW rows nobody
+/// handed to the table, and the hand-off's record. The next relay finishes
+/// the hand-off: every one of those rows is delivered, once, beside the rows
+/// the stream brings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_cut_short_by_a_kill_is_finished_by_the_next_relay() {
+    let db = TestDb::new("handoff").await;
+    let p = publisher();
+    let c = db.client().await;
+    insert_rows(&c, "before", "orders", 300, None).await;
+    c.execute("INSERT INTO outbox_relay_handoffs (slot) VALUES ($1)", &[&db.slot]).await.unwrap();
+    c.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&db.slot]).await.unwrap();
+    insert_rows(&c, "after", "orders", 100, None).await;
+    let relay = start(config(&db, &[("orders", Q)]), Arc::new(p.clone()));
+    wait_for("every row delivered", Duration::from_secs(60), || async {
+        sent_once(&p, "before:", 300) && sent_once(&p, "after:", 100)
+    })
+    .await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let pending: i64 = c.query_one("SELECT count(*) FROM outbox_relay_handoffs", &[]).await.unwrap().get(0);
+    assert_eq!(pending, 0, "the hand-off's record is gone once it is done");
+    relay.stop().await;
+}
+
+/// A FIFO lane spooled under a steady load streams again while the writer
+/// still writes (it catches up: its new events wait while the drain sends
+/// the rest of the spool), and every group arrives in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spooled_fifo_lane_streams_again_under_a_steady_load_in_order() {
+    const F: &str = "http://memory.invalid/orders.fifo";
+    let db = TestDb::new("steady_fifo").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(F, true, 262_144);
+    let relay = start(quick_spool_to(&db, F), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let spooled = |m: &str| m.contains("outbox_relay_lane_spooled{destination=\"orders\"} 1");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (c, stop) = (db.client().await, Arc::clone(&stop));
+        tokio::spawn(async move {
+            let mut k = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                insert_rows(&c, &format!("sf{k}"), "orders", 10, Some(4)).await;
+                k += 1;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            k
+        })
+    };
+    p.break_queue(F, CallError::transport("connection refused"));
+    wait_for("the lane spools", Duration::from_secs(30), || async { spooled(&relay.metrics.render()) }).await;
+    p.fix_queue(F);
+    wait_for("the lane streams again while the writer writes", Duration::from_secs(30), || async {
+        !spooled(&relay.metrics.render())
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches = writer.await.unwrap();
+    let delivered = || {
+        let sent: HashSet<String> = p.sent(F).into_iter().map(|s| s.body).collect();
+        sent.len()
+    };
+    wait_for("every row delivered", Duration::from_secs(60), || async { delivered() == batches * 10 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    // Per group, in the order first sent: ascending ids (rows of a group are
+    // inserted in id order).
+    let mut seen = HashSet::new();
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    for s in p.sent(F) {
+        if !seen.insert(s.body.clone()) {
+            continue;
+        }
+        let g = s.group_id.clone().expect("a FIFO entry has a group");
+        let prev = last.insert(g.clone(), s.outbox_id);
+        assert!(prev.is_none_or(|p| p < s.outbox_id), "group {g}: id {} sent after {prev:?}", s.outbox_id);
+    }
     relay.stop().await;
 }

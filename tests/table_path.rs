@@ -309,7 +309,7 @@ async fn auto_mode_polls_when_the_role_may_not_replicate_and_streams_when_it_may
     p.add_queue(A, false, 262_144);
     let c = db.client().await;
     let role = format!("r_{}", db.name);
-    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}; GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role}")).await.unwrap();
+    c.batch_execute(&format!("CREATE ROLE {role} LOGIN; GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role}; GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role}; GRANT SELECT, INSERT, DELETE ON outbox_relay_handoffs TO {role}")).await.unwrap();
     insert_rows(&c, "x", "a", 100, None).await;
 
     let mut cfg = config(&db, &[("a", A)]);

@@ -33,7 +33,8 @@ async fn least_privilege_role(db: &TestDb, password: &str) -> String {
         .batch_execute(&format!(
             "CREATE ROLE {role} LOGIN REPLICATION PASSWORD '{password}' IN ROLE scram_users;
              GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO {role};
-             GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role};"
+             GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO {role};
+             GRANT SELECT, INSERT, DELETE ON outbox_relay_handoffs TO {role};"
         ))
         .await
         .unwrap();

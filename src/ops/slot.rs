@@ -2,7 +2,9 @@
 
 use crate::config::Config;
 use crate::db;
-use crate::source::cdc::{connect_replication, create_slot_exporting, hand_to_table, import_snapshot};
+use crate::source::cdc::{
+    connect_replication, create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot,
+};
 
 use super::*;
 
@@ -43,10 +45,12 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     }
     let mut repl = connect_replication(config).await?;
     let created = async {
+        hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;
         let snap = db::connect(&config.database_url).await?;
         import_snapshot(&snap, &snapshot).await?;
         let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;
+        hand_off_done(&sql, &config.slot).await?;
         Ok::<_, OpsError>((consistent, handed))
     }
     .await;

@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use crate::event::{prepare, Entry, OutboxEvent, QueueInfo};
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{LaneItem, LaneState};
+use crate::pipeline::lane::{Flow, LaneItem, LaneState};
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
@@ -57,16 +57,19 @@ pub fn judge<'a>(
 ///
 /// One statement of two index scans for a chunk's ids ($1, from $2 to $3,
 /// all committed at $4): the runs overlapping that range that may prove
-/// them (GiST on the id range), tagged false, and the settled rows
-/// still in the table with their event ids, tagged true. Which ids the runs
-/// cover is worked out here ([`settled`]); a probe per id into the runs cost
-/// a backlog drain more than the settlement itself.
+/// them (GiST on the id range) with the event ids they list (runs of the
+/// table path), tagged false, and the settled rows still in the table with
+/// their event ids, tagged true. Which ids the runs cover is worked out
+/// here ([`settled`]); a probe per id into the runs cost a backlog drain
+/// more than the settlement itself.
 const REPLAYED_SQL: &str = "
-SELECT false, lo, hi, NULL::text FROM outbox_published_runs r
+SELECT false, lo, hi, NULL::text, CASE WHEN commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn
+                                       THEN NULL ELSE event_ids END
+  FROM outbox_published_runs r
  WHERE int8range(lo, hi, '[]') && int8range($2, $3, '[]') AND lsn > $4::text::pg_lsn
-   AND commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn
+   AND ((commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn) OR event_ids IS NOT NULL)
 UNION ALL
-SELECT true, id, id, event_id FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
+SELECT true, id, id, event_id, NULL FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
 
 /// Of `ids`, those settled: in `marked` (rows in the table that are no
 /// longer NEW or were handed to the table) or covered by one of `runs`
@@ -99,10 +102,23 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
     let (mut runs, mut marked) = (Vec::new(), HashSet::new());
     for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
         let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
-        if !in_table {
-            runs.push((lo, hi));
-        } else if event_of.get(&lo).copied() == r.get::<_, Option<&str>>(3) {
-            marked.insert(lo);
+        match (in_table, r.get::<_, Option<Vec<&str>>>(4)) {
+            // A run of the table path: the ids whose event it lists.
+            (false, Some(listed)) => {
+                let listed: HashSet<&str> = listed.into_iter().collect();
+                marked.extend(
+                    events
+                        .iter()
+                        .filter(|e| (lo..=hi).contains(&e.id) && listed.contains(e.event_id.as_str()))
+                        .map(|e| e.id),
+                );
+            }
+            (false, None) => runs.push((lo, hi)),
+            (true, _) => {
+                if event_of.get(&lo).copied() == r.get::<_, Option<&str>>(3) {
+                    marked.insert(lo);
+                }
+            }
         }
     }
     Ok(settled(&ids, runs, marked))
@@ -165,7 +181,7 @@ impl Router<'_> {
         let (label, verdict) = judge(self.queues, &ev);
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
         let (outcome, unmarked) = match verdict {
-            Ok(_) if self.states[&ev.destination].is_spooling() => {
+            Ok(_) if self.states[&ev.destination].flow() == Flow::Spooling => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];
                 (Outcome::Deferred(state.deferral("spooled"), Due::Now), Some(state.deferring()))

@@ -160,11 +160,12 @@ static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
                   WHERE {SAME_ROW} AND u.status <> 'PUBLISHED' RETURNING o.event_id),
          del AS (DELETE FROM outbox o USING u
                   WHERE {SAME_ROW} AND u.status = 'PUBLISHED' RETURNING o.id, o.event_id, u.commit::pg_lsn AS commit),
-         runs AS (INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi)
+         runs AS (INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi, event_ids)
                   SELECT min(id), max(id),
                          CASE WHEN bool_and(commit IS NOT NULL) THEN min(commit) END,
-                         CASE WHEN bool_and(commit IS NOT NULL) THEN max(commit) END
-                    FROM (SELECT id, commit, id - row_number() OVER (ORDER BY id) AS g FROM del) r
+                         CASE WHEN bool_and(commit IS NOT NULL) THEN max(commit) END,
+                         CASE WHEN NOT bool_and(commit IS NOT NULL) THEN array_agg(event_id ORDER BY id) END
+                    FROM (SELECT id, commit, event_id, id - row_number() OVER (ORDER BY id) AS g FROM del) r
                    GROUP BY g RETURNING lo)
          SELECT event_id FROM upd UNION ALL SELECT event_id FROM del",
         update_set()
@@ -227,16 +228,16 @@ SELECT u.event_id, o.status = 'NEW', o.id IS NOT NULL,
                     pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
  CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d";
 
-/// When a run of published ids (`r`) proves that the row with id `$id`
-/// committed at `$commit` was published: it covers the id, the row's commit
-/// lies within the commit positions of the rows it covers, and it was
-/// written after that commit. Covering the id is not enough: the id may have
-/// been given to another row since (an identity reset, or a row deleted and
-/// its id reused) and that row published. Rows published by the table path
-/// record no commit position, so their runs prove nothing (a replay sends
-/// them again: a duplicate, never a loss).
-pub const PROVEN_BY_RUN: &str =
-    "int8range(r.lo, r.hi, '[]') @> $id AND r.lsn > $commit AND r.commit_lo <= $commit AND r.commit_hi >= $commit";
+/// When a run of published ids (`r`) proves that the row with id `$id` and
+/// event id `$event_id`, committed at `$commit`, was published: the run was
+/// written after that commit, covers the id, and either its rows' commit
+/// positions (stream rows) span the row's commit or it lists the event id
+/// (rows the table path published: their commit is unknown). Covering the id
+/// is not enough: the id may have been given to another row since (an
+/// identity reset, or a row deleted and its id reused) and that row
+/// published.
+pub const PROVEN_BY_RUN: &str = "int8range(r.lo, r.hi, '[]') @> $id AND r.lsn > $commit
+     AND ((r.commit_lo <= $commit AND r.commit_hi >= $commit) OR $event_id = ANY(r.event_ids))";
 
 /// Of the given (id, commit position, event id), the event ids a run proves published
 /// ([`PROVEN_BY_RUN`]). A row read from the table has no commit position and
@@ -245,7 +246,7 @@ static PUBLISHED_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| 
     format!(
         "SELECT u.event_id FROM unnest($1::bigint[], $2::text[], $3::text[]) AS u(id, lsn, event_id)
           WHERE EXISTS (SELECT 1 FROM outbox_published_runs r WHERE {})",
-        PROVEN_BY_RUN.replace("$id", "u.id").replace("$commit", "u.lsn::pg_lsn")
+        PROVEN_BY_RUN.replace("$id", "u.id").replace("$commit", "u.lsn::pg_lsn").replace("$event_id", "u.event_id")
     )
 });
 

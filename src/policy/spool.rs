@@ -89,35 +89,63 @@ pub fn lane_to_spool(held: u64, max_retained_wal: u64, ages: &[Option<Duration>]
 /// Whether a spooling lane streams again, after a table-path round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Resume {
-    /// Not yet: its sends fail (or nothing was tried).
+    /// Not yet: its sends fail (or nothing was tried), or the stream is held.
     No,
     /// A standard queue whose drain just sent rows: at once. Order does not
     /// matter there, so the spool drains beside the stream; waiting for an
     /// empty spool would never end under a steady load, every row going
     /// through the table.
     Now,
-    /// Nothing sent to judge by (a standard queue), or a FIFO queue: once
-    /// one query finds nothing of it waiting in the table (FIFO: so no group
-    /// is overtaken by its own newer events).
+    /// A FIFO queue whose drain sends and is within one claim of the end of
+    /// its spool: the lane stops adding to the spool and holds its new
+    /// events while the drain finishes ([`crate::pipeline::lane::Flow::CatchingUp`]),
+    /// so the spool empties under any load and no group is overtaken.
+    CatchUp,
+    /// Nothing sent to judge by (a standard queue), or a FIFO queue catching
+    /// up: once one query finds nothing of it waiting in the table.
     IfSpoolEmpty,
 }
 
-/// After a round of a spooling lane's drain: `published_now` rows sent and
-/// `claimed_now` claimed, `sends_ok` whether its last sends succeeded,
-/// `deferred_unmarked` deferred rows still on their way to the table.
-pub fn may_stream_again(
-    fifo: bool,
-    claimed_now: usize,
-    published_now: usize,
-    sends_ok: bool,
-    deferred_unmarked: usize,
-) -> Resume {
-    if !sends_ok {
+/// What one round of a spooling lane's drain saw.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DrainRound {
+    /// The server holds the stream back: the stream would bring nothing.
+    pub held: bool,
+    pub fifo: bool,
+    /// The lane catches up already (FIFO).
+    pub catching_up: bool,
+    /// Rows claimed, and whether the claim was full (more may wait).
+    pub claimed: usize,
+    pub full: bool,
+    /// Rows sent.
+    pub published: usize,
+    /// Whether the lane's last sends succeeded.
+    pub sends_ok: bool,
+    /// Deferred rows still on their way to the table.
+    pub deferred_unmarked: usize,
+}
+
+/// After a round of a spooling lane's drain: does the lane stream again?
+pub fn may_stream_again(r: DrainRound) -> Resume {
+    let empty = r.claimed == 0 && r.deferred_unmarked == 0;
+    if r.held || !r.sends_ok {
         Resume::No
-    } else if !fifo && published_now > 0 {
-        Resume::Now
-    } else if claimed_now == 0 && deferred_unmarked == 0 {
-        Resume::IfSpoolEmpty
+    } else if !r.fifo {
+        if r.published > 0 {
+            Resume::Now
+        } else if empty {
+            Resume::IfSpoolEmpty
+        } else {
+            Resume::No
+        }
+    } else if r.catching_up {
+        if empty {
+            Resume::IfSpoolEmpty
+        } else {
+            Resume::No
+        }
+    } else if !r.full && (r.published > 0 || empty) {
+        Resume::CatchUp
     } else {
         Resume::No
     }
@@ -139,20 +167,54 @@ mod tests {
         assert!(!stalled(Duration::from_secs(29), Duration::from_secs(30)));
     }
 
+    fn round(fifo: bool, claimed: usize, published: usize, sends_ok: bool, unmarked: usize) -> DrainRound {
+        DrainRound {
+            fifo,
+            claimed,
+            full: claimed >= 500,
+            published,
+            sends_ok,
+            deferred_unmarked: unmarked,
+            ..Default::default()
+        }
+    }
+
     #[test]
-    fn a_standard_lane_streams_again_once_sends_succeed_a_fifo_one_once_its_spool_is_empty() {
-        // Standard: sends succeeding is enough, whatever is left in the table.
-        assert_eq!(may_stream_again(false, 100, 100, true, 5), Resume::Now);
+    fn a_standard_lane_streams_again_once_sends_succeed() {
+        // Sends succeeding is enough, whatever is left in the table.
+        assert_eq!(may_stream_again(round(false, 100, 100, true, 5)), Resume::Now);
+        assert_eq!(may_stream_again(round(false, 500, 500, true, 0)), Resume::Now);
         // Nothing claimed: no evidence that sends succeed, only an empty spool.
-        assert_eq!(may_stream_again(false, 0, 0, true, 0), Resume::IfSpoolEmpty);
-        assert_eq!(may_stream_again(false, 0, 0, true, 2), Resume::No);
-        assert_eq!(may_stream_again(false, 100, 100, false, 0), Resume::No);
+        assert_eq!(may_stream_again(round(false, 0, 0, true, 0)), Resume::IfSpoolEmpty);
+        assert_eq!(may_stream_again(round(false, 0, 0, true, 2)), Resume::No);
+        assert_eq!(may_stream_again(round(false, 100, 100, false, 0)), Resume::No);
         // Claimed rows none of which went out (all DEAD, say): no proof yet.
-        assert_eq!(may_stream_again(false, 10, 0, true, 0), Resume::No);
-        // FIFO: only an empty spool, checked by one query.
-        assert_eq!(may_stream_again(true, 0, 0, true, 0), Resume::IfSpoolEmpty);
-        assert_eq!(may_stream_again(true, 0, 0, true, 1), Resume::No);
-        assert_eq!(may_stream_again(true, 3, 3, true, 0), Resume::No);
-        assert_eq!(may_stream_again(true, 0, 0, false, 0), Resume::No);
+        assert_eq!(may_stream_again(round(false, 10, 0, true, 0)), Resume::No);
+    }
+
+    #[test]
+    fn a_fifo_lane_catches_up_within_a_claim_of_the_end_then_streams_once_its_spool_is_empty() {
+        // Sending, and the claim was not full: catch up (whatever the load).
+        assert_eq!(may_stream_again(round(true, 3, 3, true, 0)), Resume::CatchUp);
+        assert_eq!(may_stream_again(round(true, 0, 0, true, 0)), Resume::CatchUp);
+        // A full claim: more waits in the table.
+        assert_eq!(may_stream_again(round(true, 500, 500, true, 0)), Resume::No);
+        assert_eq!(may_stream_again(round(true, 0, 0, true, 1)), Resume::No);
+        assert_eq!(may_stream_again(round(true, 0, 0, false, 0)), Resume::No);
+        // Catching up: only an empty spool, checked by one query.
+        let catching = |r: DrainRound| DrainRound { catching_up: true, ..r };
+        assert_eq!(may_stream_again(catching(round(true, 0, 0, true, 0))), Resume::IfSpoolEmpty);
+        assert_eq!(may_stream_again(catching(round(true, 3, 3, true, 0))), Resume::No);
+        assert_eq!(may_stream_again(catching(round(true, 0, 0, true, 1))), Resume::No);
+    }
+
+    #[test]
+    fn a_held_stream_keeps_every_lane_spooled() {
+        for fifo in [false, true] {
+            let r = DrainRound { held: true, ..round(fifo, 100, 100, true, 0) };
+            assert_eq!(may_stream_again(r), Resume::No);
+            let r = DrainRound { held: true, ..round(fifo, 0, 0, true, 0) };
+            assert_eq!(may_stream_again(r), Resume::No);
+        }
     }
 }

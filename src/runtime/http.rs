@@ -24,9 +24,9 @@ pub async fn serve(
             "/readyz",
             get(|State(m): State<Arc<Metrics>>| async move {
                 if m.is_ready() {
-                    (StatusCode::OK, "ready\n")
+                    (StatusCode::OK, "ready\n".to_string())
                 } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                    (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", m.unready_reason()))
                 }
             }),
         )

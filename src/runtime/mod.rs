@@ -29,7 +29,7 @@ use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settle::Marking;
 use crate::publish::Publisher;
-use crate::source::cdc::{run_stream, StreamContext};
+use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +166,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
         slot_seen: AtomicBool::new(false),
         shard: env.sharded.then(|| env.queues.keys().cloned().collect()),
         streaming_since: std::sync::Mutex::new(None),
+        handed_until: Arc::default(),
     };
     loop {
         let mut stop = stop_rx.clone();
@@ -198,6 +199,10 @@ async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut w
     // Polled here, not spawned: if this task goes, the lock goes with it.
     let watchdog = watch_lock(lock, ctx.config.takeover_timeout);
     tokio::pin!(watchdog);
+    // No session streaming for long: the rows go by the table meanwhile.
+    let last_error = std::sync::Mutex::new(None);
+    let down = watch_down(ctx, &last_error);
+    tokio::pin!(down);
     let mut reconnect = crate::policy::retry::Reconnect::default();
     loop {
         if *stop_rx.borrow() {
@@ -207,16 +212,19 @@ async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut w
             r = run_stream(ctx, stop_rx) => r,
             // Lock gone: stop publishing at once, no draining.
             _ = &mut watchdog => return true,
+            _ = &mut down => unreachable!("the session watch runs for as long as the relay leads"),
         };
         let Err(e) = r else { return false };
         ctx.metrics.stream_restarts.inc();
         let streamed_for = ctx.streaming_since.lock().unwrap().take().map(|t| t.elapsed());
         let wait = reconnect.session_ended(streamed_for);
         tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");
+        *last_error.lock().unwrap() = Some(e.to_string());
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = stop_rx.wait_for(|s| *s) => return false,
             _ = &mut watchdog => return true,
+            _ = &mut down => unreachable!("the session watch runs for as long as the relay leads"),
         }
     }
 }

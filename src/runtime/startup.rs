@@ -60,6 +60,9 @@ pub(crate) async fn start_up(
     db.within("checking what settlement writes", db::check_settlement(&sql, config.published_rows))
         .await
         .map_err(startup)?;
+    if mode == Mode::Cdc {
+        db.within("checking the slot hand-off record", db::check_handoffs(&sql)).await.map_err(startup)?;
+    }
     let mut retention = config.retention;
     if retention.is_some()
         && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)?

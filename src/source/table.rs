@@ -27,11 +27,11 @@ use tokio_postgres::Client;
 use crate::db;
 use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
-use crate::pipeline::lane::{run_lane, LaneConfig, LaneItem, LaneState, RetryPolicy};
+use crate::pipeline::lane::{run_lane, Flow, LaneConfig, LaneItem, LaneState, RetryPolicy};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Marking, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
-use crate::policy::spool::{may_stream_again, Resume};
+use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
@@ -128,12 +128,21 @@ pub async fn run_table_lane(
             sends_ok = ok;
         }
         if let Some(state) = &state {
-            let resume =
-                may_stream_again(cfg.queue.fifo, round.claimed, round.published, sends_ok, state.deferred_unmarked());
+            let resume = may_stream_again(DrainRound {
+                held: state.is_held(),
+                fifo: cfg.queue.fifo,
+                catching_up: state.flow() == Flow::CatchingUp,
+                claimed: round.claimed,
+                full: round.claimed >= cfg.claim_limit,
+                published: round.published,
+                sends_ok,
+                deferred_unmarked: state.deferred_unmarked(),
+            });
             match resume {
                 _ if !state.is_spooling() => {}
                 Resume::No => {}
                 Resume::Now => state.stop_spooling(),
+                Resume::CatchUp => state.catch_up(),
                 Resume::IfSpoolEmpty => match spool_is_empty(c, &cfg.name).await {
                     Ok(true) => state.stop_spooling(),
                     Ok(false) => {}

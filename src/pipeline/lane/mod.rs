@@ -34,7 +34,7 @@ mod state;
 
 use send::send_until_settled;
 pub use send::{reconcile, CallOutcome, Verdict};
-pub use state::LaneState;
+pub use state::{Flow, LaneState};
 
 /// An entry on its way through a lane.
 pub struct LaneItem {
@@ -168,7 +168,7 @@ pub async fn run_lane(
                 }
             },
             Some(done) = lane.in_flight.join_next_with_id() => lane.finished(done),
-            _ = async { lane.spool_rx.as_mut().unwrap().changed().await }, if lane.spool_rx.is_some() => {}
+            _ = async { lane.spool_rx.as_mut().unwrap().changed().await }, if lane.spool_rx.is_some() => lane.flow_changed(),
             _ = tick.tick(), if lane.ctx.state.is_some() => lane.check_stall(),
             _ = tokio::time::sleep_until(linger_at.unwrap_or_else(Instant::now).into()), if linger_at.is_some() => {}
         }
@@ -178,7 +178,7 @@ pub async fn run_lane(
 /// A lane's working state between events of its loop.
 struct Lane {
     ctx: Arc<Ctx>,
-    spool_rx: Option<watch::Receiver<bool>>,
+    spool_rx: Option<watch::Receiver<Flow>>,
     pending: VecDeque<LaneItem>,
     in_flight: JoinSet<Done>,
     /// When each batch in flight was first received (for the stall check).
@@ -196,7 +196,7 @@ struct Lane {
 }
 
 impl Lane {
-    fn new(ctx: Arc<Ctx>, spool_rx: Option<watch::Receiver<bool>>) -> Self {
+    fn new(ctx: Arc<Ctx>, spool_rx: Option<watch::Receiver<Flow>>) -> Self {
         Lane {
             ctx,
             spool_rx,
@@ -220,7 +220,7 @@ impl Lane {
             }
             self.oldest = None;
         }
-        if !self.held.is_empty() && !self.pending.is_empty() {
+        if !self.held.is_empty() && !self.pending.is_empty() && !catching_up(&self.spool_rx) {
             let held = &self.held;
             let (keep, follow): (VecDeque<_>, VecDeque<_>) =
                 self.pending.drain(..).partition(|i| i.entry.group_id.as_ref().is_none_or(|g| !held.contains(g)));
@@ -239,6 +239,9 @@ impl Lane {
     /// lane woke at its first, and a busy lane's next batch fills as before,
     /// so a steady load makes no more calls).
     fn start_batches(&mut self) {
+        if catching_up(&self.spool_rx) {
+            return;
+        }
         let fifo = self.ctx.cfg.queue.fifo;
         let linger = self.ctx.cfg.linger;
         while self.in_flight.len() < self.ctx.cfg.max_in_flight && !self.pending.is_empty() {
@@ -308,13 +311,23 @@ impl Lane {
         }
     }
 
+    /// Streaming again after a spool: a FIFO lane comes back only once its
+    /// spool is drained, so the groups whose entries went to the table have
+    /// nothing left there to wait for.
+    fn flow_changed(&mut self) {
+        let streaming = self.spool_rx.as_ref().is_some_and(|r| *r.borrow() == Flow::Streaming);
+        if streaming && self.ctx.cfg.queue.fifo {
+            self.held.clear();
+        }
+    }
+
     /// Publish the age of the oldest unsettled entry; spool past the stall timeout.
     fn check_stall(&mut self) {
         let Some(state) = self.ctx.state.as_ref() else { return };
         let oldest = self.pending.iter().map(|i| i.arrived).take(1).chain(self.in_flight_since.values().copied()).min();
         state.set_oldest(oldest);
         if let (Some(limit), Some(t)) = (self.ctx.cfg.stall_timeout, oldest) {
-            if stalled(t.elapsed(), limit) && !state.is_spooling() {
+            if stalled(t.elapsed(), limit) && state.flow() != Flow::Spooling {
                 state.start_spooling(SpoolCause::Stalled { oldest: t.elapsed(), limit });
             }
         }
@@ -374,8 +387,14 @@ pub(crate) fn defer(ctx: &Ctx, item: LaneItem, why: &str, due: Due) {
     settle(ctx, item, Outcome::Deferred(text, due));
 }
 
-pub(crate) fn spooling(spool: &Option<watch::Receiver<bool>>) -> bool {
-    spool.as_ref().is_some_and(|r| *r.borrow())
+/// The lane defers what it holds to the table.
+pub(crate) fn spooling(spool: &Option<watch::Receiver<Flow>>) -> bool {
+    spool.as_ref().is_some_and(|r| *r.borrow() == Flow::Spooling)
+}
+
+/// The lane holds what it has, sending nothing, until its spool is drained.
+fn catching_up(spool: &Option<watch::Receiver<Flow>>) -> bool {
+    spool.as_ref().is_some_and(|r| *r.borrow() == Flow::CatchingUp)
 }
 
 #[cfg(test)]

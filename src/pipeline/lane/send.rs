@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tokio::sync::watch;
 
-use super::{defer, settle, spooling, Ctx, LaneItem, RetryPolicy};
+use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy};
 use crate::event::Entry;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -70,7 +70,7 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
 pub(super) async fn send_until_settled(
     ctx: &Ctx,
     batch: Vec<LaneItem>,
-    mut spool: Option<watch::Receiver<bool>>,
+    mut spool: Option<watch::Receiver<Flow>>,
 ) -> Vec<String> {
     let mut todo = batch;
     let mut attempt = 0u32;
@@ -170,7 +170,7 @@ fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> Vec<
 
 /// Wait out the in-memory backoff (cut short by spooling). False when the
 /// lane is closing: its entries are abandoned rather than retried.
-async fn wait_to_retry(ctx: &Ctx, spool: &mut Option<watch::Receiver<bool>>, attempt: u32) -> bool {
+async fn wait_to_retry(ctx: &Ctx, spool: &mut Option<watch::Receiver<Flow>>, attempt: u32) -> bool {
     if *ctx.closing.borrow() {
         return false;
     }
@@ -179,7 +179,7 @@ async fn wait_to_retry(ctx: &Ctx, spool: &mut Option<watch::Receiver<bool>>, att
     match spool.as_mut() {
         Some(rx) => tokio::select! {
             _ = wait => {}
-            _ = rx.wait_for(|s| *s) => {}
+            _ = rx.wait_for(|s| *s == Flow::Spooling) => {}
             _ = closing.wait_for(|c| *c) => {}
         },
         None => tokio::select! {

@@ -1,7 +1,7 @@
 //! A destination's streaming state: streaming or spooling, its oldest
 //! unsettled event, its last SQS error, its deferred rows not yet marked.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -12,12 +12,26 @@ use crate::metrics::Metrics;
 use crate::pipeline::settle::Unmarked;
 use crate::policy::spool::SpoolCause;
 
+/// Where a destination's events go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Through its lane, from the stream.
+    Streaming,
+    /// To the outbox table (the spool), whose drain sends them.
+    Spooling,
+    /// A FIFO lane back from spooling: its new events wait in its lane,
+    /// neither sent nor spooled, while the drain sends what is left in the
+    /// table; then it streams. Nothing is added to the spool meanwhile, so
+    /// it empties under any load, and no group is overtaken.
+    CatchingUp,
+}
+
 /// A destination's streaming state, shared by its lane (one per replication
 /// session), the session's WAL watch, and its spool drain. It outlives
 /// sessions, so a spooling lane stays spooling across a reconnect.
 pub struct LaneState {
     pub name: Arc<str>,
-    spool: watch::Sender<bool>,
+    spool: watch::Sender<Flow>,
     /// Unix milliseconds of the lane's oldest unsettled event; 0 when none.
     oldest_unsettled_ms: AtomicU64,
     /// The last error SQS gave this lane, for the spooled rows' `last_error`.
@@ -28,6 +42,9 @@ pub struct LaneState {
     /// Deferred rows handed to the settler and not marked yet; the drain does
     /// not return the lane to streaming while any are on their way.
     unmarked: Arc<Unmarked>,
+    /// The server holds the stream back (or no session streams): the lane
+    /// stays spooled whatever its drain achieves, until released.
+    held: AtomicBool,
     metrics: Arc<Metrics>,
 }
 
@@ -36,43 +53,94 @@ impl LaneState {
         metrics.lane_spooled.with_label_values(&[name]).set(0);
         Arc::new(Self {
             name: Arc::from(name),
-            spool: watch::channel(false).0,
+            spool: watch::channel(Flow::Streaming).0,
             oldest_unsettled_ms: AtomicU64::new(0),
             last_error: Mutex::new(String::new()),
             spool_cause: Mutex::new(None),
             unmarked: Arc::default(),
+            held: AtomicBool::new(false),
             metrics,
         })
     }
 
+    /// On the table path: spooling, or catching up with the spool.
     pub fn is_spooling(&self) -> bool {
+        self.flow() != Flow::Streaming
+    }
+
+    pub fn flow(&self) -> Flow {
         *self.spool.borrow()
     }
 
     /// Spool from now on; logged once per switch, as a warning for a fault.
     pub fn start_spooling(&self, cause: SpoolCause) {
-        if !self.spool.send_replace(true) {
-            self.metrics.lane_spooled.with_label_values(&[&self.name]).set(1);
-            self.metrics.lane_spool_switches.with_label_values(&[&self.name]).inc();
-            let (reason, last_error) = (cause.to_string(), self.last_error());
-            if cause.is_fault() {
-                tracing::warn!(destination = %self.name, %reason, %last_error, "lane spooling: its events go to the outbox table and the slot moves on");
-            } else {
-                tracing::info!(destination = %self.name, %reason, "lane draining the outbox table first: its events go there until it is empty");
+        match self.spool.send_replace(Flow::Spooling) {
+            Flow::Streaming => {
+                self.metrics.lane_spooled.with_label_values(&[&self.name]).set(1);
+                self.metrics.lane_spool_switches.with_label_values(&[&self.name]).inc();
+                let (reason, last_error) = (cause.to_string(), self.last_error());
+                if cause.is_fault() {
+                    tracing::warn!(destination = %self.name, %reason, %last_error, "lane spooling: its events go to the outbox table and the slot moves on");
+                } else {
+                    tracing::info!(destination = %self.name, %reason, "lane draining the outbox table first: its events go there until it is empty");
+                }
+                *self.spool_cause.lock().unwrap() = Some(cause);
             }
-            *self.spool_cause.lock().unwrap() = Some(cause);
+            Flow::CatchingUp => {
+                tracing::warn!(destination = %self.name, reason = %cause, "lane catching up spools again: its events go to the outbox table");
+                *self.spool_cause.lock().unwrap() = Some(cause);
+            }
+            Flow::Spooling => {}
         }
+    }
+
+    /// A spooling FIFO lane whose drain is about to empty the spool: its new
+    /// events wait in the lane until the drain is done ([`Flow::CatchingUp`]).
+    pub fn catch_up(&self) {
+        let switched = self.spool.send_if_modified(|f| {
+            let spooling = *f == Flow::Spooling;
+            if spooling {
+                *f = Flow::CatchingUp;
+            }
+            spooling
+        });
+        if switched {
+            tracing::info!(destination = %self.name, "lane catching up: new events wait in the lane while the drain sends the rest of its spool");
+        }
+    }
+
+    /// The stream is held back (`cause`): spool, and stay spooled until
+    /// [`LaneState::release`], however well the drain sends.
+    pub fn hold(&self, cause: SpoolCause) {
+        self.held.store(true, Ordering::Relaxed);
+        if self.flow() == Flow::Spooling {
+            *self.spool_cause.lock().unwrap() = Some(cause);
+        } else {
+            self.start_spooling(cause);
+        }
+    }
+
+    /// The stream moves again: the drain's usual rules decide when the lane
+    /// streams (the rows handed to the table are waiting there).
+    pub fn release(&self) {
+        if self.held.swap(false, Ordering::Relaxed) && self.is_spooling() {
+            *self.spool_cause.lock().unwrap() = Some(SpoolCause::RowsInTable);
+        }
+    }
+
+    pub fn is_held(&self) -> bool {
+        self.held.load(Ordering::Relaxed)
     }
 
     /// Stream again; logged once per switch.
     pub fn stop_spooling(&self) {
-        if self.spool.send_replace(false) {
+        if self.spool.send_replace(Flow::Streaming) != Flow::Streaming {
             self.metrics.lane_spooled.with_label_values(&[&self.name]).set(0);
             tracing::info!(destination = %self.name, "lane streaming again: sends succeed (a FIFO queue: and its spool is drained)");
         }
     }
 
-    pub(crate) fn subscribe(&self) -> watch::Receiver<bool> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Flow> {
         self.spool.subscribe()
     }
 

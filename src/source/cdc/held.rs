@@ -16,7 +16,7 @@
 //! [`policy::spool::stream_held_after`]: crate::policy::spool::stream_held_after
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use replication::Lsn;
@@ -27,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::policy::spool::{stream_held_after, SpoolCause, STREAM_QUIET};
 
-use super::HEARTBEAT_PREFIX;
+use super::{StreamContext, HEARTBEAT_PREFIX};
 
 /// What the session's stream loop tells the watch.
 #[derive(Debug, Default)]
@@ -38,6 +38,23 @@ pub(crate) struct StreamProgress {
     /// The loop is handing events on (waiting on its own lanes, not on the
     /// server).
     busy: AtomicBool,
+}
+
+/// The WAL position up to which rows may have been handed to the table
+/// while the stream was held or down: the stream's rows committed before it
+/// are checked against the table like a replay, so the table path and the
+/// stream do not both send them. Outlives sessions.
+#[derive(Debug, Default)]
+pub struct HandedUntil(AtomicU64);
+
+impl HandedUntil {
+    pub(crate) fn get(&self) -> Lsn {
+        Lsn(self.0.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn raise(&self, lsn: Lsn) {
+        self.0.fetch_max(lsn.0, Ordering::Relaxed);
+    }
 }
 
 impl StreamProgress {
@@ -62,6 +79,7 @@ pub(crate) struct HeldWatch {
     pub progress: Arc<StreamProgress>,
     pub metrics: Arc<Metrics>,
     pub lane_stall_timeout: Duration,
+    pub handed_until: Arc<HandedUntil>,
 }
 
 /// Where the watch stands: the probe in flight, and whether it has called
@@ -107,7 +125,8 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
         Some((lsn, _)) if received >= lsn => {
             s.probe = None;
             if s.held.take().is_some() {
-                w.metrics.stream_held.set(0);
+                w.metrics.release_hold();
+                w.lanes.iter().for_each(|l| l.release());
                 tracing::info!(slot = %w.slot, "the server streams again; lanes return to streaming as their spools allow");
             }
         }
@@ -115,14 +134,14 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
             if s.held.is_none() {
                 let cause = diagnose(c, &w.slot).await?;
                 tracing::warn!(slot = %w.slot, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
-                w.metrics.stream_held.set(1);
+                w.metrics.hold(&cause);
                 for lane in &w.lanes {
-                    lane.start_spooling(SpoolCause::StreamHeld(cause.clone()));
+                    lane.hold(SpoolCause::StreamHeld(cause.clone()));
                 }
                 s.held = Some(cause);
             }
             let cause = s.held.as_deref().unwrap_or_default();
-            hand_over(c, &w.destinations, cause).await?;
+            hand_over(c, &w.destinations, cause, &w.handed_until).await?;
         }
         Some(_) => {}
         None if quiet => {
@@ -143,17 +162,35 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
 }
 
 /// Hand this relay's NEW rows the stream has not brought to the table path:
-/// due now, the cause as their `last_error`. A batch per tick.
-async fn hand_over(c: &Client, destinations: &[String], cause: &str) -> Result<u64, tokio_postgres::Error> {
+/// due now, the cause as their `last_error`. A batch per tick. Every row it
+/// hands over committed before the WAL position it reads (the rows are
+/// visible to it), which `until` keeps for the stream's replay check.
+async fn hand_over(
+    c: &Client,
+    destinations: &[String],
+    cause: &str,
+    until: &HandedUntil,
+) -> Result<u64, tokio_postgres::Error> {
     let why = format!("stream held back: {cause}");
-    c.execute(
-        "UPDATE outbox SET next_attempt_at = now(), last_error = $2
-          WHERE id IN (SELECT id FROM outbox
-                        WHERE status = 'NEW' AND next_attempt_at IS NULL AND destination = ANY($1)
-                        ORDER BY id LIMIT $3)",
-        &[&destinations, &why, &HAND_OVER_BATCH],
-    )
-    .await
+    let r = c
+        .query_one(
+            "WITH handed AS (
+                 UPDATE outbox SET next_attempt_at = now(), last_error = $2
+                  WHERE id IN (SELECT id FROM outbox
+                                WHERE status = 'NEW' AND next_attempt_at IS NULL AND destination = ANY($1)
+                                ORDER BY id LIMIT $3)
+                 RETURNING 1)
+             SELECT count(*), pg_current_wal_insert_lsn()::text FROM handed",
+            &[&destinations, &why, &HAND_OVER_BATCH],
+        )
+        .await?;
+    let (handed, lsn): (i64, String) = (r.get(0), r.get(1));
+    if handed > 0 {
+        if let Ok(lsn) = lsn.parse::<Lsn>() {
+            until.raise(lsn);
+        }
+    }
+    Ok(handed as u64)
 }
 
 /// Why the server may be holding the slot's walsender, in an operator's
@@ -227,5 +264,118 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
         ))
     } else {
         None
+    })
+}
+
+/// While this relay leads but no replication session streams (the slot in
+/// use by another process, a walsender left frozen by an earlier session,
+/// slot creation waiting on a long transaction, replication connections
+/// refused), rows must not wait either: after the same
+/// [`stream_held_after`], name the cause, spool every lane and hand the NEW
+/// rows to the table path each second, until a session streams. Runs for as
+/// long as the relay leads; `last_error` is the last session's error.
+pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
+    let db = ctx.config.db();
+    let destinations: Vec<String> = ctx.queues.keys().cloned().collect();
+    let after = stream_held_after(ctx.config.lane_stall_timeout);
+    let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =
+        (None, None, None);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if ctx.streaming_since.lock().unwrap().is_some() {
+            down_since = None;
+            if named.take().is_some() {
+                ctx.metrics.release_hold();
+                ctx.lanes.values().for_each(|l| l.release());
+                tracing::info!(slot = %ctx.config.slot, "a replication session streams again; lanes return to streaming as their spools allow");
+            }
+            continue;
+        }
+        if down_since.get_or_insert_with(Instant::now).elapsed() < after {
+            continue;
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = db.connect().await.ok();
+        }
+        let Some(c) = client.as_ref() else { continue };
+        let last = last_error.lock().unwrap().clone();
+        let step = down_step(ctx, c, last.as_deref(), &destinations, &mut named);
+        if let Err(e) = db.query("watching for a replication session", step).await {
+            tracing::debug!(error = %e, "session watch query failed; reconnecting");
+            client = None;
+        }
+    }
+}
+
+/// How often the cause of a missing session is logged again when it changes.
+const RENAMED_AFTER: Duration = Duration::from_secs(30);
+
+/// One tick without a session: name the cause (again when it changed, at
+/// most every [`RENAMED_AFTER`]), hold the lanes, hand rows over.
+async fn down_step(
+    ctx: &StreamContext,
+    c: &Client,
+    last_error: Option<&str>,
+    destinations: &[String],
+    named: &mut Option<(String, Instant)>,
+) -> Result<(), tokio_postgres::Error> {
+    let cause = diagnose_down(c, &ctx.config.slot, last_error).await?;
+    let renamed = named.as_ref().is_none_or(|(n, at)| *n != cause && at.elapsed() >= RENAMED_AFTER);
+    if renamed {
+        tracing::warn!(slot = %ctx.config.slot, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
+        ctx.metrics.hold(&cause);
+        for lane in ctx.lanes.values() {
+            lane.hold(SpoolCause::StreamHeld(cause.clone()));
+        }
+        *named = Some((cause.clone(), Instant::now()));
+    }
+    hand_over(c, destinations, &cause, &ctx.handed_until).await?;
+    Ok(())
+}
+
+/// Why no session streams, in an operator's words: a hold the server shows,
+/// the slot in use by another process, slot creation waiting on a
+/// transaction, or else the last session's error.
+async fn diagnose_down(c: &Client, slot: &str, last_error: Option<&str>) -> Result<String, tokio_postgres::Error> {
+    if let Some(cause) = server_hold(c, slot).await? {
+        return Ok(cause);
+    }
+    if let Some(r) = c
+        .query_opt(
+            "SELECT s.active_pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'),
+                    coalesce(a.backend_start::text, '?'), coalesce(a.wait_event, 'nothing')
+               FROM pg_replication_slots s LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
+              WHERE s.slot_name = $1 AND s.active_pid IS NOT NULL",
+            &[&slot],
+        )
+        .await?
+    {
+        let (pid, app, addr, since, wait): (i32, String, String, String, String) =
+            (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4));
+        return Ok(format!(
+            "the slot {slot} is in use by pid {pid} ({app:?} from {addr}, since {since}, waiting on {wait}): another relay, or a walsender left by an earlier session (PostgreSQL ends one whose client is gone after wal_sender_timeout; a stopped process keeps the slot until it is ended: SELECT pg_terminate_backend({pid}))"
+        ));
+    }
+    if let Some(r) = c
+        .query_opt(
+            "SELECT b.pid, b.xact_start::text FROM pg_stat_activity a
+               JOIN LATERAL (SELECT pid, xact_start FROM pg_stat_activity
+                              WHERE backend_xid IS NOT NULL AND pid <> a.pid ORDER BY xact_start LIMIT 1) b ON true
+              WHERE a.backend_type = 'walsender' AND a.query ILIKE 'CREATE_REPLICATION_SLOT%' AND strpos(a.query, $1) > 0",
+            &[&slot],
+        )
+        .await?
+    {
+        let (pid, since): (i32, Option<String>) = (r.get(0), r.get(1));
+        return Ok(format!(
+            "creating the slot {slot} waits for the transactions open when it began; the oldest is pid {pid}, open since {}",
+            since.unwrap_or_else(|| "?".into())
+        ));
+    }
+    Ok(match last_error {
+        Some(e) => format!("no replication session: {e}"),
+        None => "no replication session has started yet".to_string(),
     })
 }

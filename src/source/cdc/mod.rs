@@ -38,11 +38,11 @@ pub use session::check_cdc;
 pub(crate) use session::connect_replication;
 use session::{open_session, Opened};
 pub use slot::INVALIDATION_SQL;
-pub(crate) use slot::{create_slot_exporting, hand_to_table, import_snapshot};
+pub(crate) use slot::{create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot};
 use slot::{prepare_slot, SlotState};
 mod held;
 mod wal_watch;
-pub use held::server_hold;
+pub use held::{server_hold, watch_down, HandedUntil};
 use held::{watch_held, HeldWatch, StreamProgress};
 use wal_watch::watch_wal;
 
@@ -98,6 +98,9 @@ pub struct StreamContext {
     /// When the current session started streaming (taken by the relay when
     /// the session ends, to tell a healthy session from a failing one).
     pub streaming_since: Mutex<Option<std::time::Instant>>,
+    /// Rows committed before this position may have been handed to the
+    /// table while no stream brought them ([`held`]).
+    pub handed_until: Arc<HandedUntil>,
 }
 
 impl StreamContext {
@@ -142,7 +145,10 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     settler.abort();
     pipeline.wal_watch.abort();
     pipeline.held_watch.abort();
-    ctx.metrics.stream_held.set(0);
+    // What this session's watch held is released: the next session, or the
+    // watch for one, judges afresh.
+    ctx.metrics.release_hold();
+    ctx.lanes.values().for_each(|l| l.release());
     let _ = repl.shutdown().await;
     result
 }
@@ -213,6 +219,7 @@ async fn start_pipeline<'a>(
         progress: Arc::clone(&progress),
         metrics: Arc::clone(&ctx.metrics),
         lane_stall_timeout: cfg.lane_stall_timeout,
+        handed_until: Arc::clone(&ctx.handed_until),
     }));
     let mut lanes = JoinSet::new();
     let mut lane_tx = HashMap::new();
@@ -295,7 +302,8 @@ async fn stream(
     sent: &mut Lsn,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), CdcError> {
-    let mut decoder = Decoder { cache: RelationCache::new(), txn: None, startup_lsn };
+    let mut decoder =
+        Decoder { cache: RelationCache::new(), txn: None, startup_lsn, handed_until: Arc::clone(&ctx.handed_until) };
     loop {
         tokio::select! {
             ev = repl.recv() => {

@@ -14,8 +14,9 @@ fn text<'t>(rel: &Relation, t: &'t Tuple, name: &str) -> Option<&'t str> {
     }
 }
 
-/// The id of a deleted outbox row, from its key (or full old) tuple.
-pub(crate) fn deleted_id(rel: &Relation, t: &Tuple) -> Option<i64> {
+/// The id of an outbox row, from a tuple: a deleted row's key (or full old)
+/// tuple, an updated row's new one.
+pub(crate) fn tuple_id(rel: &Relation, t: &Tuple) -> Option<i64> {
     text(rel, t, "id")?.parse().ok()
 }
 
@@ -62,4 +63,39 @@ pub(crate) fn row_from_tuple(
         commit_lsn: Some(commit_lsn),
         transient: false,
     })
+}
+
+/// A row its own transaction updated after inserting it: the new tuple's
+/// values over the row held for the transaction. A TOASTed value the update
+/// left unchanged is not in the stream: the held one stays.
+pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Result<OutboxEvent, CdcError> {
+    // None: unchanged (or not in the tuple); Some(None): NULL.
+    let col = |name: &str| -> Result<Option<Option<String>>, CdcError> {
+        match rel.column_index(name).and_then(|i| new.0.get(i)) {
+            None | Some(TupleValue::UnchangedToast) => Ok(None),
+            Some(TupleValue::Null) => Ok(Some(None)),
+            Some(v) => match v.as_str() {
+                Some(Ok(s)) => Ok(Some(Some(s.to_owned()))),
+                Some(Err(e)) => Err(e.into()),
+                None => Err(CdcError::Protocol(format!("column {name:?}: not a text value"))),
+            },
+        }
+    };
+    let mut ev = held.clone();
+    if let Some(v) = col("event_id")? {
+        ev.event_id = v.unwrap_or_default();
+    }
+    if let Some(v) = col("destination")? {
+        ev.destination = v.unwrap_or_default();
+    }
+    if let Some(v) = col("body")? {
+        ev.body = v.unwrap_or_default();
+    }
+    if let Some(v) = col("group_key")? {
+        ev.group_key = v;
+    }
+    if let Some(v) = col("attributes")? {
+        ev.attributes = v;
+    }
+    Ok(ev)
 }

@@ -11,7 +11,7 @@ use tokio_postgres::Client;
 use crate::config::Config;
 use crate::db;
 
-use super::slot::{drop_unfinished_slot, hand_to_table, make_failover};
+use super::slot::{drop_unfinished_slot, finish_hand_off, hand_to_table, make_failover};
 use super::*;
 
 /// A session's connections and where it starts.
@@ -48,9 +48,17 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
             if cfg.failover && !failover {
                 db.within("altering the slot to FAILOVER", make_failover(&mut repl, &cfg.slot)).await?;
             }
+            let pending = finish_hand_off(&sql, &cfg.slot, ctx.shard.as_deref());
+            if let Some((rows, until)) = db.within("finishing an interrupted slot hand-off", pending).await? {
+                ctx.handed_until.raise(until);
+                tracing::warn!(slot = %cfg.slot, rows, "the slot's hand-off of older rows had not finished (the relay stopped during it): every NEW row not streamed yet handed to the table path");
+            }
             confirmed_flush
         }
         SlotState::Missing | SlotState::Lost { .. } => {
+            // Recorded first: a relay stopped before the hand-off ends
+            // leaves the record, and the next session finishes it.
+            db.within("recording the slot hand-off", hand_off_begins(&sql, &cfg.slot)).await?;
             // Creating a slot waits for running transactions: no deadline,
             // but shutdown still interrupts it.
             let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot, cfg.failover).await?;
@@ -72,6 +80,7 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
                     });
                 }
             };
+            db.within("recording the end of the slot hand-off", hand_off_done(&sql, &cfg.slot)).await?;
             tracing::info!(slot = %cfg.slot, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
             consistent
         }

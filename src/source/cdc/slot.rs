@@ -169,3 +169,65 @@ pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>) -> R
     }
     Ok(handed)
 }
+
+/// Record that `slot`'s hand-off is about to run, before the slot is
+/// created: a session finding the slot with this record still there knows
+/// the hand-off did not finish ([`finish_hand_off`]).
+pub(crate) async fn hand_off_begins(sql: &Client, slot: &str) -> Result<(), CdcError> {
+    sql.execute("INSERT INTO outbox_relay_handoffs (slot) VALUES ($1) ON CONFLICT (slot) DO NOTHING", &[&slot]).await?;
+    Ok(())
+}
+
+/// The hand-off is done: forget it.
+pub(crate) async fn hand_off_done(sql: &Client, slot: &str) -> Result<(), CdcError> {
+    sql.execute("DELETE FROM outbox_relay_handoffs WHERE slot = $1", &[&slot]).await?;
+    Ok(())
+}
+
+/// A slot found with its hand-off still recorded: the relay stopped between
+/// creating it and handing the older rows over, which of them were handed
+/// is unknown, and the slot will never stream them. Every NEW row not yet
+/// in the table path's care (this shard's destinations) is handed to it;
+/// rows the stream brings as well are committed before the position
+/// returned, and the stream checks those against the table, so none is
+/// sent twice. Returns the rows handed and that position; None when no
+/// hand-off was pending.
+pub(crate) async fn finish_hand_off(
+    sql: &Client,
+    slot: &str,
+    shard: Option<&[String]>,
+) -> Result<Option<(u64, Lsn)>, CdcError> {
+    let pending = sql.query_opt("SELECT 1 FROM outbox_relay_handoffs WHERE slot = $1", &[&slot]).await?;
+    if pending.is_none() {
+        return Ok(None);
+    }
+    // The rows the slot will not stream are committed, so visible now, and
+    // none has an id over the highest visible: rows written later are
+    // streamed.
+    let hi: Option<i64> = sql.query_one("SELECT max(id) FROM outbox", &[]).await?.get(0);
+    let (mut handed, mut from) = (0u64, i64::MIN);
+    loop {
+        let r = sql
+            .query_one(
+                "WITH handed AS (
+                     UPDATE outbox SET next_attempt_at = now()
+                      WHERE id IN (SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL
+                                      AND id > $1 AND id <= $2 AND ($3::text[] IS NULL OR destination = ANY($3))
+                                    ORDER BY id LIMIT 10000)
+                     RETURNING id)
+                 SELECT max(id), count(*) FROM handed",
+                &[&from, &hi.unwrap_or(i64::MIN), &shard],
+            )
+            .await?;
+        let (last, n): (Option<i64>, i64) = (r.get(0), r.get(1));
+        handed += n as u64;
+        match last {
+            Some(last) => from = last,
+            None => break,
+        }
+    }
+    let lsn = sql.query_one("SELECT pg_current_wal_insert_lsn()::text", &[]).await?.get::<_, String>(0);
+    let lsn = lsn.parse().map_err(|e| CdcError::Protocol(format!("pg_current_wal_insert_lsn: {e}")))?;
+    hand_off_done(sql, slot).await?;
+    Ok(Some((handed, lsn)))
+}
