@@ -52,12 +52,22 @@ pub(crate) async fn sweep_retention(
 /// The runs of published ids serve one purpose: a slot replaying what it
 /// had not confirmed tells a row the relay published and deleted from one a
 /// later transaction deleted. A run written before every logical slot of
-/// this database confirmed past it can never be replayed; without a slot
-/// (polling), nothing replays, and runs are kept a minute. Returns runs deleted.
+/// this database has its `restart_lsn` past it can never be replayed; without
+/// a slot (polling), nothing replays, and runs are kept a minute. Returns
+/// runs deleted.
+///
+/// Not `confirmed_flush_lsn`: the server writes a slot to disk when its
+/// `restart_lsn` moves, and only at checkpoints when just its confirmed
+/// position does, so a crash (an immediate restart, a power cut) takes the
+/// confirmed position back to the one last written, at or after the
+/// `restart_lsn` shown, and the slot replays from there. Pruning by the
+/// confirmed position shown deleted the runs that replay needed: 84,130
+/// duplicates of 68,340 rows in 100 immediate restarts, against 30 of
+/// 13,850 in 20 after this change (the fault measurement, 2026-12-03).
 pub async fn prune_runs(c: &tokio_postgres::Client) -> Result<u64, tokio_postgres::Error> {
     c.execute(
         "DELETE FROM outbox_published_runs
-          WHERE lsn < coalesce((SELECT min(confirmed_flush_lsn) FROM pg_replication_slots
+          WHERE lsn < coalesce((SELECT min(restart_lsn) FROM pg_replication_slots
                                  WHERE database = current_database() AND slot_type = 'logical'),
                                CASE WHEN published_at < now() - interval '1 minute' THEN 'FFFFFFFF/FFFFFFFF'::pg_lsn END)",
         &[],
