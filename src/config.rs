@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// How the relay reads the outbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     #[default]

@@ -89,10 +89,6 @@ impl Db {
         Db { url: url.to_string(), deadlines }
     }
 
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
     pub fn target(&self) -> Result<crate::pgconn::Target, DbError> {
         crate::pgconn::parse(&self.url).map_err(DbError::Check)
     }

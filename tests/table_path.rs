@@ -239,11 +239,16 @@ async fn dead_redrive_sends_a_fixed_row_again_and_status_json_is_stable() {
     assert!(ok);
     let s: outbox_relay::ops::Status =
         serde_json::from_str(&out).expect("status --json parses into its documented type");
-    assert_eq!((s.format, s.mode.as_str(), s.effective_mode.as_str()), (1, "cdc", "cdc"));
+    assert_eq!((s.format, s.mode, s.effective_mode), (1, Mode::Cdc, Mode::Cdc));
     assert!(s.slot.exists && s.slot.active == Some(true));
     let a = s.destinations.iter().find(|d| d.destination == "a").unwrap();
     assert_eq!((a.dead, a.spooled, a.configured), (1, 0, true));
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["mode"].as_str(), v["effective_mode"].as_str()),
+        (Some("cdc"), Some("cdc")),
+        "modes as before: {out}"
+    );
     for key in ["format", "mode", "effective_mode", "cdc_unavailable", "slot", "destinations"] {
         assert!(v.get(key).is_some(), "status --json lacks {key}: {out}");
     }

@@ -603,21 +603,6 @@ impl Consumer {
         }
     }
 
-    /// `retry_base × 2^(attempt-1)`, capped at `retry_max`, jittered over its
-    /// upper half: computed by the database (`outbox_job_backoff`), as every
-    /// worker's retries are.
-    pub async fn backoff(&self, attempt: i32) -> Result<Duration, ConsumerError> {
-        let c = self.conn().await?;
-        let s: f64 = c
-            .query_one(
-                "SELECT outbox_job_backoff($1, $2, $3)",
-                &[&attempt, &self.config.retry_base.as_secs_f64(), &self.config.retry_max.as_secs_f64()],
-            )
-            .await?
-            .get(0);
-        Ok(secs(Some(s)))
-    }
-
     /// A message SQS moved to the dead-letter queue: its job, if still
     /// PENDING or CLAIMED with an expired lease, ends DEAD('DLQ').
     pub async fn process_dlq(&self, queue: &dyn Queue, msg: &ReceivedMessage) -> Result<DlqDisposition, ConsumerError> {

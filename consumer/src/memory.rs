@@ -161,3 +161,26 @@ impl Queue for MemoryQueue {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SQS's redrive policy: a message received `max_receive` times and not
+    /// deleted moves to the dead-letter queue on the next receive.
+    #[tokio::test]
+    async fn a_message_received_too_often_moves_to_the_dead_letter_queue() {
+        let dlq = MemoryQueue::new(Duration::from_secs(30));
+        let q = MemoryQueue::new(Duration::ZERO).with_dlq(dlq.clone(), 2);
+        q.send("m");
+        for n in 1..=2 {
+            let got = q.receive(1, Duration::ZERO).await.unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!(got[0].receive_count, n);
+        }
+        assert!(q.receive(1, Duration::ZERO).await.unwrap().is_empty());
+        assert!(q.is_empty());
+        let moved = dlq.receive(1, Duration::ZERO).await.unwrap();
+        assert_eq!(moved.iter().map(|m| m.body.as_str()).collect::<Vec<_>>(), ["m"]);
+    }
+}

@@ -9,10 +9,6 @@ pub struct Lsn(pub u64);
 
 impl Lsn {
     pub const ZERO: Lsn = Lsn(0);
-
-    pub fn is_zero(self) -> bool {
-        self.0 == 0
-    }
 }
 
 impl fmt::Display for Lsn {

@@ -22,7 +22,7 @@ pub struct SlotCreated {
 /// are exactly the rows the slot will never stream: they get a
 /// `next_attempt_at`, so the relay's table path publishes them.
 pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
-    let sql = db::connect(&config.database_url).await?;
+    let sql = config.db().connect().await?;
     db::check_server(&sql, &config.db().server(), config.failover).await?;
     let destinations: Vec<String> = config.destinations.keys().cloned().collect();
     let exists =
@@ -47,7 +47,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     let created = async {
         hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;
-        let snap = db::connect(&config.database_url).await?;
+        let snap = config.db().connect().await?;
         import_snapshot(&snap, &snapshot).await?;
         let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;
         hand_off_done(&sql, &config.slot).await?;
@@ -61,7 +61,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
 
 /// Drop the slot; refused while a relay reads it.
 pub async fn slot_drop(config: &Config) -> Result<(), OpsError> {
-    let sql = db::connect(&config.database_url).await?;
+    let sql = config.db().connect().await?;
     let s = slot_status(&sql, &config.slot).await?;
     if !s.exists {
         return Err(OpsError::Refused(format!("slot {:?} does not exist", config.slot)));

@@ -17,9 +17,9 @@ pub const STATUS_FORMAT: u32 = 1;
 pub struct Status {
     pub format: u32,
     /// The mode in the configuration.
-    pub mode: String,
+    pub mode: Mode,
     /// What `run` would use now (`auto` resolved against the server).
-    pub effective_mode: String,
+    pub effective_mode: Mode,
     /// Why CDC is not possible, when it is not.
     pub cdc_unavailable: Option<String>,
     pub slot: SlotStatus,
@@ -142,8 +142,8 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
     destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
     Ok(Status {
         format: STATUS_FORMAT,
-        mode: config.mode.to_string(),
-        effective_mode: effective.to_string(),
+        mode: config.mode,
+        effective_mode: effective,
         cdc_unavailable,
         slot: slot_status(client, &config.slot).await?,
         destinations,
@@ -183,7 +183,7 @@ pub fn format_slot(s: &SlotStatus) -> String {
 
 pub fn format_status(s: &Status) -> String {
     let mut out = format!("mode: {} (configured {})\n", s.effective_mode, s.mode);
-    if let (Some(why), "auto" | "cdc") = (&s.cdc_unavailable, s.mode.as_str()) {
+    if let (Some(why), Mode::Auto | Mode::Cdc) = (&s.cdc_unavailable, s.mode) {
         out += &format!("CDC unavailable: {why}\n");
     }
     out += &format_slot(&s.slot);

@@ -48,11 +48,11 @@ pub(crate) async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, m
     heartbeat.tick().await;
     warn_tick.tick().await;
     loop {
-        let what = tokio::select! {
-            _ = lag_tick.tick() => 0,
-            _ = heartbeat.tick(), if mode == Mode::Cdc => 1,
-            _ = warn_tick.tick(), if mode == Mode::Polling => 2,
-            _ = backlog_tick.tick() => 3,
+        let tick = tokio::select! {
+            _ = lag_tick.tick() => Tick::Lag,
+            _ = heartbeat.tick(), if mode == Mode::Cdc => Tick::Heartbeat,
+            _ = warn_tick.tick(), if mode == Mode::Polling => Tick::InactiveSlot,
+            _ = backlog_tick.tick() => Tick::Backlog,
             _ = stop.wait_for(|s| *s) => return,
         };
         crate::faults::point("monitor::tick");
@@ -63,7 +63,7 @@ pub(crate) async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, m
         let res = db
             .query(
                 "running the slot monitor's queries",
-                monitor_step(what, c, &config, mode, &metrics, &mut last_confirmed),
+                monitor_step(tick, c, &config, mode, &metrics, &mut last_confirmed),
             )
             .await;
         if let Err(e) = res {
@@ -73,72 +73,93 @@ pub(crate) async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, m
     }
 }
 
-/// One monitor tick: 0 lag and readiness, 1 heartbeat, 2 inactive-slot
-/// warning, 3 backlog.
+/// What a monitor tick does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tick {
+    /// Slot lag, retained WAL and activity into the metrics; readiness.
+    Lag,
+    /// A transactional logical message (CDC), so the slot moves on an idle
+    /// database.
+    Heartbeat,
+    /// A polling relay's warning about a slot that retains WAL.
+    InactiveSlot,
+    /// NEW rows and the oldest one's age per destination.
+    Backlog,
+}
+
+/// One monitor tick.
 pub(crate) async fn monitor_step(
-    what: u8,
+    tick: Tick,
     c: &tokio_postgres::Client,
     config: &Config,
     mode: Mode,
     metrics: &Metrics,
     last_confirmed: &mut (i64, std::time::Instant),
 ) -> Result<(), tokio_postgres::Error> {
-    match what {
-            1 => c
-                .execute(
-                    "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",
-                    &[&HEARTBEAT_PREFIX],
-                )
-                .await
-                .map(|_| ()),
-            2 => {
-                warn_if_slot_retains_wal(c, &config.slot).await;
-                Ok(())
-            }
-            3 => backlog(c, config, metrics).await,
-            _ => c
-                .query_opt(
-                    "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
-                            (pg_current_wal_lsn() - restart_lsn)::bigint, active, coalesce(wal_status, ''),
-                            (confirmed_flush_lsn - '0/0')::bigint
-                       FROM pg_replication_slots WHERE slot_name = $1",
-                    &[&config.slot],
-                )
-                .await
-                .map(|row| {
-                    let status = row.as_ref().map(|r| r.get::<_, String>(3)).unwrap_or_default();
-                    for s in ["reserved", "extended", "unreserved", "lost"] {
-                        metrics.slot_wal_status.with_label_values(&[s]).set(i64::from(s == status));
-                    }
-                    match row {
-                        Some(r) => {
-                            let lag = r.get::<_, Option<i64>>(0).unwrap_or(0);
-                            metrics.slot_lag_bytes.set(lag);
-                            metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
-                            metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
-                            // Readiness: the confirmed LSN must move while the slot has lag.
-                            let confirmed = r.get::<_, Option<i64>>(4).unwrap_or(0);
-                            if confirmed != last_confirmed.0 || lag <= 0 {
-                                *last_confirmed = (confirmed, std::time::Instant::now());
-                            }
-                            let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
-                            if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
-                                if stuck {
-                                    tracing::error!(lag_bytes = lag, stall = ?config.readiness_stall, "the slot's confirmed LSN has not moved while it has lag: not ready");
-                                } else {
-                                    tracing::info!("the slot's confirmed LSN moves again: ready");
-                                }
-                                metrics.stalled.store(stuck, std::sync::atomic::Ordering::Relaxed);
-                            }
-                        }
-                        None => {
-                            metrics.slot_lag_bytes.set(0);
-                            metrics.slot_retained_wal_bytes.set(0);
-                            metrics.slot_active.set(-1);
-                        }
-                    }
-                }),
+    match tick {
+        Tick::Heartbeat => c
+            .execute(
+                "SELECT pg_logical_emit_message(true, $1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text)",
+                &[&HEARTBEAT_PREFIX],
+            )
+            .await
+            .map(|_| ()),
+        Tick::InactiveSlot => {
+            warn_if_slot_retains_wal(c, &config.slot).await;
+            Ok(())
         }
+        Tick::Backlog => backlog(c, config, metrics).await,
+        Tick::Lag => slot_lag(c, config, mode, metrics, last_confirmed).await,
+    }
+}
+
+/// The slot's lag, retained WAL, activity and WAL status into the metrics;
+/// not ready while the confirmed LSN does not move though the slot has lag.
+async fn slot_lag(
+    c: &tokio_postgres::Client,
+    config: &Config,
+    mode: Mode,
+    metrics: &Metrics,
+    last_confirmed: &mut (i64, std::time::Instant),
+) -> Result<(), tokio_postgres::Error> {
+    let row = c
+        .query_opt(
+            "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint,
+                    (pg_current_wal_lsn() - restart_lsn)::bigint, active, coalesce(wal_status, ''),
+                    (confirmed_flush_lsn - '0/0')::bigint
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&config.slot],
+        )
+        .await?;
+    let status = row.as_ref().map(|r| r.get::<_, String>(3)).unwrap_or_default();
+    for s in ["reserved", "extended", "unreserved", "lost"] {
+        metrics.slot_wal_status.with_label_values(&[s]).set(i64::from(s == status));
+    }
+    let Some(r) = row else {
+        metrics.slot_lag_bytes.set(0);
+        metrics.slot_retained_wal_bytes.set(0);
+        metrics.slot_active.set(-1);
+        return Ok(());
+    };
+    let lag = r.get::<_, Option<i64>>(0).unwrap_or(0);
+    metrics.slot_lag_bytes.set(lag);
+    metrics.slot_retained_wal_bytes.set(r.get::<_, Option<i64>>(1).unwrap_or(0));
+    metrics.slot_active.set(i64::from(r.get::<_, bool>(2)));
+    // Readiness: the confirmed LSN must move while the slot has lag.
+    let confirmed = r.get::<_, Option<i64>>(4).unwrap_or(0);
+    if confirmed != last_confirmed.0 || lag <= 0 {
+        *last_confirmed = (confirmed, std::time::Instant::now());
+    }
+    let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
+    if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
+        if stuck {
+            tracing::error!(lag_bytes = lag, stall = ?config.readiness_stall, "the slot's confirmed LSN has not moved while it has lag: not ready");
+        } else {
+            tracing::info!("the slot's confirmed LSN moves again: ready");
+        }
+        metrics.stalled.store(stuck, std::sync::atomic::Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// NEW rows and the oldest one's age per configured destination: a capped
