@@ -44,6 +44,13 @@ fn quick_spool_to(db: &TestDb, queue: &str) -> outbox_relay::config::Config {
     cfg
 }
 
+/// A relay started on `p` and streaming (its slot created).
+async fn streaming(db: &TestDb, cfg: outbox_relay::config::Config, p: &MemoryPublisher) -> Running {
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    relay
+}
+
 /// One transaction inserts 1,500 rows, then deletes them: the first chunk
 /// (1,000 rows) is handed on before the stream sees the deletes, so those
 /// rows look persistent. Their queue is gone: the lane spools, finds the
@@ -53,8 +60,7 @@ fn quick_spool_to(db: &TestDb, queue: &str) -> outbox_relay::config::Config {
 async fn rows_deleted_after_their_chunk_was_handed_on_survive_a_spool() {
     let db = TestDb::new("gone_chunk").await;
     let p = publisher();
-    let relay = start(quick_spool(&db), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, quick_spool(&db), &p).await;
     p.break_queue(Q, CallError::transport("connection refused"));
     let attrs: String = format!("{{{}}}", (0..11).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(","));
     let c = db.client().await;
@@ -128,8 +134,7 @@ async fn transient_rows_on_a_shard_survive_a_spool() {
 async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
     let db = TestDb::new("reuse_spool").await;
     let p = publisher();
-    let relay = start(quick_spool(&db), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, quick_spool(&db), &p).await;
     let c = db.client().await;
     c.batch_execute("TRUNCATE outbox RESTART IDENTITY").await.unwrap();
     p.break_queue(Q, CallError::transport("connection refused"));
@@ -214,8 +219,7 @@ async fn reused_ids_are_never_taken_for_published_ones() {
     let hold = format!("{}_hold", db.slot);
     c.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&hold]).await.unwrap();
     let p = publisher();
-    let relay = start(config(&db, &[("orders", Q)]), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, config(&db, &[("orders", Q)]), &p).await;
     insert_rows(&c, "old", "orders", 300, None).await;
     wait_for("the first rows delivered", Duration::from_secs(30), || async { bodies(&p, "old:").len() == 300 }).await;
     // While streaming: the same ids again, twice.
@@ -387,8 +391,7 @@ async fn a_hung_or_refusing_first_host_does_not_block_sql_connections() {
 async fn a_spooled_lane_streams_again_under_a_steady_load() {
     let db = TestDb::new("steady_spool").await;
     let p = publisher();
-    let relay = start(quick_spool(&db), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, quick_spool(&db), &p).await;
     let spooled = |m: &str| m.contains("outbox_relay_lane_spooled{destination=\"orders\"} 1");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
@@ -727,6 +730,15 @@ fn sent_once(p: &MemoryPublisher, prefix: &str, n: usize) -> bool {
     distinct.len() == n
 }
 
+/// Once the stream flows again: new rows are delivered, nothing is left NEW,
+/// and each of the 200 rows sent while it was held (`held_prefix`) was sent once.
+async fn flows_on_after_the_hold(db: &TestDb, c: &tokio_postgres::Client, p: &MemoryPublisher, held_prefix: &str) {
+    insert_rows(c, "after", "orders", 50, None).await;
+    wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(p, "after:").len() == 50 }).await;
+    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert!(sent_once(p, held_prefix, 200));
+}
+
 /// A walsender that stops sending (here: frozen with SIGSTOP) while rows
 /// are written: the relay names it within seconds (metric, readiness) and
 /// the rows go by the table meanwhile, the lane staying spooled; once it
@@ -736,8 +748,7 @@ fn sent_once(p: &MemoryPublisher, prefix: &str, n: usize) -> bool {
 async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
     let db = TestDb::new("held").await;
     let p = publisher();
-    let relay = start(quick_spool(&db), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, quick_spool(&db), &p).await;
     let c = db.client().await;
     let frozen = Stopped::stop(walsender(&c, &db.slot).await);
     insert_rows(&c, "held", "orders", 200, None).await;
@@ -750,10 +761,7 @@ async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
     stays_spooled(&relay).await;
     drop(frozen);
     wait_for("the stream flows again", Duration::from_secs(30), || async { !held(&relay) }).await;
-    insert_rows(&c, "after", "orders", 50, None).await;
-    wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(&p, "after:").len() == 50 }).await;
-    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
-    assert!(sent_once(&p, "held:", 200));
+    flows_on_after_the_hold(&db, &c, &p, "held:").await;
     relay.stop().await;
 }
 
@@ -766,8 +774,7 @@ async fn a_held_stream_is_named_and_its_rows_go_by_the_table() {
 async fn a_slot_held_by_a_stale_walsender_is_named_and_rows_go_by_the_table() {
     let db = TestDb::new("stale").await;
     let p = publisher();
-    let first = start(quick_spool(&db), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let first = streaming(&db, quick_spool(&db), &p).await;
     let c = db.client().await;
     let pid = walsender(&c, &db.slot).await;
     let frozen = Stopped::stop(pid);
@@ -788,10 +795,7 @@ async fn a_slot_held_by_a_stale_walsender_is_named_and_rows_go_by_the_table() {
         !held(&relay) && relay.metrics.is_ready()
     })
     .await;
-    insert_rows(&c, "after", "orders", 50, None).await;
-    wait_for("rows after delivered", Duration::from_secs(30), || async { bodies(&p, "after:").len() == 50 }).await;
-    wait_for("nothing left NEW", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
-    assert!(sent_once(&p, "stale:", 200));
+    flows_on_after_the_hold(&db, &c, &p, "stale:").await;
     let reader: Option<i32> = c
         .query_one("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1", &[&db.slot])
         .await
@@ -835,8 +839,7 @@ async fn a_spooled_fifo_lane_streams_again_under_a_steady_load_in_order() {
     let db = TestDb::new("steady_fifo").await;
     let p = MemoryPublisher::new();
     p.add_queue(F, true, 262_144);
-    let relay = start(quick_spool_to(&db, F), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let relay = streaming(&db, quick_spool_to(&db, F), &p).await;
     let spooled = |m: &str| m.contains("outbox_relay_lane_spooled{destination=\"orders\"} 1");
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = {
