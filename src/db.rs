@@ -7,8 +7,10 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
+    /// `going`: the server was reached and is shutting down or starting up,
+    /// or dropped the connection while it was being made.
     #[error("cannot connect to PostgreSQL at {url}: {message}")]
-    Connect { url: String, message: String },
+    Connect { url: String, message: String, going: bool },
     /// The server took the connection (or the query) but did not answer in time.
     #[error("PostgreSQL at {server} did not answer within {} while {what} ({key}); check that the server is up, not overloaded or frozen, and reachable on this path", humantime::format_duration(*.after))]
     Timeout { server: String, what: String, after: Duration, key: &'static str },
@@ -163,8 +165,11 @@ pub async fn connect(url: &str) -> Result<Client, DbError> {
 /// host that accepts TCP and never answers costs one deadline, not every
 /// connection: the next host is tried.
 pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
-    let tls =
-        crate::pgconn::connector(target).map_err(|e| DbError::Connect { url: target.shown.clone(), message: e })?;
+    let tls = crate::pgconn::connector(target).map_err(|e| DbError::Connect {
+        url: target.shown.clone(),
+        message: e,
+        going: false,
+    })?;
     if target.hosts.len() > 1 && target.hosts.iter().all(|(h, _)| !h.starts_with('/')) {
         return connect_each_host(target, tls, deadline).await;
     }
@@ -174,8 +179,11 @@ pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) 
         after: deadline,
         key: "connect_timeout",
     })?;
-    let (client, conn) = attempt
-        .map_err(|e| DbError::Connect { url: target.shown.clone(), message: crate::pgconn::explain(target, &e) })?;
+    let (client, conn) = attempt.map_err(|e| DbError::Connect {
+        url: target.shown.clone(),
+        message: crate::pgconn::explain(target, &e),
+        going: crate::policy::retry::server_going(&e),
+    })?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "postgres connection closed");
@@ -232,6 +240,7 @@ async fn connect_each_host(
     }
     Err(DbError::Connect {
         url: target.shown.clone(),
+        going: false,
         message: format!(
             "no usable host ({}){}",
             passed.join("; "),

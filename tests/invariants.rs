@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::cluster::{ClusterDir, Node, StopOnDrop};
 use common::*;
 use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
@@ -424,9 +425,10 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// rows on both sides of the chunk limits (1,000 rows, 4 MiB), rows deleted
 /// by their own transaction before and after their chunk was handed on,
 /// several destinations (one FIFO), unknown destinations, queue outages,
-/// identity resets, relays killed without a goodbye and restarted, and, for
-/// even seeds, two shards (insert-only publications) instead of one relay.
-/// After it: every committed row delivered or DEAD with its reason, none
+/// identity resets, relays killed without a goodbye and restarted,
+/// PostgreSQL crashed or stopped and started again (each seed runs a server
+/// of its own), and, for even seeds, two shards (insert-only publications)
+/// instead of one relay. After it: every committed row delivered or DEAD with its reason, none
 /// left NEW, every slot confirmed past the last commit.
 ///
 /// The short run here takes two seeds of 20 steps; a long one:
@@ -465,6 +467,10 @@ mod workload {
         failed_txns: usize,
         outages: usize,
         restarts: usize,
+        pg_restarts: usize,
+        /// Relays that exited at start-up, the server down, and were
+        /// started again as a supervisor would.
+        supervised: usize,
         resets: usize,
     }
 
@@ -472,8 +478,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient), {} DEAD with their reason; {} outages, {} kills, {} identity resets, {} producer transactions refused",
-                self.delivered, self.transient, self.dead, self.outages, self.restarts, self.resets, self.failed_txns
+                "{} delivered ({} transient), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
+                self.delivered, self.transient, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
             )
         }
     }
@@ -487,6 +493,21 @@ mod workload {
     impl Relays {
         fn start(&mut self, i: usize, p: &MemoryPublisher) {
             self.running[i] = Some(start(self.configs[i].clone(), Arc::new(p.clone())));
+        }
+
+        /// Do what a supervisor does (systemd's `Restart=on-failure`): start
+        /// again a relay that exited because it could not reach PostgreSQL
+        /// at start-up (started while the server was down); any other end is
+        /// a failure. Returns how many were started again.
+        async fn supervise(&mut self, p: &MemoryPublisher, when: &str) -> usize {
+            let mut restarted = 0;
+            for i in 0..self.running.len() {
+                let Some(how) = self.running[i].as_mut().unwrap().ended().await else { continue };
+                assert!(how.starts_with("cannot connect to PostgreSQL"), "{when}: relay {i} ended: {how}");
+                self.start(i, p);
+                restarted += 1;
+            }
+            restarted
         }
     }
 
@@ -562,7 +583,12 @@ mod workload {
     pub async fn run(seed: u64, steps: usize) -> Tally {
         let mut rng = StdRng::seed_from_u64(seed);
         let sharded = seed % 2 == 0;
-        let db = TestDb::new(&format!("random{seed}")).await;
+        // A server of its own: the workload restarts it.
+        let dir = ClusterDir::new(&format!("outbox-relay-random{seed}"));
+        let node = Node::init(&dir.0, "pg");
+        node.start(&[]);
+        let _stop = StopOnDrop(&node);
+        let db = TestDb::on(&node.url("postgres"), &format!("random{seed}")).await;
         let p = MemoryPublisher::new();
         for (_, q, fifo) in QUEUES {
             p.add_queue(q, fifo, 262_144);
@@ -586,7 +612,7 @@ mod workload {
         let mut tally = Tally::default();
         let mut committed = Vec::new();
         for step in 0..steps {
-            match rng.random_range(0..12) {
+            match rng.random_range(0..13) {
                 0 => {
                     let (_, q, _) = QUEUES[rng.random_range(0..QUEUES.len())];
                     p.break_queue(q, CallError::transport("connection refused"));
@@ -613,11 +639,21 @@ mod workload {
                     .unwrap();
                     tally.resets += 1;
                 }
+                3 => {
+                    // A crash (immediate) or a clean stop (fast), while
+                    // the relays send, settle and confirm.
+                    node.stop(["immediate", "fast"][rng.random_range(0..2)]);
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..1_000))).await;
+                    node.start(&[]);
+                    c = db.client().await;
+                    tally.pg_restarts += 1;
+                }
                 _ => match produce(&mut c, &mut rng, &format!("s{seed}t{step}"), &dests).await {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
                 },
             }
+            tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
         }
         let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
         let expect_sent: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
@@ -626,6 +662,7 @@ mod workload {
         };
         let end = Instant::now() + Duration::from_secs(120);
         while Instant::now() < end && !expect_sent.iter().all(|e| sent(&p).contains(*e)) {
+            tally.supervised += relays.supervise(&p, &format!("seed {seed} at the end")).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let got = sent(&p);
@@ -634,7 +671,8 @@ mod workload {
             let rows: Vec<String> = db
                 .client()
                 .await
-                .query("SELECT format('%s id=%s %s next=%s err=%s', event_id, id, status, next_attempt_at, last_error) FROM outbox WHERE event_id = ANY($1)", &[&missing])
+                .query("SELECT format('%s id=%s %s dest=%s next=%s err=%s', event_id, id, status, destination, next_attempt_at, last_error) FROM outbox WHERE event_id = ANY($1)
+                        UNION ALL SELECT format('slot %s active=%s confirmed=%s restart=%s', slot_name, active, confirmed_flush_lsn, restart_lsn) FROM pg_replication_slots", &[&missing])
                 .await
                 .unwrap()
                 .iter()

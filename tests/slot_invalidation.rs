@@ -54,13 +54,7 @@ async fn a_slot_invalidated_by_the_server_is_recreated_with_its_reason_and_nothi
     let dir = ClusterDir::new("outbox-relay-invalidate");
     let node = Node::init(&dir.0, "pg");
     node.start(&["max_slot_wal_keep_size=1MB".to_string()]);
-    struct Stop<'a>(&'a Node);
-    impl Drop for Stop<'_> {
-        fn drop(&mut self) {
-            self.0.kill();
-        }
-    }
-    let _stop = Stop(&node);
+    let _stop = StopOnDrop(&node);
     let admin = db::connect(&node.url("postgres")).await.unwrap();
     admin.batch_execute("CREATE DATABASE app").await.unwrap();
     let mut c = db::connect(&node.url("app")).await.unwrap();

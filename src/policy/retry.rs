@@ -49,6 +49,55 @@ const OPERATOR_ACTION: &[&str] = &[
     "RequestCanceled",
 ];
 
+/// How a start-up step failed: the server went away under it (a restart,
+/// a failover, the network), or it refused what it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartUpFailure {
+    /// Start-up is tried again after the reconnect backoff.
+    ServerWentAway,
+    /// Start-up ends with the check's message (exit 2).
+    Refused,
+}
+
+/// SQLSTATEs of a server shutting down or starting up: `admin_shutdown`,
+/// `crash_shutdown`, `cannot_connect_now`.
+const SERVER_GOING: &[&str] = &["57P01", "57P02", "57P03"];
+
+/// Whether a PostgreSQL error is the server going away: shutting down or
+/// starting up, the connection closed or reset (not a refused connection,
+/// nor a value that did not convert, which would fail the same way again).
+pub fn server_going(e: &tokio_postgres::Error) -> bool {
+    match e.as_db_error() {
+        Some(db) => SERVER_GOING.contains(&db.code().code()),
+        None => {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+            let io = std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>());
+            e.is_closed()
+                || io.is_some_and(|io| {
+                    matches!(io.kind(), ConnectionReset | ConnectionAborted | UnexpectedEof | BrokenPipe)
+                })
+        }
+    }
+}
+
+/// Classify a failed start-up step. `connected` says whether this start-up
+/// already reached the server: a first connection that fails is a wrong URL
+/// or a server that is not there, said at once; once connected, a new
+/// connection that fails, or one that closes, is the server going away.
+pub fn classify_start_up(e: &crate::db::DbError, connected: bool) -> StartUpFailure {
+    use crate::db::DbError;
+    let went_away = match e {
+        DbError::Connect { going, .. } => connected || *going,
+        DbError::Query(e) => server_going(e),
+        DbError::Timeout { .. } | DbError::Check(_) | DbError::CdcUnavailable(_) => false,
+    };
+    if went_away {
+        StartUpFailure::ServerWentAway
+    } else {
+        StartUpFailure::Refused
+    }
+}
+
 /// A failed entry of a `SendMessageBatch` response.
 pub fn classify_entry(code: &str, sender_fault: bool) -> Disposition {
     if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
@@ -131,6 +180,27 @@ impl Reconnect {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn start_up_failures() {
+        use crate::db::DbError;
+        let refused =
+            DbError::Connect { url: "postgres://db".into(), message: "connection refused".into(), going: false };
+        // A server never reached is said at once; one that was reached and
+        // then refused a connection went away.
+        assert_eq!(classify_start_up(&refused, false), StartUpFailure::Refused);
+        assert_eq!(classify_start_up(&refused, true), StartUpFailure::ServerWentAway);
+        for e in [DbError::Check("no outbox table".into()), DbError::CdcUnavailable("wal_level".into())] {
+            assert_eq!(classify_start_up(&e, true), StartUpFailure::Refused);
+        }
+        let frozen = DbError::Timeout {
+            server: "db:5432".into(),
+            what: "x".into(),
+            after: Duration::ZERO,
+            key: "query_timeout",
+        };
+        assert_eq!(classify_start_up(&frozen, true), StartUpFailure::Refused);
+    }
 
     #[test]
     fn entries() {

@@ -12,7 +12,7 @@ use leader::{acquire_leadership, watch_lock};
 use monitor::{monitor, warn_if_slot_retains_wal};
 use retention::sweep_retention;
 pub use retention::{prune_runs, sweep_once};
-use startup::{start_up, Started};
+use startup::{start_up_until_done, Started};
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -61,12 +61,9 @@ pub async fn run(
     });
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
-    let started = tokio::select! {
-        r = start_up(&config, publisher.as_ref(), &metrics) => r?,
-        _ = stop_rx.wait_for(|s| *s) => {
-            tracing::info!("shutdown requested during start-up; stopped");
-            return Ok(());
-        }
+    let Some(started) = start_up_until_done(&config, publisher.as_ref(), &metrics, &mut stop_rx).await? else {
+        tracing::info!("shutdown requested during start-up; stopped");
+        return Ok(());
     };
     let Started { mode, sharded, queues, listener, retention } = started;
     let metrics_server = listener.map(|listener| {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::config::{Config, Mode};
 use crate::db;
 use crate::metrics::Metrics;
+use crate::policy::retry::{classify_start_up, StartUpFailure};
 use crate::publish::Publisher;
 
 use super::http;
@@ -20,17 +21,66 @@ pub(crate) struct Started {
     pub(crate) retention: Option<Duration>,
 }
 
-/// The start-up checks, each with a deadline: the database (connect_timeout,
-/// query_timeout), the queues (the SQS client's own timeouts), the metrics
-/// listener.
-pub(crate) async fn start_up(
+/// Why start-up did not finish.
+pub(crate) enum NotStarted {
+    /// The server went away under a check (a restart, a failover): the
+    /// checks are made again.
+    ServerWentAway(db::DbError),
+    /// A check refused what it found: the relay exits with its message.
+    Refused(RelayError),
+}
+
+impl From<RelayError> for NotStarted {
+    fn from(e: RelayError) -> Self {
+        NotStarted::Refused(e)
+    }
+}
+
+/// A failed step, classified by the retry policy.
+fn not_started(e: db::DbError, connected: bool) -> NotStarted {
+    match classify_start_up(&e, connected) {
+        StartUpFailure::ServerWentAway => NotStarted::ServerWentAway(e),
+        StartUpFailure::Refused => NotStarted::Refused(RelayError::Startup(e.to_string())),
+    }
+}
+
+/// [`start_up`], made again while the server goes away under it (each time
+/// after the reconnect backoff, with a warning naming the cause); `None`
+/// when asked to stop first. A refused check ends it at once.
+pub(crate) async fn start_up_until_done(
     config: &Config,
     publisher: &dyn Publisher,
     metrics: &Metrics,
-) -> Result<Started, RelayError> {
-    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Option<Started>, RelayError> {
+    let mut reconnect = crate::policy::retry::Reconnect::default();
+    loop {
+        let attempt = tokio::select! {
+            r = start_up(config, publisher, metrics) => r,
+            _ = stop.wait_for(|s| *s) => return Ok(None),
+        };
+        match attempt {
+            Ok(started) => return Ok(Some(started)),
+            Err(NotStarted::Refused(e)) => return Err(e),
+            Err(NotStarted::ServerWentAway(e)) => {
+                let wait = reconnect.failed();
+                tracing::warn!(error = %e, retry_in = ?wait, "start-up: PostgreSQL went away during the checks (a restart or a failover?); checking again");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stop.wait_for(|s| *s) => return Ok(None),
+                }
+            }
+        }
+    }
+}
+
+/// The start-up checks, each with a deadline: the database (connect_timeout,
+/// query_timeout), the queues (the SQS client's own timeouts), the metrics
+/// listener.
+async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics) -> Result<Started, NotStarted> {
     let db = config.db();
-    let sql = db.connect().await.map_err(startup)?;
+    let sql = db.connect().await.map_err(|e| not_started(e, false))?;
+    let startup = |e: db::DbError| not_started(e, true);
     db.within("checking the server", db::check_server(&sql, &db.server(), config.failover)).await.map_err(startup)?;
     let (mode, sharded) = resolve_mode(&sql, config).await?;
     for m in [Mode::Cdc, Mode::Polling] {
@@ -76,8 +126,8 @@ pub(crate) async fn start_up(
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
 /// CDC when the server and role allow it, polling otherwise, and says why.
 /// Also returns whether this CDC relay is one shard (a filtered publication).
-pub(crate) async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), RelayError> {
-    let startup = |e: db::DbError| RelayError::Startup(e.to_string());
+async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), NotStarted> {
+    let startup = |e: db::DbError| not_started(e, true);
     let db = config.db();
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {

@@ -98,6 +98,16 @@ impl Node {
     }
 }
 
+/// Stops its server, whatever its state, when dropped (a panicking test
+/// leaves no server behind).
+pub struct StopOnDrop<'a>(pub &'a Node);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.kill();
+    }
+}
+
 /// A directory under the temp dir owned by `postgres`, removed when dropped.
 pub struct ClusterDir(pub PathBuf);
 

@@ -72,18 +72,25 @@ pub struct TestDb {
     pub name: String,
     pub url: String,
     pub slot: String,
+    /// The server's maintenance database, for dropping this one.
+    admin: String,
 }
 
 impl TestDb {
+    /// On the shared stack's server.
     pub async fn new(test: &str) -> TestDb {
-        let s = stack();
+        TestDb::on(&stack().pg_url, test).await
+    }
+
+    /// On the server whose maintenance database `admin_url` names.
+    pub async fn on(admin_url: &str, test: &str) -> TestDb {
         let name = unique(&format!("t_{test}"));
-        let admin = db::connect(&s.pg_url).await.unwrap();
+        let admin = db::connect(admin_url).await.unwrap();
         admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
-        let url = format!("{}/{name}", s.pg_url.rsplit_once('/').unwrap().0);
+        let url = format!("{}/{name}", admin_url.rsplit_once('/').unwrap().0);
         let mut c = db::connect(&url).await.unwrap();
         db::migrate(&mut c).await.unwrap();
-        TestDb { slot: format!("s_{name}"), name, url }
+        TestDb { slot: format!("s_{name}"), name, url, admin: admin_url.to_string() }
     }
 
     pub async fn client(&self) -> Client {
@@ -151,7 +158,7 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let (name, slot, pg) = (self.name.clone(), self.slot.clone(), stack().pg_url.clone());
+        let (name, pg) = (self.name.clone(), self.admin.clone());
         // Replication slots are cluster-wide: drop them, and terminate the
         // walsenders holding them, before the database.
         std::thread::spawn(move || {
@@ -173,7 +180,6 @@ impl Drop for TestDb {
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                let _ = slot;
                 let _ = c.batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)")).await;
             });
         })
@@ -289,6 +295,18 @@ impl Running {
             .expect("relay stops within 15 s")
             .unwrap()
             .unwrap();
+    }
+
+    /// How the relay ended, if it did (a start-up refusal, a panic).
+    pub async fn ended(&mut self) -> Option<String> {
+        if !self.task.is_finished() {
+            return None;
+        }
+        Some(match (&mut self.task).await {
+            Ok(Ok(())) => "stopped".into(),
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => e.to_string(),
+        })
     }
 
     /// Abandon the relay without a graceful stop.

@@ -190,6 +190,7 @@ pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClien
     }
     Err(CdcError::Db(db::DbError::Connect {
         url: t.shown.clone(),
+        going: false,
         message: format!(
             "no primary for the replication connection ({}); the relay needs the primary (target_session_attrs=read-write) and retries",
             passed.join("; ")
