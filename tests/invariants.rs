@@ -173,7 +173,9 @@ async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
 
 /// What is sent is what was committed: a row inserted and then updated by
 /// its own transaction goes out as updated (body, destination), a TOASTed
-/// body the update left alone included, in CDC as in polling.
+/// body the update left alone included, in CDC as in polling; in a
+/// transaction past the chunk limits too (the update arrives after the
+/// row's chunk was handed on).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_updated_by_its_own_transaction_is_sent_as_committed() {
     const B: &str = "http://memory.invalid/billing";
@@ -205,6 +207,30 @@ async fn a_row_updated_by_its_own_transaction_is_sent_as_committed() {
         assert_eq!(body("u1").as_deref(), Some("v2"), "{mode:?}");
         assert_eq!(body("u2").map(|b| b.len()), Some(100_000), "{mode:?}");
         assert!(p.sent(Q).is_empty(), "{mode:?}: nothing to the destination it was inserted with");
+        // Past the chunk limits (1,000 rows): rows of the first chunk updated
+        // after the transaction's 2,000th row.
+        db.client()
+            .await
+            .batch_execute(
+                "BEGIN;
+                 INSERT INTO outbox (event_id, destination, body)
+                      SELECT 'big:' || i, 'orders', 'v1' FROM generate_series(1, 2500) i;
+                 UPDATE outbox SET body = 'v2' WHERE event_id IN ('big:5', 'big:6', 'big:7');
+                 UPDATE outbox SET body = 'v2', destination = 'billing' WHERE event_id = 'big:8';
+                 COMMIT;",
+            )
+            .await
+            .unwrap();
+        wait_for("the big transaction sent", Duration::from_secs(30), || async { p.sent(Q).len() >= 2_499 }).await;
+        let (orders, billing) = (p.sent(Q), p.sent(B));
+        let late: Vec<_> =
+            orders.iter().filter(|s| ["big:5", "big:6", "big:7"].contains(&s.event_id.as_str())).collect();
+        assert!(late.len() == 3 && late.iter().all(|s| s.body == "v2"), "{mode:?}: {late:?}");
+        assert!(billing.iter().any(|s| s.event_id == "big:8" && s.body == "v2"), "{mode:?}");
+        assert!(
+            !orders.iter().any(|s| s.event_id == "big:8"),
+            "{mode:?}: big:8 went to the destination it was inserted with"
+        );
         relay.stop().await;
     }
 }

@@ -8,7 +8,7 @@ use tokio_postgres::Client;
 use crate::event::OutboxEvent;
 use crate::pipeline::watermark::TxnSeq;
 
-use super::row::{owned_by_table, row_from_tuple, tuple_id, updated_row};
+use super::row::{as_committed, owned_by_table, row_from_tuple, tuple_id, updated_row};
 use super::*;
 
 #[derive(Debug, PartialEq, Eq)]
@@ -55,8 +55,6 @@ impl Decoder {
                     buf: Vec::new(),
                     buf_bytes: 0,
                     buffered: HashMap::new(),
-                    handed_on: None,
-                    warned_late_update: false,
                 });
             }
             ReplicationEvent::XLogData { data, .. } => self.xlog(&data, sql, router).await?,
@@ -106,20 +104,25 @@ impl Decoder {
                 }
                 let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
                 let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
+                if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
+                    // A full chunk is handed on once the transaction goes on
+                    // past it. What is left of it may update these rows, so
+                    // they are sent as committed (read back from the table).
+                    let (seq, final_lsn, mut buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
+                    t.buf_bytes = 0;
+                    t.buffered.clear();
+                    as_committed(sql, &mut buf).await?;
+                    router.dispatch(sql, seq, self.replayed(final_lsn), buf).await?;
+                }
+                let t = self.txn.as_mut().expect("checked above");
                 t.buf_bytes += row.size();
                 t.buffered.insert(row.id, t.buf.len());
                 t.buf.push(row);
-                if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
-                    let (seq, final_lsn, buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
-                    t.buf_bytes = 0;
-                    t.note_handed_on(buf.iter().map(|e| e.id));
-                    t.buffered.clear();
-                    router.dispatch(sql, seq, self.replayed(final_lsn), buf).await?;
-                }
             }
             LogicalMessage::Update { relation, new, .. } => {
                 // A row its own transaction inserted and then changed is
-                // sent as it stands at commit. Other updates (later
+                // sent as it stands at commit (a chunk handed on earlier was
+                // read back from the table). Other updates (later
                 // transactions, the relay's own marks) change nothing here.
                 let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
                 let (Some(t), Some(id)) = (self.txn.as_mut(), tuple_id(rel, &new)) else { return Ok(()) };
@@ -127,15 +130,6 @@ impl Decoder {
                     let row = updated_row(rel, &new, &t.buf[i])?;
                     t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                     t.buf[i] = row;
-                } else if t.handed_on.is_some_and(|(lo, hi)| (lo..=hi).contains(&id)) && !t.warned_late_update {
-                    // Its chunk is on its way already: it goes out as inserted.
-                    t.warned_late_update = true;
-                    tracing::warn!(
-                        id,
-                        "a transaction updated an outbox row after its chunk ({CHUNK} rows or {CHUNK_BYTES} bytes) was \
-                         handed on: if that row was inserted by the same transaction it is sent as inserted, not as \
-                         committed"
-                    );
                 }
             }
             LogicalMessage::Delete { relation, key, old } => {
@@ -173,17 +167,4 @@ pub(crate) struct OpenTxn {
     /// already dispatched in an earlier chunk is settled as usual (its
     /// marking finds it gone: one lookup, no wait).
     pub(crate) buffered: HashMap<i64, usize>,
-    /// The lowest and highest id of the chunks already handed on: an update
-    /// of one of those rows by this transaction comes too late to be applied.
-    pub(crate) handed_on: Option<(i64, i64)>,
-    pub(crate) warned_late_update: bool,
-}
-
-impl OpenTxn {
-    fn note_handed_on(&mut self, ids: impl Iterator<Item = i64>) {
-        for id in ids {
-            let (lo, hi) = self.handed_on.unwrap_or((id, id));
-            self.handed_on = Some((lo.min(id), hi.max(id)));
-        }
-    }
 }

@@ -99,3 +99,26 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
     }
     Ok(ev)
 }
+
+/// The rows of a chunk as committed, for a transaction that goes on past the
+/// chunk: the rest of it (committed, not decoded yet) may update them, so
+/// each row still in the table under its event id is taken as the table has
+/// it (body, destination, group, attributes). Rows gone from the table keep
+/// what the stream said (deleted by this transaction or a later one).
+pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [OutboxEvent]) -> Result<(), CdcError> {
+    let at: HashMap<i64, usize> = buf.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
+    let ids: Vec<i64> = buf.iter().map(|e| e.id).collect();
+    let sql_text = format!("SELECT {} FROM outbox WHERE id = ANY($1)", crate::event::OUTBOX_COLUMNS);
+    for r in sql.query(&sql_text, &[&ids]).await.map_err(CdcError::Pg)? {
+        let table = OutboxEvent::from_row(&r);
+        let Some(&i) = at.get(&table.id) else { continue };
+        let ev = &mut buf[i];
+        if ev.event_id == table.event_id {
+            ev.destination = table.destination;
+            ev.body = table.body;
+            ev.group_key = table.group_key;
+            ev.attributes = table.attributes;
+        }
+    }
+    Ok(())
+}
