@@ -192,7 +192,7 @@ pub struct Config {
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("database_url", &crate::pgconn::redact(&self.database_url))
+            .field("database_url", &outbox_pgconn::redact(&self.database_url))
             .field("mode", &self.mode)
             .field("slot", &self.slot)
             .field("publication", &self.publication)
@@ -245,7 +245,7 @@ impl Config {
                 "database_url is not set: put it in the config file, set OUTBOX_RELAY_DATABASE_URL, or pass --database-url".into(),
             )
         })?;
-        crate::pgconn::parse(&database_url).map_err(ConfigError::Invalid)?;
+        outbox_pgconn::parse(&database_url).map_err(ConfigError::Invalid)?;
         let mode = match (o.mode, get("MODE")) {
             (Some(m), _) => m,
             (None, Some(m)) => m.parse()?,

@@ -1,9 +1,11 @@
 //! PostgreSQL connections, migrations and the start-up checks.
 
-use tokio_postgres::Client;
-
 use std::future::Future;
 use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use crate::policy::retry::{server_going, DbFailure};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -28,6 +30,17 @@ pub enum DbError {
 impl From<tokio_postgres::Error> for DbError {
     fn from(e: tokio_postgres::Error) -> Self {
         DbError::Query(e)
+    }
+}
+
+impl DbError {
+    /// What this failure says about the server, for the retry policy.
+    pub fn failure(&self) -> DbFailure {
+        match self {
+            DbError::Connect { going, .. } => DbFailure::Connect { going: *going },
+            DbError::Query(e) => DbFailure::Query { going: server_going(e) },
+            DbError::Timeout { .. } | DbError::Check(_) | DbError::CdcUnavailable(_) => DbFailure::Refusal,
+        }
     }
 }
 
@@ -80,7 +93,7 @@ pub struct Db {
 impl std::fmt::Debug for Db {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Db")
-            .field("url", &crate::pgconn::redact(&self.url))
+            .field("url", &outbox_pgconn::redact(&self.url))
             .field("deadlines", &self.deadlines)
             .finish()
     }
@@ -91,13 +104,13 @@ impl Db {
         Db { url: url.to_string(), deadlines }
     }
 
-    pub fn target(&self) -> Result<crate::pgconn::Target, DbError> {
-        crate::pgconn::parse(&self.url).map_err(DbError::Check)
+    pub fn target(&self) -> Result<outbox_pgconn::Target, DbError> {
+        outbox_pgconn::parse(&self.url).map_err(DbError::Check)
     }
 
     /// `host:port` of the server, for messages.
     pub fn server(&self) -> String {
-        self.target().map(|t| t.server()).unwrap_or_else(|_| crate::pgconn::redact(&self.url))
+        self.target().map(|t| t.server()).unwrap_or_else(|_| outbox_pgconn::redact(&self.url))
     }
 
     /// Open a connection within the connect deadline.
@@ -164,8 +177,8 @@ pub async fn connect(url: &str) -> Result<Client, DbError> {
 /// several hosts, each is tried in turn with a deadline of its own, so a
 /// host that accepts TCP and never answers costs one deadline, not every
 /// connection: the next host is tried.
-pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
-    let tls = crate::pgconn::connector(target).map_err(|e| DbError::Connect {
+pub async fn connect_target(target: &outbox_pgconn::Target, deadline: Duration) -> Result<Client, DbError> {
+    let tls = outbox_pgconn::connector(target).map_err(|e| DbError::Connect {
         url: target.shown.clone(),
         message: e,
         going: false,
@@ -181,8 +194,8 @@ pub async fn connect_target(target: &crate::pgconn::Target, deadline: Duration) 
     })?;
     let (client, conn) = attempt.map_err(|e| DbError::Connect {
         url: target.shown.clone(),
-        message: crate::pgconn::explain(target, &e),
-        going: crate::policy::retry::server_going(&e),
+        message: outbox_pgconn::explain(target, &e),
+        going: server_going(&e),
     })?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
@@ -219,8 +232,8 @@ pub(crate) fn host_answered(server: &str) {
 /// Every host of the URL in order, each within `deadline`: the first that
 /// answers and, under `target_session_attrs=read-write`, accepts writes.
 async fn connect_each_host(
-    target: &crate::pgconn::Target,
-    mut tls: crate::pgconn::MakeRustlsConnect,
+    target: &outbox_pgconn::Target,
+    mut tls: outbox_pgconn::MakeRustlsConnect,
     deadline: Duration,
 ) -> Result<Client, DbError> {
     let mut passed = Vec::new();
@@ -252,8 +265,8 @@ async fn connect_each_host(
 /// One host: TCP, TLS and authentication, then (read-write) whether it
 /// accepts writes. `None`: it answered but is read-only.
 async fn connect_host(
-    target: &crate::pgconn::Target,
-    tls: &mut crate::pgconn::MakeRustlsConnect,
+    target: &outbox_pgconn::Target,
+    tls: &mut outbox_pgconn::MakeRustlsConnect,
     host: &str,
     port: u16,
 ) -> Result<Option<Client>, String> {
@@ -263,7 +276,7 @@ async fn connect_host(
     let connect =
         <_ as MakeTlsConnect<tokio::net::TcpStream>>::make_tls_connect(tls, host).map_err(|e| e.to_string())?;
     let (client, conn) =
-        target.pg.connect_raw(stream, connect).await.map_err(|e| crate::pgconn::explain(target, &e))?;
+        target.pg.connect_raw(stream, connect).await.map_err(|e| outbox_pgconn::explain(target, &e))?;
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             tracing::debug!(error = %e, "postgres connection closed");
@@ -324,33 +337,6 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
             missing.join(" and "),
             missing.join(", ")
         )));
-    }
-    Ok(())
-}
-
-/// What settlement writes, by `published_rows`: DELETE (and INSERT, for
-/// transient rows ended DEAD or deferred) on the outbox, and the runs of
-/// published ids. Each missing privilege is named with its GRANT.
-pub async fn check_settlement(client: &Client, published: crate::config::PublishedRows) -> Result<(), DbError> {
-    let runs: bool = client.query_one("SELECT to_regclass('outbox_published_runs') IS NOT NULL", &[]).await?.get(0);
-    if !runs {
-        return Err(DbError::Check(
-            "the table outbox_published_runs does not exist: run `outbox-relay migrate --database-url ...` (migration 5)"
-                .into(),
-        ));
-    }
-    let mut needed = vec![("outbox", "INSERT"), ("outbox_published_runs", "SELECT")];
-    if published == crate::config::PublishedRows::Delete {
-        needed.extend([("outbox", "DELETE"), ("outbox_published_runs", "INSERT"), ("outbox_published_runs", "DELETE")]);
-    }
-    let user: String = client.query_one("SELECT current_user::text", &[]).await?.get(0);
-    for (table, privilege) in needed {
-        let ok: bool = client.query_one("SELECT has_table_privilege($1, $2)", &[&table, &privilege]).await?.get(0);
-        if !ok {
-            return Err(DbError::Check(format!(
-                "role {user:?} lacks {privilege} on {table}, which settlement needs (published_rows = {published:?}): GRANT {privilege} ON {table} TO {user}"
-            )));
-        }
     }
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-pub use crate::policy::dead::{DeadCode, DeadReason};
+use crate::policy::dead::{DeadCode, DeadReason};
 
 /// A committed outbox row, as read from the slot or the table.
 #[derive(Debug, Clone)]

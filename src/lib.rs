@@ -29,7 +29,5 @@ pub mod publish;
 pub mod runtime;
 pub mod source;
 
-pub use outbox_pgconn as pgconn;
-
 pub use config::Config;
 pub use runtime::{run, RelayHandle};

@@ -228,7 +228,7 @@ fn main() -> ExitCode {
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Migrate { database_url } => {
-            let target = outbox_relay::pgconn::parse(&database_url).map_err(anyhow::Error::msg)?;
+            let target = outbox_pgconn::parse(&database_url).map_err(anyhow::Error::msg)?;
             let mut client = db::connect_target(&target, db::Deadlines::default().connect).await?;
             let applied = db::migrate(&mut client).await?;
             if applied.is_empty() {

@@ -80,16 +80,27 @@ pub fn server_going(e: &tokio_postgres::Error) -> bool {
     }
 }
 
+/// What a failed database step says about the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbFailure {
+    /// No connection was made; `going`: the server was reached and is
+    /// shutting down or starting up, or dropped the connection.
+    Connect { going: bool },
+    /// A query failed; `going`: see [`server_going`].
+    Query { going: bool },
+    /// A check refused what it found, or a deadline passed.
+    Refusal,
+}
+
 /// Classify a failed start-up step. `connected` says whether this start-up
 /// already reached the server: a first connection that fails is a wrong URL
 /// or a server that is not there, said at once; once connected, a new
 /// connection that fails, or one that closes, is the server going away.
-pub fn classify_start_up(e: &crate::db::DbError, connected: bool) -> StartUpFailure {
-    use crate::db::DbError;
-    let went_away = match e {
-        DbError::Connect { going, .. } => connected || *going,
-        DbError::Query(e) => server_going(e),
-        DbError::Timeout { .. } | DbError::Check(_) | DbError::CdcUnavailable(_) => false,
+pub fn classify_start_up(failure: DbFailure, connected: bool) -> StartUpFailure {
+    let went_away = match failure {
+        DbFailure::Connect { going } => connected || going,
+        DbFailure::Query { going } => going,
+        DbFailure::Refusal => false,
     };
     if went_away {
         StartUpFailure::ServerWentAway
@@ -183,23 +194,15 @@ mod tests {
 
     #[test]
     fn start_up_failures() {
-        use crate::db::DbError;
-        let refused =
-            DbError::Connect { url: "postgres://db".into(), message: "connection refused".into(), going: false };
+        let refused = DbFailure::Connect { going: false };
         // A server never reached is said at once; one that was reached and
         // then refused a connection went away.
-        assert_eq!(classify_start_up(&refused, false), StartUpFailure::Refused);
-        assert_eq!(classify_start_up(&refused, true), StartUpFailure::ServerWentAway);
-        for e in [DbError::Check("no outbox table".into()), DbError::CdcUnavailable("wal_level".into())] {
-            assert_eq!(classify_start_up(&e, true), StartUpFailure::Refused);
-        }
-        let frozen = DbError::Timeout {
-            server: "db:5432".into(),
-            what: "x".into(),
-            after: Duration::ZERO,
-            key: "query_timeout",
-        };
-        assert_eq!(classify_start_up(&frozen, true), StartUpFailure::Refused);
+        assert_eq!(classify_start_up(refused, false), StartUpFailure::Refused);
+        assert_eq!(classify_start_up(refused, true), StartUpFailure::ServerWentAway);
+        assert_eq!(classify_start_up(DbFailure::Connect { going: true }, false), StartUpFailure::ServerWentAway);
+        assert_eq!(classify_start_up(DbFailure::Query { going: true }, true), StartUpFailure::ServerWentAway);
+        assert_eq!(classify_start_up(DbFailure::Query { going: false }, true), StartUpFailure::Refused);
+        assert_eq!(classify_start_up(DbFailure::Refusal, true), StartUpFailure::Refused);
     }
 
     #[test]

@@ -38,7 +38,7 @@ impl From<RelayError> for NotStarted {
 
 /// A failed step, classified by the retry policy.
 fn not_started(e: db::DbError, connected: bool) -> NotStarted {
-    match classify_start_up(&e, connected) {
+    match classify_start_up(e.failure(), connected) {
         StartUpFailure::ServerWentAway => NotStarted::ServerWentAway(e),
         StartUpFailure::Refused => NotStarted::Refused(RelayError::Startup(e.to_string())),
     }
@@ -107,9 +107,12 @@ async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics)
     if mode == Mode::Polling {
         let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
     }
-    db.within("checking what settlement writes", db::check_settlement(&sql, config.published_rows))
-        .await
-        .map_err(startup)?;
+    db.within(
+        "checking what settlement writes",
+        crate::pipeline::settle::check_privileges(&sql, config.published_rows),
+    )
+    .await
+    .map_err(startup)?;
     if mode == Mode::Cdc {
         db.within("checking the slot hand-off record", db::check_handoffs(&sql)).await.map_err(startup)?;
     }

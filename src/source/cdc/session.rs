@@ -154,7 +154,7 @@ async fn check_slot_kind(sql: &Client, slot: &str) -> Result<(), db::DbError> {
 /// (the default) a server in recovery is passed over, so a list of servers
 /// follows a promotion. One host: its own error, unchanged.
 pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClient, CdcError> {
-    let t = crate::pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+    let t = outbox_pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
     let mut passed = Vec::new();
     for (host, port) in &t.hosts {
         let server = format!("{host}:{port}");
@@ -229,14 +229,14 @@ async fn in_recovery(cfg: &Config, mut repl: ReplicationClient) -> Result<Result
 }
 
 /// The replication connection's settings for one host of the URL.
-pub(crate) fn replication_config(cfg: &Config, t: &crate::pgconn::Target, host: &str, port: u16) -> ReplicationConfig {
+pub(crate) fn replication_config(cfg: &Config, t: &outbox_pgconn::Target, host: &str, port: u16) -> ReplicationConfig {
     let mode = match t.ssl {
-        crate::pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
-        crate::pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
-        crate::pgconn::SslMode::Require if t.root_cert.is_some() => pgwire_replication::SslMode::VerifyCa,
-        crate::pgconn::SslMode::Require => pgwire_replication::SslMode::Require,
-        crate::pgconn::SslMode::VerifyCa => pgwire_replication::SslMode::VerifyCa,
-        crate::pgconn::SslMode::VerifyFull => pgwire_replication::SslMode::VerifyFull,
+        outbox_pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
+        outbox_pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
+        outbox_pgconn::SslMode::Require if t.root_cert.is_some() => pgwire_replication::SslMode::VerifyCa,
+        outbox_pgconn::SslMode::Require => pgwire_replication::SslMode::Require,
+        outbox_pgconn::SslMode::VerifyCa => pgwire_replication::SslMode::VerifyCa,
+        outbox_pgconn::SslMode::VerifyFull => pgwire_replication::SslMode::VerifyFull,
     };
     let mut tls = pgwire_replication::TlsConfig { mode, ca_pem_path: t.root_cert.clone(), ..Default::default() };
     if let Some((c, k)) = &t.client_cert {
