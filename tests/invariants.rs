@@ -472,8 +472,28 @@ async fn randomized_workloads_keep_every_invariant() {
     }
 }
 
+/// The same invariants with the release binary as a process of its own,
+/// killed with SIGKILL at random moments (mid-send, mid-settle,
+/// mid-confirm), against ministack, PostgreSQL crashed or stopped between.
+/// A relay that exits at start-up (the server down) is started again, as a
+/// supervisor would. CI runs two seeds of 20 steps; a long run: `OUTBOX_RELAY_INVARIANT_SEEDS=1-8
+/// OUTBOX_RELAY_INVARIANT_STEPS=60 cargo test --release --features
+/// outbox-relay/test-utils --test invariants sigkill -- --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_sigkills_of_the_release_binary_keep_every_invariant() {
+    let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
+    let (lo, hi) = seeds.split_once('-').unwrap_or((&seeds, &seeds));
+    let steps: usize = std::env::var("OUTBOX_RELAY_INVARIANT_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    for seed in lo.parse::<u64>().unwrap()..=hi.parse::<u64>().unwrap() {
+        let started = std::time::Instant::now();
+        let tally = workload::run_processes(seed, steps).await;
+        eprintln!("seed {seed} (SIGKILL): {tally} in {:.1}s", started.elapsed().as_secs_f64());
+    }
+}
+
 mod workload {
     use super::*;
+    use common::process::{RelayConfig, RelayProcess};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use std::time::Instant;
@@ -598,6 +618,130 @@ mod workload {
         }
         tx.commit().await.ok()?;
         Some(rows)
+    }
+
+    /// One relay process, started again when it ends (a kill, or an exit
+    /// at start-up while the server was down).
+    struct Supervised {
+        config: RelayConfig,
+        process: Option<RelayProcess>,
+        /// Exits it was started again after (not kills).
+        exits: usize,
+    }
+
+    impl Supervised {
+        fn keep_running(&mut self) {
+            let exited = match self.process.as_mut() {
+                None => true,
+                Some(p) => matches!(p.child.try_wait(), Ok(Some(_))),
+            };
+            if exited {
+                if self.process.is_some() {
+                    self.exits += 1;
+                }
+                self.process = Some(self.config.spawn());
+            }
+        }
+
+        fn kill(&mut self) {
+            if let Some(p) = self.process.take() {
+                p.kill();
+            }
+        }
+    }
+
+    /// [`run`] with the release binary, killed by SIGKILL, and ministack.
+    pub async fn run_processes(seed: u64, steps: usize) -> Tally {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let dir = ClusterDir::new(&format!("outbox-relay-sigkill{seed}"));
+        let node = Node::init(&dir.0, "pg");
+        node.start(&[]);
+        let _stop = StopOnDrop(&node);
+        let db = TestDb::on(&node.url("postgres"), &format!("sigkill{seed}")).await;
+        let sqs = sqs().await;
+        let (a, f) = (create_queue(&sqs, "sk_a", false, None).await, create_queue(&sqs, "sk_f", true, None).await);
+        let extra = "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"";
+        let config = RelayConfig::new(&db, "cdc", &[("a", &a), ("f", &f)], extra);
+        let mut relay = Supervised { config, process: None, exits: 0 };
+        relay.keep_running();
+        wait_for("the slot exists", Duration::from_secs(60), || async { confirmed(&db, &db.slot).await > 0 }).await;
+        let dests = ["a", "f", "nowhere"];
+        let mut c = db.client().await;
+        let mut tally = Tally::default();
+        let mut committed = Vec::new();
+        for step in 0..steps {
+            match rng.random_range(0..10) {
+                0 | 1 => {
+                    // At a random moment of whatever it is doing.
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..400))).await;
+                    relay.kill();
+                    tally.restarts += 1;
+                }
+                2 => {
+                    node.stop(["immediate", "fast"][rng.random_range(0..2)]);
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..1_000))).await;
+                    node.start(&[]);
+                    c = db.client().await;
+                    tally.pg_restarts += 1;
+                }
+                3 => {
+                    c.batch_execute(
+                        "DO $$ BEGIN LOCK TABLE outbox;
+                           IF NOT EXISTS (SELECT 1 FROM outbox) THEN TRUNCATE outbox RESTART IDENTITY; END IF; END $$",
+                    )
+                    .await
+                    .unwrap();
+                    tally.resets += 1;
+                }
+                _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests).await {
+                    Some(rows) => committed.extend(rows),
+                    None => tally.failed_txns += 1,
+                },
+            }
+            relay.keep_running();
+        }
+        let expect: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
+        let mut got: HashSet<String> = HashSet::new();
+        let end = Instant::now() + Duration::from_secs(180);
+        while Instant::now() < end && !expect.iter().all(|e| got.contains(*e)) {
+            relay.keep_running();
+            for url in [&a, &f] {
+                let round = receive_round(&sqs, url, 0).await.unwrap();
+                got.extend(round.messages.into_iter().map(|(body, _)| body.trim_end_matches('.').to_string()));
+            }
+        }
+        let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
+        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+        wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
+            db.count("status = 'NEW'").await == 0
+        })
+        .await;
+        let nowhere: Vec<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
+        let dead: i64 = db
+            .client()
+            .await
+            .query_one(
+                "SELECT count(DISTINCT event_id) FROM outbox
+                  WHERE event_id = ANY($1) AND status = 'DEAD' AND last_error LIKE 'unknown_destination%'",
+                &[&nowhere],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(dead as usize, nowhere.len(), "seed {seed}: rows for an unknown destination DEAD with their reason");
+        let last = db.current_lsn().await;
+        wait_for(&format!("seed {seed}: slot confirmed past the last commit"), Duration::from_secs(60), || async {
+            confirmed(&db, &db.slot).await >= last
+        })
+        .await;
+        relay.kill();
+        // Each exit is a start-up that found the server down.
+        assert!(relay.exits <= tally.pg_restarts, "seed {seed}: {} exits, {} restarts", relay.exits, tally.pg_restarts);
+        tally.supervised = relay.exits;
+        tally.delivered = expect.len();
+        tally.dead = nowhere.len();
+        tally.transient = committed.iter().filter(|r| r.2).count();
+        tally
     }
 
     async fn confirmed(db: &TestDb, slot: &str) -> u64 {
