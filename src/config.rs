@@ -44,7 +44,7 @@ impl fmt::Display for Mode {
 }
 
 /// What settlement does with a published row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum PublishedRows {
     /// Delete it (one small WAL record; the table holds only what is left to
@@ -79,7 +79,7 @@ pub enum ConfigError {
 
 /// The file's shape. Every key is optional here; [`Config::resolve`] says
 /// which are required.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     pub database_url: Option<String>,
@@ -111,7 +111,7 @@ pub struct FileConfig {
     pub destinations: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SqsFileConfig {
     pub region: Option<String>,
@@ -501,6 +501,47 @@ fn validate_identifier(what: &str, s: &str, slot_rules: bool) -> Result<(), Conf
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The reference in docs/configuration.md (its first TOML block) names
+    /// every key there is, each with a value start-up accepts, and every
+    /// tuning value it shows is the default.
+    #[test]
+    fn the_documented_reference_is_every_key_with_its_default() {
+        let doc = include_str!("../docs/configuration.md");
+        let block = doc.split("```toml\n").nth(1).and_then(|b| b.split("```").next()).expect("a TOML block");
+        let documented: FileConfig = toml::from_str(block).expect("every documented key exists");
+        let keys = serde_json::to_value(&documented).unwrap();
+        let missing: Vec<String> = keys
+            .as_object()
+            .unwrap()
+            .iter()
+            .flat_map(|(k, v)| match v.as_object() {
+                Some(inner) => inner.iter().filter(|(_, v)| v.is_null()).map(|(i, _)| format!("{k}.{i}")).collect(),
+                None if v.is_null() => vec![k.clone()],
+                None => vec![],
+            })
+            .collect();
+        assert!(missing.is_empty(), "keys missing from the reference in docs/configuration.md: {missing:?}");
+        let shown = Config::resolve(documented, &BTreeMap::new(), &Overrides::default()).expect("documented values");
+        let minimal = file(
+            r#"database_url = "postgres://app@127.0.0.1:5432/app"
+               [destinations]
+               orders = "http://127.0.0.1:4566/000000000000/orders""#,
+        );
+        let default = Config::resolve(minimal, &BTreeMap::new(), &Overrides::default()).unwrap();
+        let tuning = |c: &Config| {
+            format!(
+                "{:?}",
+                (
+                    (c.mode, &c.slot, &c.publication, c.heartbeat_interval, c.linger, c.adaptive_linger, c.failover),
+                    (c.published_rows, c.max_in_flight_batches, c.max_unsettled_events, c.max_unsettled_bytes),
+                    (c.connect_timeout, c.query_timeout, c.lane_stall_timeout, c.max_retained_wal),
+                    (c.retry_base, c.retry_max, c.poll_interval, c.retention, c.takeover_timeout, c.readiness_stall),
+                )
+            )
+        };
+        assert_eq!(tuning(&shown), tuning(&default), "the reference shows a value that is not the default");
+    }
 
     fn file(toml_text: &str) -> FileConfig {
         toml::from_str(toml_text).unwrap()

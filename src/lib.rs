@@ -30,4 +30,4 @@ pub mod runtime;
 pub mod source;
 
 pub use config::Config;
-pub use runtime::{run, RelayHandle};
+pub use runtime::run;

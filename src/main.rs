@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand};
 use outbox_relay::config::{Config, Mode, Overrides};
 use outbox_relay::metrics::Metrics;
 use outbox_relay::publish::sqs::SqsPublisher;
-use outbox_relay::{db, ops, RelayHandle};
+use outbox_relay::{db, ops};
 
 #[derive(Parser)]
 #[command(
@@ -250,87 +250,84 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
                 config.sqs_assume_role_arn.as_deref(),
             )
             .await;
-            let handle = RelayHandle { metrics: Metrics::new() };
-            outbox_relay::run(config, Arc::new(publisher), handle, shutdown_signal()).await?;
+            outbox_relay::run(config, Arc::new(publisher), Metrics::new(), shutdown_signal()).await?;
             Ok(())
         }
         Command::Status { common, json } => {
-            let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-            let client = config.db().connect().await?;
-            let status = config
-                .db()
-                .within_connecting("reading the status", async { anyhow::Ok(ops::status(&client, &config).await?) })
-                .await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&status)?);
-            } else {
-                print!("{}", ops::format_status(&status));
-            }
+            let (config, client) = connected(&common).await?;
+            let read = async { anyhow::Ok(ops::status(&client, &config).await?) };
+            let status = config.db().within_connecting("reading the status", read).await?;
+            print_answer(json, &status, ops::format_status)
+        }
+        Command::Slot { action } => slot_command(action).await,
+        Command::Dead { action } => dead_command(action).await,
+    }
+}
+
+/// `slot status|create|drop`.
+async fn slot_command(action: SlotAction) -> anyhow::Result<()> {
+    match action {
+        SlotAction::Status { common, json } => {
+            let (config, client) = connected(&common).await?;
+            let read = async { anyhow::Ok(ops::slot_status(&client, &config.slot).await?) };
+            let s = config.db().within("reading the slot's status", read).await?;
+            print_answer(json, &s, ops::format_slot)
+        }
+        SlotAction::Create { common, failover } => {
+            let mut config = Config::load(common.config.as_deref(), &overrides(&common))?;
+            config.failover |= failover;
+            let c = ops::slot_create(&config).await?;
+            println!(
+                "slot {} created at {}; {} NEW rows written before it handed to the table path",
+                c.slot, c.consistent_point, c.handed_to_table
+            );
             Ok(())
         }
-        Command::Slot { action } => match action {
-            SlotAction::Status { common, json } => {
-                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = config.db().connect().await?;
-                let s = config
-                    .db()
-                    .within("reading the slot's status", async {
-                        anyhow::Ok(ops::slot_status(&client, &config.slot).await?)
-                    })
-                    .await?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&s)?);
-                } else {
-                    print!("{}", ops::format_slot(&s));
-                }
-                Ok(())
-            }
-            SlotAction::Create { common, failover } => {
-                let mut config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                config.failover |= failover;
-                let c = ops::slot_create(&config).await?;
-                println!(
-                    "slot {} created at {}; {} NEW rows written before it handed to the table path",
-                    c.slot, c.consistent_point, c.handed_to_table
-                );
-                Ok(())
-            }
-            SlotAction::Drop { common } => {
-                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                ops::slot_drop(&config).await?;
-                println!("slot {} dropped; NEW rows stay NEW and the next slot's catch-up publishes them", config.slot);
-                Ok(())
-            }
-        },
-        Command::Dead { action } => match action {
-            DeadAction::List { common, destination, limit, json } => {
-                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = config.db().connect().await?;
-                let rows = config
-                    .db()
-                    .within("listing DEAD rows", async {
-                        anyhow::Ok(ops::dead_list(&client, destination.as_deref(), limit).await?)
-                    })
-                    .await?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&rows)?);
-                } else {
-                    print!("{}", ops::format_dead(&rows));
-                }
-                Ok(())
-            }
-            DeadAction::Redrive { common, destination, id, all } => {
-                if destination.is_none() && id.is_none() && !all {
-                    anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
-                }
-                let config = Config::load(common.config.as_deref(), &overrides(&common))?;
-                let client = config.db().connect().await?;
-                let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
-                println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
-                Ok(())
-            }
-        },
+        SlotAction::Drop { common } => {
+            let config = Config::load(common.config.as_deref(), &overrides(&common))?;
+            ops::slot_drop(&config).await?;
+            println!("slot {} dropped; NEW rows stay NEW and the next slot's catch-up publishes them", config.slot);
+            Ok(())
+        }
     }
+}
+
+/// `dead list|redrive`.
+async fn dead_command(action: DeadAction) -> anyhow::Result<()> {
+    match action {
+        DeadAction::List { common, destination, limit, json } => {
+            let (config, client) = connected(&common).await?;
+            let read = async { anyhow::Ok(ops::dead_list(&client, destination.as_deref(), limit).await?) };
+            let rows = config.db().within("listing DEAD rows", read).await?;
+            print_answer(json, &rows, |r| ops::format_dead(r))
+        }
+        DeadAction::Redrive { common, destination, id, all } => {
+            if destination.is_none() && id.is_none() && !all {
+                anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
+            }
+            let (_, client) = connected(&common).await?;
+            let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
+            println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
+            Ok(())
+        }
+    }
+}
+
+/// An operator command's configuration and a connection to its database.
+async fn connected(common: &CommonArgs) -> anyhow::Result<(Config, tokio_postgres::Client)> {
+    let config = Config::load(common.config.as_deref(), &overrides(common))?;
+    let client = config.db().connect().await?;
+    Ok((config, client))
+}
+
+/// An answer as JSON (`--json`) or as text.
+fn print_answer<T: serde::Serialize>(json: bool, answer: &T, text: impl Fn(&T) -> String) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(answer)?);
+    } else {
+        print!("{}", text(answer));
+    }
+    Ok(())
 }
 
 async fn shutdown_signal() {

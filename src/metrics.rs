@@ -205,3 +205,29 @@ impl Metrics {
         self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed) && self.stream_held.get() == 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The names in `docs/operations.md` are the names defined here, no
+    /// more, no fewer.
+    #[test]
+    fn every_metric_is_documented_and_every_documented_one_exists() {
+        fn names(text: &str, quoted: bool) -> std::collections::BTreeSet<String> {
+            let start = if quoted { "\"outbox_relay_" } else { "outbox_relay_" };
+            text.match_indices(start)
+                .map(|(i, m)| {
+                    let rest = &text[i + m.len()..];
+                    let end = rest.find(|c: char| !(c.is_ascii_lowercase() || c == '_')).unwrap_or(rest.len());
+                    format!("outbox_relay_{}", &rest[..end])
+                })
+                .collect()
+        }
+        let defined = names(include_str!("metrics.rs").split("#[cfg(test)]").next().unwrap(), true);
+        let documented = names(include_str!("../docs/operations.md"), false);
+        assert!(defined.len() > 20, "{defined:?}");
+        let undocumented: Vec<_> = defined.difference(&documented).collect();
+        let unknown: Vec<_> = documented.difference(&defined).collect();
+        assert!(undocumented.is_empty(), "metrics missing from docs/operations.md: {undocumented:?}");
+        assert!(unknown.is_empty(), "docs/operations.md names metrics that do not exist: {unknown:?}");
+    }
+}

@@ -465,7 +465,10 @@ async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
     assert_eq!(job_state(&db, &id).await.0, "CLAIMED");
     // Cancellation is requested while it is claimed; then the lease expires.
     assert!(outbox_consumer::request_cancel(&c, &id).await.unwrap());
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    wait_for("the lease expired", Duration::from_secs(10), || async {
+        c.query_one("SELECT lease_expires_at < now() FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0)
+    })
+    .await;
     queue.send(&b);
     let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
     let rescuer = consumer(&db, "rescuer", Duration::from_secs(1)).handle("effect", Effect);

@@ -170,7 +170,12 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
         .await;
     }
     // Mid-stream: the writer is still writing.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = delivered(&publisher, queue).len();
+    wait_for("more rows streaming", Duration::from_secs(30), || {
+        let p = publisher.clone();
+        async move { delivered(&p, queue).len() >= seen + 20 }
+    })
+    .await;
     if pair.major >= 17 {
         let r = standby
             .query_one(
@@ -200,7 +205,11 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     })
     .await;
     let first_row_after = promoted.elapsed();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_for("rows streaming from the new primary", Duration::from_secs(30), || {
+        let p = publisher.clone();
+        async move { delivered(&p, queue).keys().filter(|k| k.starts_with("after")).count() >= 20 }
+    })
+    .await;
     stop_after.store(true, std::sync::atomic::Ordering::Relaxed);
     let batches_after = after.await.unwrap();
 

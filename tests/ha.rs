@@ -38,7 +38,19 @@ async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
     .await;
     // A second relay with the same config waits.
     let standby = start(cfg, Arc::new(p.clone()));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = db.client().await;
+    wait_for("the standby tried the leader lock", Duration::from_secs(30), || async {
+        let tried: i64 = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND query LIKE '%pg_try_advisory_lock%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        tried >= 2
+    })
+    .await;
     assert_eq!(gauge(&standby.metrics.render(), "outbox_relay_is_leader "), Some(0.0));
     // The leader's lock connection dies.
     let admin = db.client().await;

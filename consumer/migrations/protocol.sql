@@ -135,8 +135,10 @@ BEGIN
 END
 $$;
 
--- The retry backoff: base x 2^(attempt-1), capped at max, jittered over its
--- upper half so retries of many jobs spread out. Seconds.
+-- The retry backoff: base x 2^(attempt-1), at most 20 doublings, capped at
+-- max, jittered over its upper half so retries of many jobs spread out.
+-- Seconds. The relay's backoff (policy::retry::backoff) is the same formula
+-- on its failure count, without the jitter.
 CREATE OR REPLACE FUNCTION outbox_job_backoff(p_attempt int, p_base_secs float8, p_max_secs float8)
 RETURNS float8 LANGUAGE sql VOLATILE AS $$
     SELECT e / 2 + random() * e / 2

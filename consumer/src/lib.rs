@@ -327,6 +327,15 @@ pub struct Claimed {
     rescued: bool,
 }
 
+/// A message whose handler ran, for settling its job.
+struct Ran<'a> {
+    queue: &'a dyn Queue,
+    msg: &'a ReceivedMessage,
+    m: &'a JobMessage,
+    attempt: i32,
+    rescued: bool,
+}
+
 /// What becomes of a message that was not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueAction {
@@ -512,62 +521,89 @@ impl Consumer {
             _ = &mut heartbeat => unreachable!("the heartbeat never ends"),
         };
         let result = result.unwrap_or_else(|_| Err(HandlerError::Retry("handler panicked".into())));
-        let fence: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&m.job_id, &self.config.worker_id, &c.attempt, &m.generation];
+        let run = Ran { queue, msg, m, attempt: c.attempt, rescued: c.rescued };
         match result {
-            Ok(()) => {
-                self.trip(1);
-                let held: bool = tx.query_one("SELECT outbox_succeed_job($1, $2, $3, $4)", &fence).await?.get(0);
-                self.trip(1);
-                if !held {
-                    tx.rollback().await?;
-                    tracing::info!(job_id = %m.job_id, attempt = c.attempt, "fenced at completion: effects rolled back");
-                    return Ok(Disposition::Fenced);
-                }
-                tx.commit().await?;
-                queue.delete(&msg.receipt).await?;
-                Ok(Disposition::Succeeded { rescued: c.rescued })
-            }
+            Ok(()) => self.succeed(tx, &run).await,
             Err(HandlerError::Retry(e)) => {
                 tx.rollback().await?;
-                self.trip(2);
-                let after: Option<f64> = conn
-                    .query_one(
-                        "SELECT outbox_retry_job($1, $2, $3, $4, $5, $6, $7)",
-                        &[
-                            &m.job_id,
-                            &self.config.worker_id,
-                            &c.attempt,
-                            &m.generation,
-                            &e,
-                            &self.config.retry_base.as_secs_f64(),
-                            &self.config.retry_max.as_secs_f64(),
-                        ],
-                    )
-                    .await?
-                    .get(0);
-                let Some(after) = after.map(|s| secs(Some(s))) else { return Ok(Disposition::Fenced) };
-                queue.change_visibility(&msg.receipt, after).await?;
-                Ok(Disposition::Retried { after, rescued: c.rescued })
+                self.retry(&conn, &run, e).await
             }
             Err(HandlerError::Permanent(e)) => {
                 tx.rollback().await?;
-                self.trip(2);
-                let held: bool = conn
-                    .query_one(
-                        "SELECT outbox_dead_job($1, $2, $3, $4, $5)",
-                        &[&m.job_id, &self.config.worker_id, &c.attempt, &m.generation, &e],
-                    )
-                    .await?
-                    .get(0);
-                if !held {
-                    return Ok(Disposition::Fenced);
-                }
-                tracing::warn!(job_id = %m.job_id, reason = %e, "job DEAD");
-                queue.delete(&msg.receipt).await?;
-                Ok(Disposition::Dead { reason: e })
+                self.dead(&conn, &run, e).await
             }
         }
+    }
+
+    /// The handler succeeded: complete the job in its transaction (unless
+    /// fenced: its effects roll back), then delete the message.
+    async fn succeed(
+        &self,
+        tx: deadpool_postgres::Transaction<'_>,
+        run: &Ran<'_>,
+    ) -> Result<Disposition, ConsumerError> {
+        let m = run.m;
+        let fence: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&m.job_id, &self.config.worker_id, &run.attempt, &m.generation];
+        self.trip(1);
+        let held: bool = tx.query_one("SELECT outbox_succeed_job($1, $2, $3, $4)", &fence).await?.get(0);
+        self.trip(1);
+        if !held {
+            tx.rollback().await?;
+            tracing::info!(job_id = %m.job_id, attempt = run.attempt, "fenced at completion: effects rolled back");
+            return Ok(Disposition::Fenced);
+        }
+        tx.commit().await?;
+        run.queue.delete(&run.msg.receipt).await?;
+        Ok(Disposition::Succeeded { rescued: run.rescued })
+    }
+
+    /// The handler asked to try again: the job waits its backoff, and the
+    /// message stays hidden that long.
+    async fn retry(
+        &self,
+        conn: &tokio_postgres::Client,
+        run: &Ran<'_>,
+        e: String,
+    ) -> Result<Disposition, ConsumerError> {
+        let m = run.m;
+        self.trip(2);
+        let (base, max) = (self.config.retry_base.as_secs_f64(), self.config.retry_max.as_secs_f64());
+        let after: Option<f64> = conn
+            .query_one(
+                "SELECT outbox_retry_job($1, $2, $3, $4, $5, $6, $7)",
+                &[&m.job_id, &self.config.worker_id, &run.attempt, &m.generation, &e, &base, &max],
+            )
+            .await?
+            .get(0);
+        let Some(after) = after.map(|s| secs(Some(s))) else { return Ok(Disposition::Fenced) };
+        run.queue.change_visibility(&run.msg.receipt, after).await?;
+        Ok(Disposition::Retried { after, rescued: run.rescued })
+    }
+
+    /// The handler failed for good: the job is DEAD with its reason, and the
+    /// message deleted.
+    async fn dead(
+        &self,
+        conn: &tokio_postgres::Client,
+        run: &Ran<'_>,
+        e: String,
+    ) -> Result<Disposition, ConsumerError> {
+        let m = run.m;
+        self.trip(2);
+        let held: bool = conn
+            .query_one(
+                "SELECT outbox_dead_job($1, $2, $3, $4, $5)",
+                &[&m.job_id, &self.config.worker_id, &run.attempt, &m.generation, &e],
+            )
+            .await?
+            .get(0);
+        if !held {
+            return Ok(Disposition::Fenced);
+        }
+        tracing::warn!(job_id = %m.job_id, reason = %e, "job DEAD");
+        run.queue.delete(&run.msg.receipt).await?;
+        Ok(Disposition::Dead { reason: e })
     }
 
     /// The lease heartbeat: every lease/3 extends the lease and the message's

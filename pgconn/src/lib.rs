@@ -164,61 +164,12 @@ pub fn parse(url: &str) -> Result<Target, String> {
              write postgres://USER[:PASSWORD]@HOST[:PORT]/DBNAME[?sslmode=...] (percent-encode special characters)"
         ));
     }
-    let (base, query) = match url.split_once('?') {
-        Some((b, q)) => (b, q),
-        None => (url, ""),
-    };
-    let mut ssl = None;
-    let mut root_cert = None;
-    let mut cert = None;
-    let mut key = None;
-    let mut passfile = None;
-    let mut password_file = None;
-    let mut rest = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let v = urlencoding::decode(v).map_err(|e| format!("database_url {shown}: parameter {k}: {e}"))?.into_owned();
-        match k {
-            "sslmode" => ssl = Some(v.parse::<SslMode>().map_err(|e| format!("database_url {shown}: {e}"))?),
-            "sslrootcert" => root_cert = Some(PathBuf::from(v)),
-            "sslcert" => cert = Some(PathBuf::from(v)),
-            "sslkey" => key = Some(PathBuf::from(v)),
-            "passfile" => passfile = Some(PathBuf::from(v)),
-            "password_file" => password_file = Some(PathBuf::from(v)),
-            "sslpassword" => {
-                return Err(format!(
-                    "database_url {shown}: sslpassword (a passphrase for an encrypted sslkey) is not supported: give sslkey as an unencrypted PEM file readable only by the relay"
-                ))
-            }
-            _ => rest.push(pair),
-        }
-    }
-    let ssl = ssl.or_else(|| std::env::var("PGSSLMODE").ok().and_then(|s| s.parse().ok())).unwrap_or_default();
-    let root_cert = root_cert.or_else(|| std::env::var_os("PGSSLROOTCERT").map(PathBuf::from));
-    let client_cert = match (cert, key) {
-        (Some(c), Some(k)) => Some((c, k)),
-        (None, None) => None,
-        _ => return Err(format!("database_url {shown}: sslcert and sslkey go together")),
-    };
-    let plain = if rest.is_empty() { base.to_string() } else { format!("{base}?{}", rest.join("&")) };
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let own = OwnParams::take(query, &shown)?;
+    let plain = if own.rest.is_empty() { base.to_string() } else { format!("{base}?{}", own.rest.join("&")) };
     let mut pg = tokio_postgres::Config::from_str(&plain)
         .map_err(|e| format!("database_url {shown} is not a valid PostgreSQL URL: {e}"))?;
-    let names: Vec<String> = pg
-        .get_hosts()
-        .iter()
-        .map(|h| match h {
-            tokio_postgres::config::Host::Tcp(h) => h.clone(),
-            #[cfg(unix)]
-            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
-        })
-        .collect();
-    let names = if names.is_empty() { vec!["localhost".to_string()] } else { names };
-    let ports = pg.get_ports();
-    let hosts: Vec<(String, u16)> = names
-        .into_iter()
-        .enumerate()
-        .map(|(i, h)| (h, ports.get(i).or(ports.first()).copied().unwrap_or(5432)))
-        .collect();
+    let hosts = hosts_of(&pg);
     let (host, port) = hosts[0].clone();
     // The relay writes (settlement, the spool): take the primary unless the
     // URL says otherwise, so a list of servers follows a failover.
@@ -234,35 +185,109 @@ pub fn parse(url: &str) -> Result<Target, String> {
     let dbname = pg.get_dbname().map(str::to_owned).unwrap_or_else(|| user.clone());
     let password = match pg.get_password() {
         Some(p) => Some(String::from_utf8_lossy(p).into_owned()),
-        None => match std::env::var("PGPASSWORD") {
-            Ok(p) => Some(p),
-            Err(_) => match &password_file {
-                Some(f) => Some(
-                    std::fs::read_to_string(f)
-                        .map_err(|e| format!("password_file {}: {e}", f.display()))?
-                        .trim_end_matches(['\n', '\r'])
-                        .to_string(),
-                ),
-                None => {
-                    let file = passfile
-                        .or_else(|| std::env::var_os("PGPASSFILE").map(PathBuf::from))
-                        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pgpass")));
-                    file.and_then(|f| pgpass_lookup(&f, &host, port, &dbname, &user))
-                }
-            },
-        },
+        None => own.password(&host, port, &dbname, &user)?,
     };
     pg.user(&user);
     pg.dbname(&dbname);
     if let Some(p) = &password {
         pg.password(p.as_bytes());
     }
+    let ssl = own.ssl;
     pg.ssl_mode(match ssl {
         SslMode::Disable => tokio_postgres::config::SslMode::Disable,
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
         _ => tokio_postgres::config::SslMode::Require,
     });
+    let (root_cert, client_cert) = (own.root_cert, own.client_cert);
     Ok(Target { pg, host, port, hosts, read_write, user, dbname, password, ssl, root_cert, client_cert, shown })
+}
+
+/// The URL parameters libpq knows and tokio-postgres does not (TLS files,
+/// password files), with their environment defaults; `rest` are the others,
+/// for tokio-postgres.
+struct OwnParams<'q> {
+    ssl: SslMode,
+    root_cert: Option<PathBuf>,
+    client_cert: Option<(PathBuf, PathBuf)>,
+    passfile: Option<PathBuf>,
+    password_file: Option<PathBuf>,
+    rest: Vec<&'q str>,
+}
+
+impl<'q> OwnParams<'q> {
+    fn take(query: &'q str, shown: &str) -> Result<Self, String> {
+        let (mut ssl, mut root_cert, mut cert, mut key, mut passfile, mut password_file) =
+            (None, None, None, None, None, None);
+        let mut rest = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let v =
+                urlencoding::decode(v).map_err(|e| format!("database_url {shown}: parameter {k}: {e}"))?.into_owned();
+            match k {
+                "sslmode" => ssl = Some(v.parse::<SslMode>().map_err(|e| format!("database_url {shown}: {e}"))?),
+                "sslrootcert" => root_cert = Some(PathBuf::from(v)),
+                "sslcert" => cert = Some(PathBuf::from(v)),
+                "sslkey" => key = Some(PathBuf::from(v)),
+                "passfile" => passfile = Some(PathBuf::from(v)),
+                "password_file" => password_file = Some(PathBuf::from(v)),
+                "sslpassword" => {
+                    return Err(format!(
+                        "database_url {shown}: sslpassword (a passphrase for an encrypted sslkey) is not supported: give sslkey as an unencrypted PEM file readable only by the relay"
+                    ))
+                }
+                _ => rest.push(pair),
+            }
+        }
+        let client_cert = match (cert, key) {
+            (Some(c), Some(k)) => Some((c, k)),
+            (None, None) => None,
+            _ => return Err(format!("database_url {shown}: sslcert and sslkey go together")),
+        };
+        Ok(OwnParams {
+            ssl: ssl.or_else(|| std::env::var("PGSSLMODE").ok().and_then(|s| s.parse().ok())).unwrap_or_default(),
+            root_cert: root_cert.or_else(|| std::env::var_os("PGSSLROOTCERT").map(PathBuf::from)),
+            client_cert,
+            passfile,
+            password_file,
+            rest,
+        })
+    }
+
+    /// A password the URL does not give: `PGPASSWORD`, the `password_file`,
+    /// or the entry of the pgpass file (`passfile`, `PGPASSFILE`,
+    /// `~/.pgpass`) for the first host.
+    fn password(&self, host: &str, port: u16, dbname: &str, user: &str) -> Result<Option<String>, String> {
+        if let Ok(p) = std::env::var("PGPASSWORD") {
+            return Ok(Some(p));
+        }
+        if let Some(f) = &self.password_file {
+            let text = std::fs::read_to_string(f).map_err(|e| format!("password_file {}: {e}", f.display()))?;
+            return Ok(Some(text.trim_end_matches(['\n', '\r']).to_string()));
+        }
+        let file = self
+            .passfile
+            .clone()
+            .or_else(|| std::env::var_os("PGPASSFILE").map(PathBuf::from))
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".pgpass")));
+        Ok(file.and_then(|f| pgpass_lookup(&f, host, port, dbname, user)))
+    }
+}
+
+/// Every host of the URL with its port (a single port applies to all;
+/// none: 5432), `localhost` when it names none.
+fn hosts_of(pg: &tokio_postgres::Config) -> Vec<(String, u16)> {
+    let names: Vec<String> = pg
+        .get_hosts()
+        .iter()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .collect();
+    let names = if names.is_empty() { vec!["localhost".to_string()] } else { names };
+    let ports = pg.get_ports();
+    names.into_iter().enumerate().map(|(i, h)| (h, ports.get(i).or(ports.first()).copied().unwrap_or(5432))).collect()
 }
 
 /// The password for host/port/db/user in a `.pgpass` file (`*` matches any).

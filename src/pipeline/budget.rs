@@ -51,6 +51,12 @@ impl Budget {
     }
 }
 
+/// Bytes of rows one table-path claim takes at most: a quarter of
+/// `max_unsettled_bytes`, at least 1 MiB.
+pub fn table_claim_bytes(max_unsettled_bytes: u64) -> u64 {
+    (max_unsettled_bytes / 4).max(1 << 20)
+}
+
 /// Events from the replication client's buffer sized so that, at the
 /// largest SQS message (1 MiB), the buffer holds no more than the byte
 /// budget: between 16 and 1,024 events.

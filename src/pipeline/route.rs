@@ -178,9 +178,9 @@ impl Router<'_> {
             self.watermark.lock().unwrap().add(seq, 1);
         }
         let ev = Arc::new(ev);
-        let (label, verdict) = judge(self.queues, &ev);
+        let (label, prepared) = judge(self.queues, &ev);
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
-        let (outcome, unmarked) = match verdict {
+        let (outcome, unmarked) = match prepared {
             Ok(_) if self.states[&ev.destination].flow() == Flow::Spooling => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];

@@ -121,6 +121,13 @@ pub struct Marking {
     pub published: PublishedRows,
 }
 
+impl Marking {
+    /// As configured: `retry_base`, `retry_max`, `published_rows`.
+    pub fn of(config: &crate::config::Config) -> Marking {
+        Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows }
+    }
+}
+
 /// Most settlements marked by one statement.
 pub const MAX_FLUSH: usize = 5_000;
 

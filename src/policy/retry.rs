@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-/// What to do with a failed entry or call.
+/// What to do about a failed entry or call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposition {
+pub enum Remedy {
     /// Send it again, alone, after a backoff.
     Retry,
     /// It will never be accepted: mark the row DEAD.
@@ -110,31 +110,39 @@ pub fn classify_start_up(failure: DbFailure, connected: bool) -> StartUpFailure 
 }
 
 /// A failed entry of a `SendMessageBatch` response.
-pub fn classify_entry(code: &str, sender_fault: bool) -> Disposition {
+pub fn classify_entry(code: &str, sender_fault: bool) -> Remedy {
     if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
-        Disposition::Retry
+        Remedy::Retry
     } else {
-        Disposition::Dead
+        Remedy::Dead
     }
 }
 
 /// A `SendMessageBatch` call of `entries` entries that failed as a whole
 /// with the service's `code` (or `transport` / `timeout`).
-pub fn classify_call(code: &str, sender_fault: bool, entries: usize) -> Disposition {
+pub fn classify_call(code: &str, sender_fault: bool, entries: usize) -> Remedy {
     if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
-        Disposition::Retry
+        Remedy::Retry
     } else if entries > 1 {
-        Disposition::Split
+        Remedy::Split
     } else {
-        Disposition::Dead
+        Remedy::Dead
     }
 }
 
-/// Exponential backoff: `base * 2^attempt`, capped. Every wait of the relay
-/// and the consumer is this formula (the table path's in SQL, below).
-pub fn backoff(attempt: u32, base: Duration, cap: Duration) -> Duration {
-    let factor = 1u32.checked_shl(attempt.min(20)).unwrap_or(u32::MAX);
-    base.saturating_mul(factor).min(cap)
+/// Doublings of the backoff at most: past them the cap has long been reached
+/// (2^20 times any base the configuration allows).
+pub const MAX_DOUBLINGS: u32 = 20;
+
+/// Exponential backoff after `failures` failures: `base * 2^failures`
+/// (at most [`MAX_DOUBLINGS`]), capped. Every wait of the relay is this
+/// formula: in memory here, the table path's in SQL ([`backoff_sql`]). The
+/// consumer's protocol (`consumer/migrations/protocol.sql`,
+/// `outbox_job_backoff`) is the same on its attempt count (attempt − 1
+/// failures), with jitter over the upper half, since many workers retry at
+/// once.
+pub fn backoff(failures: u32, base: Duration, cap: Duration) -> Duration {
+    base.saturating_mul(1u32 << failures.min(MAX_DOUBLINGS)).min(cap)
 }
 
 /// Entries SQS did not take, retried from memory by a streaming lane: from
@@ -147,7 +155,7 @@ pub const IN_MEMORY_CAP: Duration = Duration::from_secs(10);
 /// float8, from the row's `attempts` column and the `retry_base` /
 /// `retry_max` parameters (seconds).
 pub fn backoff_sql(attempts: &str, base_secs: &str, max_secs: &str) -> String {
-    format!("least({max_secs}::float8, {base_secs}::float8 * power(2, least({attempts}, 40)))")
+    format!("least({max_secs}::float8, {base_secs}::float8 * power(2, least({attempts}, {MAX_DOUBLINGS})))")
 }
 
 /// The wait before reconnecting after a failed replication session or
@@ -207,23 +215,23 @@ mod tests {
 
     #[test]
     fn entries() {
-        assert_eq!(classify_entry("InvalidMessageContents", true), Disposition::Dead);
-        assert_eq!(classify_entry("MissingParameter", true), Disposition::Dead);
-        assert_eq!(classify_entry("RequestThrottled", true), Disposition::Retry);
-        assert_eq!(classify_entry("InternalError", false), Disposition::Retry);
-        assert_eq!(classify_entry("Anything", false), Disposition::Retry);
-        assert_eq!(classify_entry("AccessDenied", true), Disposition::Retry);
+        assert_eq!(classify_entry("InvalidMessageContents", true), Remedy::Dead);
+        assert_eq!(classify_entry("MissingParameter", true), Remedy::Dead);
+        assert_eq!(classify_entry("RequestThrottled", true), Remedy::Retry);
+        assert_eq!(classify_entry("InternalError", false), Remedy::Retry);
+        assert_eq!(classify_entry("Anything", false), Remedy::Retry);
+        assert_eq!(classify_entry("AccessDenied", true), Remedy::Retry);
     }
 
     #[test]
     fn calls() {
-        assert_eq!(classify_call("transport", false, 10), Disposition::Retry);
-        assert_eq!(classify_call("BatchRequestTooLong", true, 10), Disposition::Split);
-        assert_eq!(classify_call("InvalidParameterValue", true, 1), Disposition::Dead);
-        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, 3), Disposition::Retry);
+        assert_eq!(classify_call("transport", false, 10), Remedy::Retry);
+        assert_eq!(classify_call("BatchRequestTooLong", true, 10), Remedy::Split);
+        assert_eq!(classify_call("InvalidParameterValue", true, 1), Remedy::Dead);
+        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, 3), Remedy::Retry);
         assert_eq!(
             backoff_sql("o.attempts", "$4", "$5"),
-            "least($5::float8, $4::float8 * power(2, least(o.attempts, 40)))"
+            "least($5::float8, $4::float8 * power(2, least(o.attempts, 20)))"
         );
     }
 

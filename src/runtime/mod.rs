@@ -30,7 +30,7 @@ use crate::pipeline::lane::LaneState;
 use crate::pipeline::settle::Marking;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
-use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Source, TableLaneConfig};
+use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -39,21 +39,14 @@ pub enum RelayError {
     Startup(String),
 }
 
-/// What a caller keeps of a running relay.
-#[derive(Clone)]
-pub struct RelayHandle {
-    pub metrics: Arc<Metrics>,
-}
-
 /// Run the relay until `shutdown` resolves. Start-up problems are returned at
 /// once; problems after that (database restarts, network) are retried.
 pub async fn run(
     config: Config,
     publisher: Arc<dyn Publisher>,
-    handle: RelayHandle,
+    metrics: Arc<Metrics>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), RelayError> {
-    let metrics = handle.metrics;
     let (stop_tx, mut stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;
@@ -120,9 +113,9 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
     let mut set = tokio::task::JoinSet::new();
     for (name, queue) in env.queues {
         let (source, state, poll_interval) = match env.mode {
-            Mode::Polling => (Source::Poll, None, config.poll_interval),
+            Mode::Polling => (Claims::Poll, None, config.poll_interval),
             _ => (
-                Source::Spool,
+                Claims::Spool,
                 Some(Arc::clone(&env.lanes[name])),
                 config.poll_interval.max(Duration::from_millis(500)),
             ),
@@ -132,18 +125,18 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             queue: queue.clone(),
             source,
             claim_limit: TABLE_CLAIM_LIMIT,
-            claim_bytes: (config.max_unsettled_bytes / 4).max(1 << 20),
+            claim_bytes: crate::pipeline::budget::table_claim_bytes(config.max_unsettled_bytes),
             poll_interval,
             linger: config.linger,
             adaptive: config.adaptive_linger,
             max_in_flight: config.max_in_flight_batches,
-            marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
+            marking: Marking::of(config),
         };
         let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
         set.spawn(run_table_lane(cfg, config.db(), publisher, metrics, state, stop.clone()));
     }
     if !env.sharded {
-        let source = if env.mode == Mode::Polling { Source::Poll } else { Source::Spool };
+        let source = if env.mode == Mode::Polling { Claims::Poll } else { Claims::Spool };
         let known = env.queues.keys().cloned().collect();
         set.spawn(run_unknown_destination_sweeper(config.db(), known, source, Arc::clone(env.metrics), stop));
     }

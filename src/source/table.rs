@@ -7,8 +7,8 @@
 //! `retry_max`), never to DEAD.
 //!
 //! It serves two sources:
-//! - [`Source::Poll`]: polling mode, every NEW row that is due.
-//! - [`Source::Spool`]: CDC mode, the rows a spooling lane (or `dead redrive`)
+//! - [`Claims::Poll`]: polling mode, every NEW row that is due.
+//! - [`Claims::Spool`]: CDC mode, the rows a spooling lane (or `dead redrive`)
 //!   handed to the table (`next_attempt_at` set). When a spooling lane's
 //!   sends succeed (and, FIFO, its spool is empty), the lane streams again.
 //!
@@ -36,7 +36,7 @@ use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
+pub enum Claims {
     /// Polling mode: NEW rows whose `next_attempt_at` is unset or past.
     Poll,
     /// CDC mode: NEW rows handed to the table (`next_attempt_at` set) and due.
@@ -46,7 +46,7 @@ pub enum Source {
 pub struct TableLaneConfig {
     pub name: Arc<str>,
     pub queue: QueueInfo,
-    pub source: Source,
+    pub source: Claims,
     /// Rows claimed per transaction.
     pub claim_limit: usize,
     /// Bytes (bodies and attributes) one claim holds in memory at most; the
@@ -181,14 +181,14 @@ pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio
 
 /// The claim locks rows and reads their sizes, not their bodies; the bodies
 /// of the rows that fit in `claim_bytes` are read next ([`fetch_sql`]).
-fn claim_sql(source: Source, fifo: bool) -> String {
+fn claim_sql(source: Claims, fifo: bool) -> String {
     let mut sql = String::from(
         "SELECT id, octet_length(body)::bigint + coalesce(octet_length(attributes::text), 0)::bigint,
                 next_attempt_at IS NULL OR next_attempt_at <= now(), group_key
            FROM outbox
           WHERE destination = $1 AND status = 'NEW'",
     );
-    if source == Source::Spool {
+    if source == Claims::Spool {
         sql += " AND next_attempt_at IS NOT NULL";
     }
     if !fifo {
@@ -264,33 +264,7 @@ pub async fn claim_round(
         }
     }
     round.handled = items.len() + settled.len();
-    if !items.is_empty() {
-        let (item_tx, item_rx) = mpsc::channel(items.len());
-        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane_cfg = LaneConfig {
-            name: Arc::clone(&cfg.name),
-            queue: cfg.queue.clone(),
-            linger: cfg.linger,
-            adaptive: cfg.adaptive,
-            max_in_flight: cfg.max_in_flight,
-            retry_base: cfg.marking.base,
-            retry_cap: cfg.marking.max,
-            retry: RetryPolicy::ToTable,
-            stall_timeout: None,
-        };
-        let lane =
-            tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
-        let last = items.len() - 1;
-        for (i, item) in items.into_iter().enumerate() {
-            // Capacity is the number of items: never waits.
-            let _ = item_tx.send(item.ending_chunk(i == last)).await;
-        }
-        drop(item_tx);
-        while let Some(s) = settle_rx.recv().await {
-            settled.push(s);
-        }
-        let _ = lane.await;
-    }
+    settled.extend(send_claimed(items, cfg, publisher, metrics).await);
     for s in &settled {
         match s.outcome {
             Outcome::Published => round.published += 1,
@@ -304,6 +278,45 @@ pub async fn claim_round(
     tx.commit().await?;
     record(metrics, &settled);
     Ok(round)
+}
+
+/// Send a round's claimed rows through a lane of their own (retries go back
+/// to the table, not into memory); their settlements, once all are done.
+async fn send_claimed(
+    items: Vec<LaneItem>,
+    cfg: &TableLaneConfig,
+    publisher: &Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+) -> Vec<Settlement> {
+    let mut settled = Vec::with_capacity(items.len());
+    if items.is_empty() {
+        return settled;
+    }
+    let (item_tx, item_rx) = mpsc::channel(items.len());
+    let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+    let lane_cfg = LaneConfig {
+        name: Arc::clone(&cfg.name),
+        queue: cfg.queue.clone(),
+        linger: cfg.linger,
+        adaptive: cfg.adaptive,
+        max_in_flight: cfg.max_in_flight,
+        retry_base: cfg.marking.base,
+        retry_cap: cfg.marking.max,
+        retry: RetryPolicy::ToTable,
+        stall_timeout: None,
+    };
+    let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
+    let last = items.len() - 1;
+    for (i, item) in items.into_iter().enumerate() {
+        // Capacity is the number of items: never waits.
+        let _ = item_tx.send(item.ending_chunk(i == last)).await;
+    }
+    drop(item_tx);
+    while let Some(s) = settle_rx.recv().await {
+        settled.push(s);
+    }
+    let _ = lane.await;
+    settled
 }
 
 /// The destinations that have NEW rows, found with a loose index scan over
@@ -326,7 +339,7 @@ SELECT destination FROM d WHERE destination IS NOT NULL";
 pub async fn run_unknown_destination_sweeper(
     db: db::Db,
     configured: Vec<String>,
-    source: Source,
+    source: Claims,
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -350,7 +363,7 @@ pub async fn run_unknown_destination_sweeper(
 pub async fn sweep_unknown_destinations(
     c: &Client,
     configured: &[String],
-    source: Source,
+    source: Claims,
     metrics: &Metrics,
 ) -> Result<u64, tokio_postgres::Error> {
     let mut total = 0;
@@ -366,7 +379,7 @@ pub async fn sweep_unknown_destinations(
                 &format!(
                     "UPDATE outbox SET status = 'DEAD', last_error = $2, attempts = attempts + 1
                       WHERE status = 'NEW' AND destination = $1{}",
-                    if source == Source::Spool { " AND next_attempt_at IS NOT NULL" } else { "" }
+                    if source == Claims::Spool { " AND next_attempt_at IS NOT NULL" } else { "" }
                 ),
                 &[&destination, &error],
             )

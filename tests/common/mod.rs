@@ -11,10 +11,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use outbox_relay::config::{Config, FileConfig, Overrides};
+use outbox_relay::db;
 use outbox_relay::metrics::Metrics;
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::Publisher;
-use outbox_relay::{db, RelayHandle};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
@@ -322,8 +322,7 @@ pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
         .try_init();
     let metrics = Metrics::new();
     let (tx, rx) = oneshot::channel();
-    let handle = RelayHandle { metrics: Arc::clone(&metrics) };
-    let task = tokio::spawn(outbox_relay::run(config, publisher, handle, async move {
+    let task = tokio::spawn(outbox_relay::run(config, publisher, Arc::clone(&metrics), async move {
         let _ = rx.await;
     }));
     Running { metrics, stop: Some(tx), task }
@@ -331,10 +330,7 @@ pub fn start(config: Config, publisher: Arc<dyn Publisher>) -> Running {
 
 /// Run a relay that must refuse to start; the error it gives, as text.
 pub async fn start_up_error(config: Config, publisher: Arc<dyn Publisher>) -> String {
-    outbox_relay::run(config, publisher, RelayHandle { metrics: Metrics::new() }, std::future::pending())
-        .await
-        .unwrap_err()
-        .to_string()
+    outbox_relay::run(config, publisher, Metrics::new(), std::future::pending()).await.unwrap_err().to_string()
 }
 
 /// Wait until `cond` holds, polling; panic with `what` at the deadline.

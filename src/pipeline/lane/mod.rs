@@ -93,6 +93,24 @@ pub struct LaneConfig {
     pub stall_timeout: Option<Duration>,
 }
 
+impl LaneConfig {
+    /// A streaming lane: entries SQS did not take are retried from memory;
+    /// a lane stalled past `lane_stall_timeout` spools.
+    pub fn streaming(name: &str, queue: &QueueInfo, config: &crate::config::Config) -> LaneConfig {
+        LaneConfig {
+            name: Arc::from(name),
+            queue: queue.clone(),
+            linger: config.linger,
+            adaptive: config.adaptive_linger,
+            max_in_flight: config.max_in_flight_batches,
+            retry_base: crate::policy::retry::IN_MEMORY_BASE,
+            retry_cap: crate::policy::retry::IN_MEMORY_CAP,
+            retry: RetryPolicy::InMemory,
+            stall_timeout: Some(config.lane_stall_timeout),
+        }
+    }
+}
+
 pub(crate) struct Ctx {
     pub(crate) cfg: LaneConfig,
     pub(crate) publisher: Arc<dyn Publisher>,

@@ -11,7 +11,7 @@ use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy};
 use crate::event::Entry;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
-use crate::policy::retry::{backoff, classify_call, classify_entry, Disposition};
+use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
 use crate::publish::{CallError, EntryResult};
 
 /// What becomes of one entry after a call.
@@ -43,7 +43,7 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
                 .map(|r| match r {
                     EntryResult::Sent => Verdict::Published,
                     EntryResult::Failed { code, sender_fault, message } => match classify_entry(code, *sender_fault) {
-                        Disposition::Dead => {
+                        Remedy::Dead => {
                             Verdict::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}")))
                         }
                         _ => Verdict::Retry(format!("{code}: {message}")),
@@ -52,9 +52,9 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
                 .collect(),
         ),
         Err(e) => match classify_call(&e.code, e.sender_fault, n) {
-            Disposition::Retry => CallOutcome::Entries(vec![Verdict::Retry(e.to_string()); n]),
-            Disposition::Split => CallOutcome::Split,
-            Disposition::Dead => CallOutcome::Entries(vec![
+            Remedy::Retry => CallOutcome::Entries(vec![Verdict::Retry(e.to_string()); n]),
+            Remedy::Split => CallOutcome::Split,
+            Remedy::Dead => CallOutcome::Entries(vec![
                 Verdict::Dead(DeadReason::new(
                     DeadCode::SqsRejected,
                     format!("{}: {}", e.code, e.message)

@@ -22,7 +22,7 @@ use crate::db;
 use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{run_lane, LaneConfig, LaneState, RetryPolicy};
+use crate::pipeline::lane::{run_lane, LaneConfig, LaneState};
 use crate::pipeline::settle::{run_settler, Marking};
 use crate::pipeline::watermark::Watermark;
 use crate::publish::Publisher;
@@ -105,7 +105,7 @@ pub struct StreamContext {
 
 impl StreamContext {
     pub fn marking(&self) -> Marking {
-        Marking { base: self.config.retry_base, max: self.config.retry_max, published: self.config.published_rows }
+        Marking::of(&self.config)
     }
 }
 
@@ -226,17 +226,7 @@ async fn start_pipeline<'a>(
     for (name, queue) in &ctx.queues {
         let (tx, rx) = mpsc::channel(LANE_CHANNEL);
         lane_tx.insert(name.clone(), tx);
-        let lane_cfg = LaneConfig {
-            name: Arc::from(name.as_str()),
-            queue: queue.clone(),
-            linger: cfg.linger,
-            adaptive: cfg.adaptive_linger,
-            max_in_flight: cfg.max_in_flight_batches,
-            retry_base: crate::policy::retry::IN_MEMORY_BASE,
-            retry_cap: crate::policy::retry::IN_MEMORY_CAP,
-            retry: RetryPolicy::InMemory,
-            stall_timeout: Some(cfg.lane_stall_timeout),
-        };
+        let lane_cfg = LaneConfig::streaming(name, queue, cfg);
         let state = Arc::clone(&ctx.lanes[name]);
         lanes.spawn(run_lane(
             lane_cfg,
