@@ -334,8 +334,11 @@ async fn settling_a_row_whose_id_was_reused_leaves_the_new_row_alone() {
 async fn a_gone_row_is_written_back_unless_proven_published() {
     let db = TestDb::new("proof").await;
     let c = db.client().await;
+    // Before the runs below are written (their `lsn` is the insert position
+    // then, which equals this one when nothing was written in between).
     let commit =
-        c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64;
+        c.query_one("SELECT (pg_current_wal_insert_lsn() - '0/0')::bigint", &[]).await.unwrap().get::<_, i64>(0) as u64
+            - 1;
     // A run of rows committed at `commit` (and a later one, written after
     // `commit` too, of the same ids: rows that reused them).
     c.execute(
