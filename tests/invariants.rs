@@ -681,19 +681,11 @@ mod workload {
                     tally.restarts += 1;
                 }
                 2 => {
-                    node.stop(["immediate", "fast"][rng.random_range(0..2)]);
-                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..1_000))).await;
-                    node.start(&[]);
-                    c = db.client().await;
+                    c = restart_postgres(&node, &mut rng, &db).await;
                     tally.pg_restarts += 1;
                 }
                 3 => {
-                    c.batch_execute(
-                        "DO $$ BEGIN LOCK TABLE outbox;
-                           IF NOT EXISTS (SELECT 1 FROM outbox) THEN TRUNCATE outbox RESTART IDENTITY; END IF; END $$",
-                    )
-                    .await
-                    .unwrap();
+                    reset_identity(&c).await;
                     tally.resets += 1;
                 }
                 _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests).await {
@@ -745,6 +737,27 @@ mod workload {
         tally.dead = nowhere.len();
         tally.transient = committed.iter().filter(|r| r.2).count();
         tally
+    }
+
+    /// A crash (immediate) or a clean stop (fast) of the server, while the
+    /// relays send, settle and confirm; started again after up to a second.
+    /// Returns a new client for the producer.
+    async fn restart_postgres(node: &Node, rng: &mut StdRng, db: &TestDb) -> tokio_postgres::Client {
+        node.stop(["immediate", "fast"][rng.random_range(0..2)]);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..1_000))).await;
+        node.start(&[]);
+        db.client().await
+    }
+
+    /// `TRUNCATE outbox RESTART IDENTITY`, only on an empty table: a reset
+    /// never truncates a row.
+    async fn reset_identity(c: &tokio_postgres::Client) {
+        c.batch_execute(
+            "DO $$ BEGIN LOCK TABLE outbox;
+               IF NOT EXISTS (SELECT 1 FROM outbox) THEN TRUNCATE outbox RESTART IDENTITY; END IF; END $$",
+        )
+        .await
+        .unwrap();
     }
 
     async fn confirmed(db: &TestDb, slot: &str) -> u64 {
@@ -803,22 +816,11 @@ mod workload {
                     tally.restarts += 1;
                 }
                 2 => {
-                    // Only an empty table: a reset never truncates a row.
-                    c.batch_execute(
-                        "DO $$ BEGIN LOCK TABLE outbox;
-                           IF NOT EXISTS (SELECT 1 FROM outbox) THEN TRUNCATE outbox RESTART IDENTITY; END IF; END $$",
-                    )
-                    .await
-                    .unwrap();
+                    reset_identity(&c).await;
                     tally.resets += 1;
                 }
                 3 => {
-                    // A crash (immediate) or a clean stop (fast), while
-                    // the relays send, settle and confirm.
-                    node.stop(["immediate", "fast"][rng.random_range(0..2)]);
-                    tokio::time::sleep(Duration::from_millis(rng.random_range(0..1_000))).await;
-                    node.start(&[]);
-                    c = db.client().await;
+                    c = restart_postgres(&node, &mut rng, &db).await;
                     tally.pg_restarts += 1;
                 }
                 _ => match produce(&mut c, &mut rng, &format!("s{seed}t{step}"), &dests).await {
