@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 use outbox_relay::config::{Config, Mode, Overrides};
+use outbox_relay::db::{self, Db};
 use outbox_relay::metrics::Metrics;
+use outbox_relay::ops;
 use outbox_relay::publish::sqs::SqsPublisher;
-use outbox_relay::{db, ops};
 
 #[derive(Parser)]
 #[command(
@@ -230,7 +231,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate { database_url } => {
             let target = outbox_pgconn::parse(&database_url).map_err(anyhow::Error::msg)?;
             let mut client = db::connect_target(&target, db::Deadlines::default().connect).await?;
-            let applied = db::migrate(&mut client).await?;
+            let applied = db::schema::migrate(&mut client).await?;
             if applied.is_empty() {
                 println!("migrations: up to date");
             } else {
@@ -254,9 +255,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Status { common, json } => {
-            let (config, client) = connected(&common).await?;
+            let (config, db, client) = connected(&common).await?;
             let read = async { anyhow::Ok(ops::status(&client, &config).await?) };
-            let status = config.db().within_connecting("reading the status", read).await?;
+            let status = db.within_connecting("reading the status", read).await?;
             print_answer(json, &status, ops::format_status)
         }
         Command::Slot { action } => slot_command(action).await,
@@ -268,9 +269,9 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
 async fn slot_command(action: SlotAction) -> anyhow::Result<()> {
     match action {
         SlotAction::Status { common, json } => {
-            let (config, client) = connected(&common).await?;
+            let (config, db, client) = connected(&common).await?;
             let read = async { anyhow::Ok(ops::slot_status(&client, &config.slot).await?) };
-            let s = config.db().within("reading the slot's status", read).await?;
+            let s = db.within("reading the slot's status", read).await?;
             print_answer(json, &s, ops::format_slot)
         }
         SlotAction::Create { common, failover } => {
@@ -296,16 +297,16 @@ async fn slot_command(action: SlotAction) -> anyhow::Result<()> {
 async fn dead_command(action: DeadAction) -> anyhow::Result<()> {
     match action {
         DeadAction::List { common, destination, limit, json } => {
-            let (config, client) = connected(&common).await?;
+            let (_, db, client) = connected(&common).await?;
             let read = async { anyhow::Ok(ops::dead_list(&client, destination.as_deref(), limit).await?) };
-            let rows = config.db().within("listing DEAD rows", read).await?;
+            let rows = db.within("listing DEAD rows", read).await?;
             print_answer(json, &rows, |r| ops::format_dead(r))
         }
         DeadAction::Redrive { common, destination, id, all } => {
             if destination.is_none() && id.is_none() && !all {
                 anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
             }
-            let (_, client) = connected(&common).await?;
+            let (_, _, client) = connected(&common).await?;
             let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
             println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
             Ok(())
@@ -313,11 +314,12 @@ async fn dead_command(action: DeadAction) -> anyhow::Result<()> {
     }
 }
 
-/// An operator command's configuration and a connection to its database.
-async fn connected(common: &CommonArgs) -> anyhow::Result<(Config, tokio_postgres::Client)> {
+/// An operator command's configuration, its database and a connection to it.
+async fn connected(common: &CommonArgs) -> anyhow::Result<(Config, Db, tokio_postgres::Client)> {
     let config = Config::load(common.config.as_deref(), &overrides(common))?;
-    let client = config.db().connect().await?;
-    Ok((config, client))
+    let db = Db::of(&config);
+    let client = db.connect().await?;
+    Ok((config, db, client))
 }
 
 /// An answer as JSON (`--json`) or as text.

@@ -53,7 +53,7 @@ async fn build_pair() -> Pair {
     admin.batch_execute("SELECT pg_create_physical_replication_slot('sb')").await.unwrap();
     drop(admin);
     let mut c = db::connect(&primary.url("app")).await.unwrap();
-    db::migrate(&mut c).await.unwrap();
+    db::schema::migrate(&mut c).await.unwrap();
     c.batch_execute(
         "CREATE TABLE outbox_audit (event_id text);
          CREATE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -81,19 +81,16 @@ async fn build_pair() -> Pair {
 }
 
 fn relay_config(pair: &Pair, queue: &str) -> Config {
-    let file = FileConfig {
-        database_url: Some(format!(
-            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/app",
-            pair.primary.port, pair.standby.port
-        )),
-        slot: Some("failover_slot".into()),
-        heartbeat_interval: Some("200ms".into()),
-        connect_timeout: Some("2s".into()),
-        query_timeout: Some("5s".into()),
-        failover: Some(pair.major >= 17),
-        destinations: [("d".to_string(), queue.to_string())].into(),
-        ..Default::default()
-    };
+    let url = format!("postgres://postgres@127.0.0.1:{},127.0.0.1:{}/app", pair.primary.port, pair.standby.port);
+    let keys = [
+        ("database_url", url.as_str()),
+        ("slot", "failover_slot"),
+        ("heartbeat_interval", "200ms"),
+        ("connect_timeout", "2s"),
+        ("query_timeout", "5s"),
+        ("failover", if pair.major >= 17 { "true" } else { "false" }),
+    ];
+    let file = FileConfig::of(&keys, &[("d", queue)]).unwrap();
     let mut cfg = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
     cfg.published_rows = PublishedRows::Delete;
     cfg

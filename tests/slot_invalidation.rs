@@ -17,13 +17,8 @@ use outbox_relay::db;
 use outbox_relay::publish::memory::MemoryPublisher;
 
 fn relay_config(url: &str, queue: &str) -> Config {
-    let file = FileConfig {
-        database_url: Some(url.to_string()),
-        slot: Some("lost_slot".into()),
-        heartbeat_interval: Some("200ms".into()),
-        destinations: [("d".to_string(), queue.to_string())].into(),
-        ..Default::default()
-    };
+    let keys = [("database_url", url), ("slot", "lost_slot"), ("heartbeat_interval", "200ms")];
+    let file = FileConfig::of(&keys, &[("d", queue)]).unwrap();
     Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap()
 }
 
@@ -58,7 +53,7 @@ async fn a_slot_invalidated_by_the_server_is_recreated_with_its_reason_and_nothi
     let admin = db::connect(&node.url("postgres")).await.unwrap();
     admin.batch_execute("CREATE DATABASE app").await.unwrap();
     let mut c = db::connect(&node.url("app")).await.unwrap();
-    db::migrate(&mut c).await.unwrap();
+    db::schema::migrate(&mut c).await.unwrap();
 
     let queue = "http://memory.invalid/000000000000/lost";
     let publisher = MemoryPublisher::new();

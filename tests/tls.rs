@@ -193,11 +193,8 @@ async fn require_against_a_server_without_tls_and_a_hang_up_fail_cleanly() {
     assert!(e.starts_with("cannot connect to PostgreSQL"), "{e}");
     assert!(!e.contains("topsecret"), "{e}");
     // The replication connection too.
-    let mut file = FileConfig {
-        database_url: Some(format!("postgres://u:topsecret@127.0.0.1:{no_tls}/d?sslmode=require")),
-        ..Default::default()
-    };
-    file.destinations.insert("orders".into(), Q.into());
+    let url = format!("postgres://u:topsecret@127.0.0.1:{no_tls}/d?sslmode=require");
+    let file = FileConfig::of(&[("database_url", &url)], &[("orders", Q)]).unwrap();
     let cfg = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
     let p = MemoryPublisher::new();
     p.add_queue(Q, false, 262_144);
@@ -205,8 +202,7 @@ async fn require_against_a_server_without_tls_and_a_hang_up_fail_cleanly() {
     assert!(err.contains("does not offer TLS") && !err.contains("topsecret"), "{err}");
     // Malformed settings are config errors, not panics.
     for bad in ["postgres://u@h/d?sslmode=sometimes", "postgres://u@h/d?sslcert=/x.crt", "not a url at all"] {
-        let mut file = FileConfig { database_url: Some(bad.into()), ..Default::default() };
-        file.destinations.insert("orders".into(), Q.into());
+        let file = FileConfig::of(&[("database_url", bad)], &[("orders", Q)]).unwrap();
         let e = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap_err().to_string();
         assert!(!e.is_empty());
     }

@@ -1,7 +1,7 @@
 //! `slot create` (with the catch-up of older rows) and `slot drop`.
 
 use crate::config::Config;
-use crate::db;
+use crate::db::{self, Db};
 use crate::source::cdc::{
     connect_replication, create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot,
 };
@@ -22,14 +22,15 @@ pub struct SlotCreated {
 /// are exactly the rows the slot will never stream: they get a
 /// `next_attempt_at`, so the relay's table path publishes them.
 pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
-    let sql = config.db().connect().await?;
-    db::check_server(&sql, &config.db().server(), config.failover).await?;
+    let db = Db::of(config);
+    let sql = db.connect().await?;
+    db::server::check_server(&sql, &db.server(), config.failover).await?;
     let destinations: Vec<String> = config.destinations.keys().cloned().collect();
     let exists =
         sql.query_opt("SELECT 1 FROM pg_publication WHERE pubname = $1", &[&config.publication]).await?.is_some();
     if !exists {
         // A relay's own shard: a publication filtered to its destinations.
-        db::check_shard(&sql, &config.publication, &destinations).await?;
+        crate::source::cdc::publication::check_shard(&sql, &config.publication, &destinations).await?;
         let list: Vec<String> = destinations.iter().map(|d| format!("'{}'", d.replace('\'', "''"))).collect();
         sql.batch_execute(&format!(
             "CREATE PUBLICATION \"{}\" FOR TABLE outbox WHERE (destination IN ({})) WITH (publish = 'insert')",
@@ -38,8 +39,8 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
         ))
         .await?;
     }
-    db::check_cdc_prerequisites(&sql, &config.publication).await?;
-    let sharded = db::check_shard(&sql, &config.publication, &destinations).await?;
+    crate::source::cdc::publication::check_cdc_prerequisites(&sql, &config.publication).await?;
+    let sharded = crate::source::cdc::publication::check_shard(&sql, &config.publication, &destinations).await?;
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
@@ -47,7 +48,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     let created = async {
         hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;
-        let snap = config.db().connect().await?;
+        let snap = db.connect().await?;
         import_snapshot(&snap, &snapshot).await?;
         let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;
         hand_off_done(&sql, &config.slot).await?;
@@ -61,7 +62,8 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
 
 /// Drop the slot; refused while a relay reads it.
 pub async fn slot_drop(config: &Config) -> Result<(), OpsError> {
-    let sql = config.db().connect().await?;
+    let db = Db::of(config);
+    let sql = db.connect().await?;
     let s = slot_status(&sql, &config.slot).await?;
     if !s.exists {
         return Err(OpsError::Refused(format!("slot {:?} does not exist", config.slot)));

@@ -94,7 +94,7 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
 
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
     // Before `migrate` there is nothing to report: say what to run.
-    db::check_outbox_table(client).await?;
+    db::schema::check_outbox_table(client).await?;
     let cdc = crate::source::cdc::check_cdc(client, config).await;
     let cdc_unavailable = match cdc {
         Ok(()) => None,

@@ -6,12 +6,14 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::config::Config;
+use crate::db::Db;
 use crate::metrics::Metrics;
 
 /// Wait until this relay holds the slot's leader lock (a session advisory
 /// lock on a connection of its own); `None` when asked to stop first.
 pub(crate) async fn acquire_leadership(
     config: &Config,
+    db: &Db,
     metrics: &Metrics,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<tokio_postgres::Client> {
@@ -22,7 +24,6 @@ pub(crate) async fn acquire_leadership(
         if *stop.borrow() {
             return None;
         }
-        let db = config.db();
         match db.connect().await {
             Ok(c) => loop {
                 match db

@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use std::sync::atomic::AtomicBool;
 
 use crate::config::{Config, Mode};
+use crate::db::Db;
 use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
@@ -54,7 +55,8 @@ pub async fn run(
     });
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
-    let Some(started) = start_up_until_done(&config, publisher.as_ref(), &metrics, &mut stop_rx).await? else {
+    let db = Db::of(&config);
+    let Some(started) = start_up_until_done(&config, &db, publisher.as_ref(), &metrics, &mut stop_rx).await? else {
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
     };
@@ -66,10 +68,19 @@ pub async fn run(
             let _ = stop.wait_for(|s| *s).await;
         }))
     });
-    let monitor = tokio::spawn(monitor(config.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper = tokio::spawn(sweep_retention(config.db(), retention, Arc::clone(&metrics), stop_rx.clone()));
+    let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
+    let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
     let lanes = queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
-    let env = Env { config: &config, publisher: &publisher, metrics: &metrics, queues: &queues, lanes, mode, sharded };
+    let env = Env {
+        config: &config,
+        db: &db,
+        publisher: &publisher,
+        metrics: &metrics,
+        queues: &queues,
+        lanes,
+        mode,
+        sharded,
+    };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
     } else {
@@ -86,6 +97,7 @@ pub async fn run(
 /// What the running relay's parts share.
 struct Env<'a> {
     config: &'a Config,
+    db: &'a Db,
     publisher: &'a Arc<dyn Publisher>,
     metrics: &'a Arc<Metrics>,
     queues: &'a BTreeMap<String, QueueInfo>,
@@ -133,12 +145,12 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             marking: Marking::of(config),
         };
         let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
-        set.spawn(run_table_lane(cfg, config.db(), publisher, metrics, state, stop.clone()));
+        set.spawn(run_table_lane(cfg, env.db.clone(), publisher, metrics, state, stop.clone()));
     }
     if !env.sharded {
         let source = if env.mode == Mode::Polling { Claims::Poll } else { Claims::Spool };
         let known = env.queues.keys().cloned().collect();
-        set.spawn(run_unknown_destination_sweeper(config.db(), known, source, Arc::clone(env.metrics), stop));
+        set.spawn(run_unknown_destination_sweeper(env.db.clone(), known, source, Arc::clone(env.metrics), stop));
     }
     set
 }
@@ -149,6 +161,7 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
 async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let ctx = StreamContext {
         config: env.config.clone(),
+        db: env.db.clone(),
         queues: env.queues.clone(),
         publisher: Arc::clone(env.publisher),
         metrics: Arc::clone(env.metrics),
@@ -161,7 +174,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     loop {
         let mut stop = stop_rx.clone();
         let lock = tokio::select! {
-            l = acquire_leadership(env.config, env.metrics, stop_rx) => l,
+            l = acquire_leadership(env.config, env.db, env.metrics, stop_rx) => l,
             _ = stop.wait_for(|s| *s) => None,
         };
         let Some(lock) = lock else { break };

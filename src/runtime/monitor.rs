@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::config::{Config, Mode};
+use crate::db::Db;
 use crate::metrics::Metrics;
 use crate::source::cdc::HEARTBEAT_PREFIX;
 
@@ -34,8 +35,13 @@ pub(crate) async fn warn_if_slot_retains_wal(sql: &tokio_postgres::Client, slot:
 /// (a polling relay warns each minute about an inactive slot); in CDC mode,
 /// every `heartbeat_interval`: a transactional logical message, so the slot
 /// moves even when nothing is written to this database while others are busy.
-pub(crate) async fn monitor(config: Config, mode: Mode, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
-    let db = config.db();
+pub(crate) async fn monitor(
+    config: Config,
+    db: Db,
+    mode: Mode,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut client = None;
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);

@@ -49,6 +49,7 @@ fn not_started(e: db::DbError, connected: bool) -> NotStarted {
 /// when asked to stop first. A refused check ends it at once.
 pub(crate) async fn start_up_until_done(
     config: &Config,
+    db: &db::Db,
     publisher: &dyn Publisher,
     metrics: &Metrics,
     stop: &mut watch::Receiver<bool>,
@@ -56,7 +57,7 @@ pub(crate) async fn start_up_until_done(
     let mut reconnect = crate::policy::retry::Reconnect::default();
     loop {
         let attempt = tokio::select! {
-            r = start_up(config, publisher, metrics) => r,
+            r = start_up(config, db, publisher, metrics) => r,
             _ = stop.wait_for(|s| *s) => return Ok(None),
         };
         match attempt {
@@ -77,12 +78,18 @@ pub(crate) async fn start_up_until_done(
 /// The start-up checks, each with a deadline: the database (connect_timeout,
 /// query_timeout), the queues (the SQS client's own timeouts), the metrics
 /// listener.
-async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics) -> Result<Started, NotStarted> {
-    let db = config.db();
+async fn start_up(
+    config: &Config,
+    db: &db::Db,
+    publisher: &dyn Publisher,
+    metrics: &Metrics,
+) -> Result<Started, NotStarted> {
     let sql = db.connect().await.map_err(|e| not_started(e, false))?;
     let startup = |e: db::DbError| not_started(e, true);
-    db.within("checking the server", db::check_server(&sql, &db.server(), config.failover)).await.map_err(startup)?;
-    let (mode, sharded) = resolve_mode(&sql, config).await?;
+    db.within("checking the server", db::server::check_server(&sql, &db.server(), config.failover))
+        .await
+        .map_err(startup)?;
+    let (mode, sharded) = resolve_mode(&sql, config, db).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
@@ -114,11 +121,11 @@ async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics)
     .await
     .map_err(startup)?;
     if mode == Mode::Cdc {
-        db.within("checking the slot hand-off record", db::check_handoffs(&sql)).await.map_err(startup)?;
+        db.within("checking the slot hand-off record", db::schema::check_handoffs(&sql)).await.map_err(startup)?;
     }
     let mut retention = config.retention;
     if retention.is_some()
-        && !db.within("checking DELETE on the outbox", db::can_delete_outbox(&sql)).await.map_err(startup)?
+        && !db.within("checking DELETE on the outbox", db::schema::can_delete_outbox(&sql)).await.map_err(startup)?
     {
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
@@ -129,16 +136,19 @@ async fn start_up(config: &Config, publisher: &dyn Publisher, metrics: &Metrics)
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
 /// CDC when the server and role allow it, polling otherwise, and says why.
 /// Also returns whether this CDC relay is one shard (a filtered publication).
-async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config) -> Result<(Mode, bool), NotStarted> {
+async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config, db: &db::Db) -> Result<(Mode, bool), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
-    let db = config.db();
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
         db.within_connecting("checking the CDC prerequisites", crate::source::cdc::check_cdc(sql, config)).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
-        db.within("checking the publication's shard", db::check_shard(sql, &config.publication, &destinations)).await
+        db.within(
+            "checking the publication's shard",
+            crate::source::cdc::publication::check_shard(sql, &config.publication, &destinations),
+        )
+        .await
     };
-    let outbox_table = || db.within("checking the outbox table", db::check_outbox_table(sql));
+    let outbox_table = || db.within("checking the outbox table", db::schema::check_outbox_table(sql));
     match config.mode {
         Mode::Cdc => Ok((Mode::Cdc, cdc().await.map_err(startup)?)),
         Mode::Polling => {

@@ -89,7 +89,7 @@ impl TestDb {
         admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
         let url = format!("{}/{name}", admin_url.rsplit_once('/').unwrap().0);
         let mut c = db::connect(&url).await.unwrap();
-        db::migrate(&mut c).await.unwrap();
+        db::schema::migrate(&mut c).await.unwrap();
         TestDb { slot: format!("s_{name}"), name, url, admin: admin_url.to_string() }
     }
 
@@ -269,13 +269,16 @@ pub async fn receive_all(
 }
 
 pub fn config(db: &TestDb, destinations: &[(&str, &str)]) -> Config {
-    let mut file = FileConfig {
-        database_url: Some(db.url.clone()),
-        slot: Some(db.slot.clone()),
-        heartbeat_interval: Some("200ms".into()),
-        ..Default::default()
-    };
-    file.sqs.endpoint_url = Some(stack().sqs_url.clone());
+    let mut file = FileConfig::default();
+    let keys = [
+        ("database_url", db.url.as_str()),
+        ("slot", &db.slot),
+        ("heartbeat_interval", "200ms"),
+        ("sqs.endpoint_url", &stack().sqs_url),
+    ];
+    for (key, value) in keys {
+        file.set(key, value).unwrap();
+    }
     file.destinations = destinations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap()
 }

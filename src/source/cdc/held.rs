@@ -275,7 +275,7 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
 /// rows to the table path each second, until a session streams. Runs for as
 /// long as the relay leads; `last_error` is the last session's error.
 pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
-    let db = ctx.config.db();
+    let db = &ctx.db;
     let destinations: Vec<String> = ctx.queues.keys().cloned().collect();
     let after = stream_held_after(ctx.config.lane_stall_timeout);
     let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =

@@ -28,6 +28,7 @@ use crate::pipeline::watermark::Watermark;
 use crate::publish::Publisher;
 
 mod decode;
+pub mod publication;
 mod row;
 mod session;
 pub(crate) mod slot;
@@ -85,6 +86,8 @@ pub enum CdcError {
 /// Everything a session needs that outlives it.
 pub struct StreamContext {
     pub config: Config,
+    /// The database, built once at start-up.
+    pub db: crate::db::Db,
     pub queues: BTreeMap<String, QueueInfo>,
     pub publisher: Arc<dyn Publisher>,
     pub metrics: Arc<Metrics>,
@@ -173,7 +176,7 @@ async fn start_pipeline<'a>(
     confirm: &Arc<Notify>,
 ) -> Result<(Pipeline<'a>, Settler), CdcError> {
     let cfg = &ctx.config;
-    let db = cfg.db();
+    let db = &ctx.db;
     let (settle_tx, settle_rx) = mpsc::unbounded_channel();
     let settler_client = db.connect().await?;
     let settler = tokio::spawn(run_settler(
@@ -212,7 +215,7 @@ async fn start_pipeline<'a>(
     ));
     let progress = Arc::new(StreamProgress::default());
     let held_watch = tokio::spawn(watch_held(HeldWatch {
-        db,
+        db: db.clone(),
         slot: cfg.slot.clone(),
         destinations: ctx.queues.keys().cloned().collect(),
         lanes: ctx.lanes.values().cloned().collect(),

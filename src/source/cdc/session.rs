@@ -28,7 +28,7 @@ pub(crate) struct Opened {
 /// connection and start streaming; each step within its deadline.
 pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError> {
     let cfg = &ctx.config;
-    let db = cfg.db();
+    let db = &ctx.db;
     let sql = db.connect().await?;
     let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
     let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.slot)).await?;
@@ -94,12 +94,12 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     Ok(Opened { sql, repl, start_lsn, startup_lsn })
 }
 
-/// Every CDC prerequisite: what SQL can tell ([`db::check_cdc_prerequisites`]),
+/// Every CDC prerequisite: what SQL can tell ([`crate::source::cdc::publication::check_cdc_prerequisites`]),
 /// then the capability itself: a replication connection is opened and
 /// answers IDENTIFY_SYSTEM, within the deadlines. A refusal names the fix
 /// for the platform (self-managed, RDS/Aurora, Cloud SQL, Azure).
 pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
-    db::check_cdc_prerequisites(sql, &cfg.publication).await?;
+    crate::source::cdc::publication::check_cdc_prerequisites(sql, &cfg.publication).await?;
     check_slot_kind(sql, &cfg.slot).await?;
     let probe = async {
         let mut repl = connect_replication(cfg).await?;
@@ -116,7 +116,7 @@ pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
         Err(CdcError::Db(e @ db::DbError::Timeout { .. })) => Err(e),
         Err(e) => {
             let user: String = sql.query_one("SELECT current_user::text", &[]).await?.get(0);
-            let fix = db::Platform::detect(sql).await?.replication_fix(&user);
+            let fix = db::server::Platform::detect(sql).await?.replication_fix(&user);
             Err(db::DbError::CdcUnavailable(format!(
                 "role {user:?} may not replicate (a replication connection was refused: {e}): {fix}"
             )))

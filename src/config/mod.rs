@@ -11,6 +11,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub mod keys;
+
+pub use keys::bytes;
+use keys::{Key, Raw};
+
 /// How the relay reads the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -77,47 +82,72 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// The file's shape. Every key is optional here; [`Config::resolve`] says
-/// which are required.
-#[derive(Debug, Default, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
+/// The file's keys, flattened (`[sqs] region` is `sqs.region`), and its
+/// destinations. Unknown keys are refused when the file is read.
+#[derive(Debug, Default, Clone)]
 pub struct FileConfig {
-    pub database_url: Option<String>,
-    pub mode: Option<Mode>,
-    pub slot: Option<String>,
-    pub publication: Option<String>,
-    pub metrics_addr: Option<String>,
-    pub heartbeat_interval: Option<String>,
-    pub linger: Option<String>,
-    pub adaptive_linger: Option<bool>,
-    pub failover: Option<bool>,
-    pub max_in_flight_batches: Option<usize>,
-    pub max_unsettled_events: Option<usize>,
-    pub max_unsettled_bytes: Option<String>,
-    pub connect_timeout: Option<String>,
-    pub query_timeout: Option<String>,
-    pub lane_stall_timeout: Option<String>,
-    pub max_retained_wal: Option<String>,
-    pub retry_base: Option<String>,
-    pub retry_max: Option<String>,
-    pub poll_interval: Option<String>,
-    pub retention: Option<String>,
-    pub published_rows: Option<PublishedRows>,
-    pub readiness_stall: Option<String>,
-    pub takeover_timeout: Option<String>,
-    #[serde(default)]
-    pub sqs: SqsFileConfig,
-    #[serde(default)]
+    values: BTreeMap<String, String>,
     pub destinations: BTreeMap<String, String>,
 }
 
-#[derive(Debug, Default, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct SqsFileConfig {
-    pub region: Option<String>,
-    pub endpoint_url: Option<String>,
-    /// Assume this IAM role (STS) on top of the standard credential chain.
-    pub assume_role_arn: Option<String>,
+impl FileConfig {
+    /// Parse a TOML text; an error says the line, or which key is unknown.
+    pub fn parse(text: &str) -> Result<FileConfig, String> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+        let mut file = FileConfig::default();
+        for (k, v) in table {
+            match (k.as_str(), v) {
+                ("destinations", toml::Value::Table(t)) => {
+                    for (name, url) in t {
+                        let url = url.as_str().ok_or(format!("destinations.{name} must be a string (a queue URL)"))?;
+                        file.destinations.insert(name, url.to_string());
+                    }
+                }
+                ("sqs", toml::Value::Table(t)) => {
+                    for (inner, v) in t {
+                        file.set_value(&format!("sqs.{inner}"), v)?;
+                    }
+                }
+                (_, v) => file.set_value(&k, v)?,
+            }
+        }
+        Ok(file)
+    }
+
+    fn set_value(&mut self, name: &str, v: toml::Value) -> Result<(), String> {
+        let text = match v {
+            toml::Value::String(s) => s,
+            toml::Value::Integer(n) => n.to_string(),
+            toml::Value::Boolean(b) => b.to_string(),
+            other => return Err(format!("{name} = {other} is not a string, a number or true/false")),
+        };
+        self.set(name, text)
+    }
+
+    /// Set a key as the file would; refused if there is no such key.
+    pub fn set(&mut self, name: &str, value: impl Into<String>) -> Result<(), String> {
+        if keys::find(name).is_none() {
+            let known: Vec<&str> = keys::KEYS.iter().map(|k| k.name).collect();
+            return Err(format!("unknown key `{name}`: the keys are {}, [destinations]", known.join(", ")));
+        }
+        self.values.insert(name.to_string(), value.into());
+        Ok(())
+    }
+
+    /// A file of these keys and destinations, as if written in TOML.
+    pub fn of(keys: &[(&str, &str)], destinations: &[(&str, &str)]) -> Result<FileConfig, String> {
+        let mut file = FileConfig::default();
+        for (key, value) in keys {
+            file.set(key, *value)?;
+        }
+        file.destinations = destinations.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Ok(file)
+    }
+
+    /// The keys given, by name.
+    pub fn values(&self) -> &BTreeMap<String, String> {
+        &self.values
+    }
 }
 
 /// Values given on the command line; they win over the file and environment.
@@ -131,8 +161,9 @@ pub struct Overrides {
     pub sqs_endpoint_url: Option<String>,
 }
 
-/// The validated configuration.
-#[derive(Clone)]
+/// The validated configuration. `Config::default()` is only where
+/// [`Config::resolve`] starts: zero durations and no database.
+#[derive(Clone, Default)]
 pub struct Config {
     pub database_url: String,
     pub mode: Mode,
@@ -206,23 +237,49 @@ impl fmt::Debug for Config {
 
 const ENV_PREFIX: &str = "OUTBOX_RELAY_";
 
-impl Config {
-    /// The database, with this configuration's deadlines.
-    pub fn db(&self) -> crate::db::Db {
-        crate::db::Db::new(
-            &self.database_url,
-            crate::db::Deadlines { connect: self.connect_timeout, query: self.query_timeout },
-        )
-    }
+/// Where each key's value comes from: flags, then the environment, then the
+/// file, then the key's default.
+struct Sources<'a> {
+    cli: BTreeMap<&'static str, String>,
+    env: &'a BTreeMap<String, String>,
+    file: &'a FileConfig,
+}
 
+impl Sources<'_> {
+    fn get(&self, key: &'static Key) -> Raw<'static> {
+        let env_name = key.env_name();
+        let (given, env) = match (self.cli.get(key.name), self.env.get(&env_name)) {
+            (Some(v), _) => (Some(v.clone()), None),
+            (None, Some(v)) => (Some(v.clone()), Some(env_name)),
+            (None, None) => (self.file.values.get(key.name).cloned(), None),
+        };
+        Raw { key, given, env }
+    }
+}
+
+impl Overrides {
+    fn by_key(&self) -> BTreeMap<&'static str, String> {
+        let given = [
+            (&keys::DATABASE_URL, self.database_url.clone()),
+            (&keys::MODE, self.mode.map(|m| m.to_string())),
+            (&keys::SLOT, self.slot.clone()),
+            (&keys::PUBLICATION, self.publication.clone()),
+            (&keys::METRICS_ADDR, self.metrics_addr.clone()),
+            (&keys::SQS_ENDPOINT_URL, self.sqs_endpoint_url.clone()),
+        ];
+        given.into_iter().filter_map(|(k, v)| Some((k.name, v?))).collect()
+    }
+}
+
+impl Config {
     /// Load `path` (if given), apply the environment, then `overrides`.
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let file = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p)
                     .map_err(|source| ConfigError::Read { path: p.display().to_string(), source })?;
-                toml::from_str::<FileConfig>(&text)
-                    .map_err(|e| ConfigError::Parse { path: p.display().to_string(), message: toml_error(&text, &e) })?
+                FileConfig::parse(&text)
+                    .map_err(|message| ConfigError::Parse { path: p.display().to_string(), message })?
             }
             None => FileConfig::default(),
         };
@@ -233,81 +290,45 @@ impl Config {
     /// Merge file, environment (`OUTBOX_RELAY_*` variables) and overrides, and
     /// validate the result.
     pub fn resolve(mut file: FileConfig, env: &BTreeMap<String, String>, o: &Overrides) -> Result<Config, ConfigError> {
-        let get = |k: &str| env.get(&format!("{ENV_PREFIX}{k}")).cloned();
-        let pick = |cli: &Option<String>, key: &str, file: Option<String>| cli.clone().or_else(|| get(key)).or(file);
         for (k, v) in env {
             if let Some(name) = k.strip_prefix("OUTBOX_RELAY_DESTINATIONS_") {
                 file.destinations.insert(name.to_ascii_lowercase(), v.clone());
             }
         }
-        let database_url = pick(&o.database_url, "DATABASE_URL", file.database_url).ok_or_else(|| {
+        check_destinations(&file.destinations)?;
+        let src = Sources { cli: o.by_key(), env, file: &file };
+        let mut config = Config::connections(&src)?;
+        config.tune(&src)?;
+        config.destinations = file.destinations;
+        Ok(config)
+    }
+
+    /// The keys that say what to connect to; tuning keys at their defaults.
+    fn connections(src: &Sources) -> Result<Config, ConfigError> {
+        let database_url = src.get(&keys::DATABASE_URL).string().ok_or_else(|| {
             ConfigError::Invalid(
                 "database_url is not set: put it in the config file, set OUTBOX_RELAY_DATABASE_URL, or pass --database-url".into(),
             )
         })?;
         outbox_pgconn::parse(&database_url).map_err(ConfigError::Invalid)?;
-        let mode = match (o.mode, get("MODE")) {
-            (Some(m), _) => m,
-            (None, Some(m)) => m.parse()?,
-            (None, None) => file.mode.unwrap_or_default(),
-        };
-        let slot = pick(&o.slot, "SLOT", file.slot).unwrap_or_else(|| "outbox_relay".into());
+        let mode = src.get(&keys::MODE).string().unwrap_or_default().parse()?;
+        let slot = src.get(&keys::SLOT).string().unwrap_or_default();
         validate_identifier("slot", &slot, true)?;
-        let publication =
-            pick(&o.publication, "PUBLICATION", file.publication).unwrap_or_else(|| "outbox_relay".into());
+        let publication = src.get(&keys::PUBLICATION).string().unwrap_or_default();
         validate_identifier("publication", &publication, false)?;
-        let metrics_addr = metrics_addr(pick(&o.metrics_addr, "METRICS_ADDR", file.metrics_addr))?;
-        let sqs_region = get("SQS_REGION")
-            .or(file.sqs.region)
-            .or_else(|| std::env::var("AWS_REGION").ok())
-            .unwrap_or_else(|| "us-east-1".into());
-        let sqs_endpoint_url =
-            pick(&o.sqs_endpoint_url, "SQS_ENDPOINT_URL", file.sqs.endpoint_url).filter(|s| !s.is_empty());
-        let sqs_assume_role_arn = get("SQS_ASSUME_ROLE_ARN").or(file.sqs.assume_role_arn).filter(|s| !s.is_empty());
+        let metrics_addr = metrics_addr(src.get(&keys::METRICS_ADDR).string())?;
+        let region = src.get(&keys::SQS_REGION);
+        let sqs_region = match region.given {
+            Some(r) => r,
+            None => std::env::var("AWS_REGION").ok().or(region.string()).unwrap_or_default(),
+        };
+        let sqs_endpoint_url = src.get(&keys::SQS_ENDPOINT_URL).string();
+        let sqs_assume_role_arn = src.get(&keys::SQS_ASSUME_ROLE_ARN).string();
         if let Some(arn) = sqs_assume_role_arn.as_ref().filter(|a| !a.starts_with("arn:")) {
             return Err(ConfigError::Invalid(format!(
                 "sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay"
             )));
         }
-        check_destinations(&file.destinations)?;
-        let d = |key: &str, env_key: &str, file: Option<String>| duration(key, get(env_key).or(file));
-        let heartbeat_interval = d("heartbeat_interval", "HEARTBEAT_INTERVAL", file.heartbeat_interval)?;
-        let linger = d("linger", "LINGER", file.linger)?;
-        let flag = |env_key: &str, file: Option<bool>, default: bool| match get(env_key) {
-            Some(v) => v
-                .parse()
-                .map_err(|_| ConfigError::Invalid(format!("OUTBOX_RELAY_{env_key} {v:?} is not true or false"))),
-            None => Ok(file.unwrap_or(default)),
-        };
-        let adaptive_linger = flag("ADAPTIVE_LINGER", file.adaptive_linger, true)?;
-        let failover = flag("FAILOVER", file.failover, false)?;
-        let max_in_flight_batches =
-            number("max_in_flight_batches", get("MAX_IN_FLIGHT_BATCHES"), file.max_in_flight_batches)?;
-        let max_unsettled_events =
-            number("max_unsettled_events", get("MAX_UNSETTLED_EVENTS"), file.max_unsettled_events)?;
-        let max_unsettled_bytes = size("max_unsettled_bytes", get("MAX_UNSETTLED_BYTES").or(file.max_unsettled_bytes))?;
-        let lane_stall_timeout = d("lane_stall_timeout", "LANE_STALL_TIMEOUT", file.lane_stall_timeout)?;
-        let max_retained_wal = size("max_retained_wal", get("MAX_RETAINED_WAL").or(file.max_retained_wal))?;
-        let retry_base = d("retry_base", "RETRY_BASE", file.retry_base)?;
-        let retry_max = d("retry_max", "RETRY_MAX", file.retry_max)?;
-        if retry_max < retry_base {
-            return Err(ConfigError::Invalid(format!(
-                "retry_base ({retry_base:?}) must be at most retry_max ({retry_max:?})"
-            )));
-        }
-        let poll_interval = d("poll_interval", "POLL_INTERVAL", file.poll_interval)?;
-        let retention = match get("RETENTION").or(file.retention) {
-            Some(s) if s == "off" || s == "0" => None,
-            v => Some(duration("retention", v)?),
-        };
-        let published_rows = match get("PUBLISHED_ROWS") {
-            Some(v) => v.parse()?,
-            None => file.published_rows.unwrap_or_default(),
-        };
-        let readiness_stall = d("readiness_stall", "READINESS_STALL", file.readiness_stall)?;
-        let takeover_timeout = d("takeover_timeout", "TAKEOVER_TIMEOUT", file.takeover_timeout)?;
-        let connect_timeout = d("connect_timeout", "CONNECT_TIMEOUT", file.connect_timeout)?;
-        let query_timeout = d("query_timeout", "QUERY_TIMEOUT", file.query_timeout)?;
         Ok(Config {
             database_url,
             mode,
@@ -317,26 +338,38 @@ impl Config {
             sqs_region,
             sqs_endpoint_url,
             sqs_assume_role_arn,
-            destinations: file.destinations,
-            heartbeat_interval,
-            linger,
-            adaptive_linger,
-            failover,
-            max_in_flight_batches,
-            max_unsettled_events,
-            max_unsettled_bytes,
-            connect_timeout,
-            query_timeout,
-            lane_stall_timeout,
-            max_retained_wal,
-            retry_base,
-            retry_max,
-            poll_interval,
-            retention,
-            published_rows,
-            readiness_stall,
-            takeover_timeout,
+            ..Config::default()
         })
+    }
+
+    /// The tuning keys: durations, counts, sizes and flags, each in its range.
+    fn tune(&mut self, src: &Sources) -> Result<(), ConfigError> {
+        let d = |k: &'static Key| src.get(k).required_duration();
+        self.heartbeat_interval = d(&keys::HEARTBEAT_INTERVAL)?;
+        self.linger = d(&keys::LINGER)?;
+        self.adaptive_linger = src.get(&keys::ADAPTIVE_LINGER).flag()?;
+        self.failover = src.get(&keys::FAILOVER).flag()?;
+        self.published_rows = src.get(&keys::PUBLISHED_ROWS).string().unwrap_or_default().parse()?;
+        self.max_in_flight_batches = src.get(&keys::MAX_IN_FLIGHT_BATCHES).count()?;
+        self.max_unsettled_events = src.get(&keys::MAX_UNSETTLED_EVENTS).count()?;
+        self.max_unsettled_bytes = src.get(&keys::MAX_UNSETTLED_BYTES).size()?;
+        self.connect_timeout = d(&keys::CONNECT_TIMEOUT)?;
+        self.query_timeout = d(&keys::QUERY_TIMEOUT)?;
+        self.lane_stall_timeout = d(&keys::LANE_STALL_TIMEOUT)?;
+        self.max_retained_wal = src.get(&keys::MAX_RETAINED_WAL).size()?;
+        self.retry_base = d(&keys::RETRY_BASE)?;
+        self.retry_max = d(&keys::RETRY_MAX)?;
+        if self.retry_max < self.retry_base {
+            return Err(ConfigError::Invalid(format!(
+                "retry_base ({:?}) must be at most retry_max ({:?})",
+                self.retry_base, self.retry_max
+            )));
+        }
+        self.poll_interval = d(&keys::POLL_INTERVAL)?;
+        self.retention = src.get(&keys::RETENTION).duration()?;
+        self.takeover_timeout = d(&keys::TAKEOVER_TIMEOUT)?;
+        self.readiness_stall = d(&keys::READINESS_STALL)?;
+        Ok(())
     }
 }
 
@@ -375,102 +408,6 @@ fn check_destinations(destinations: &BTreeMap<String, String>) -> Result<(), Con
     Ok(())
 }
 
-/// Every duration key: its default and the range it must lie in. Zero or
-/// absurd values are refused at start-up, naming the key and the range.
-const DURATIONS: &[(&str, &str, Duration, Duration)] = &[
-    ("heartbeat_interval", "10s", Duration::from_millis(100), Duration::from_secs(3_600)),
-    ("linger", "5ms", Duration::ZERO, Duration::from_secs(1)),
-    ("lane_stall_timeout", "30s", Duration::from_secs(1), Duration::from_secs(86_400)),
-    ("retry_base", "2s", Duration::from_millis(10), Duration::from_secs(3_600)),
-    ("retry_max", "300s", Duration::from_millis(10), Duration::from_secs(86_400)),
-    ("poll_interval", "100ms", Duration::from_millis(10), Duration::from_secs(3_600)),
-    ("retention", "7d", Duration::from_secs(60), Duration::from_secs(3_650 * 86_400)),
-    ("readiness_stall", "5m", Duration::from_secs(1), Duration::from_secs(86_400)),
-    ("takeover_timeout", "10s", Duration::from_secs(1), Duration::from_secs(3_600)),
-    ("connect_timeout", "10s", Duration::from_millis(100), Duration::from_secs(600)),
-    ("query_timeout", "30s", Duration::from_millis(100), Duration::from_secs(3_600)),
-];
-
-/// Every count key: default, least and most.
-const NUMBERS: &[(&str, usize, usize, usize)] =
-    &[("max_in_flight_batches", 8, 1, 256), ("max_unsettled_events", 20_000, 1, 10_000_000)];
-
-/// Every size key: default, least and most (bytes).
-const SIZES: &[(&str, &str, u64, u64)] =
-    &[("max_retained_wal", "256MB", 1 << 20, 1 << 50), ("max_unsettled_bytes", "64MB", 1 << 20, 64 << 30)];
-
-fn duration(key: &str, v: Option<String>) -> Result<Duration, ConfigError> {
-    let (_, default, min, max) = *DURATIONS.iter().find(|l| l.0 == key).expect("every duration key has its limits");
-    let s = v.unwrap_or_else(|| default.to_string());
-    let d = humantime::parse_duration(&s)
-        .map_err(|e| ConfigError::Invalid(format!("{key} = {s:?} is not a duration such as 10s or 5ms: {e}")))?;
-    if d < min || d > max {
-        return Err(ConfigError::Invalid(format!(
-            "{key} = {s:?} is out of range: it must be from {} to {}",
-            humantime::format_duration(min),
-            humantime::format_duration(max)
-        )));
-    }
-    Ok(d)
-}
-
-fn size(key: &str, v: Option<String>) -> Result<u64, ConfigError> {
-    let (_, default, min, max) = *SIZES.iter().find(|l| l.0 == key).expect("every size key has its limits");
-    let s = v.unwrap_or_else(|| default.to_string());
-    let n = bytes(key, &s)?;
-    if n < min || n > max {
-        return Err(ConfigError::Invalid(format!(
-            "{key} = {s:?} is out of range: it must be from {} to {}",
-            show_bytes(min),
-            show_bytes(max)
-        )));
-    }
-    Ok(n)
-}
-
-fn show_bytes(n: u64) -> String {
-    match n {
-        n if n >= 1 << 40 && n % (1 << 40) == 0 => format!("{}TB", n >> 40),
-        n if n >= 1 << 30 && n % (1 << 30) == 0 => format!("{}GB", n >> 30),
-        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{}MB", n >> 20),
-        n => format!("{n} bytes"),
-    }
-}
-
-/// `256MB`, `1GB`, `512kB` or a plain number of bytes; units are powers of
-/// 1024, as in PostgreSQL's settings.
-pub fn bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kb" => 1 << 10,
-        "mb" => 1 << 20,
-        "gb" => 1 << 30,
-        "tb" => 1 << 40,
-        _ => 0,
-    };
-    match num.parse::<u64>() {
-        Ok(n) if mult > 0 && n > 0 => {
-            n.checked_mul(mult).ok_or_else(|| ConfigError::Invalid(format!("{key} = {s:?} is too large")))
-        }
-        _ => Err(ConfigError::Invalid(format!("{key} = {s:?} is not a size such as 256MB or 1GB"))),
-    }
-}
-
-fn number(key: &str, env: Option<String>, file: Option<usize>) -> Result<usize, ConfigError> {
-    let (_, default, min, max) = *NUMBERS.iter().find(|l| l.0 == key).expect("every count key has its limits");
-    let n = match env {
-        Some(s) => s.parse().map_err(|_| ConfigError::Invalid(format!("{key} = {s:?} is not a whole number")))?,
-        None => file.unwrap_or(default),
-    };
-    if n < min || n > max {
-        return Err(ConfigError::Invalid(format!("{key} = {n} is out of range: it must be from {min} to {max}")));
-    }
-    Ok(n)
-}
-
 /// A TOML error with the line and column it is at, and that line.
 fn toml_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else { return e.message().to_string() };
@@ -503,48 +440,44 @@ mod tests {
     use super::*;
 
     /// The reference in docs/configuration.md (its first TOML block) names
-    /// every key there is, each with a value start-up accepts, and every
-    /// tuning value it shows is the default.
+    /// every key there is, and every value it shows is the key's default;
+    /// the ranges it states are the table's.
     #[test]
-    fn the_documented_reference_is_every_key_with_its_default() {
-        let doc = include_str!("../docs/configuration.md");
+    fn the_documented_reference_is_every_key_with_its_default_and_range() {
+        let doc = include_str!("../../docs/configuration.md");
         let block = doc.split("```toml\n").nth(1).and_then(|b| b.split("```").next()).expect("a TOML block");
-        let documented: FileConfig = toml::from_str(block).expect("every documented key exists");
-        let keys = serde_json::to_value(&documented).unwrap();
-        let missing: Vec<String> = keys
-            .as_object()
-            .unwrap()
-            .iter()
-            .flat_map(|(k, v)| match v.as_object() {
-                Some(inner) => inner.iter().filter(|(_, v)| v.is_null()).map(|(i, _)| format!("{k}.{i}")).collect(),
-                None if v.is_null() => vec![k.clone()],
-                None => vec![],
-            })
-            .collect();
+        let documented = FileConfig::parse(block).expect("every documented key exists");
+        let missing: Vec<&str> =
+            keys::KEYS.iter().map(|k| k.name).filter(|k| !documented.values().contains_key(*k)).collect();
         assert!(missing.is_empty(), "keys missing from the reference in docs/configuration.md: {missing:?}");
-        let shown = Config::resolve(documented, &BTreeMap::new(), &Overrides::default()).expect("documented values");
-        let minimal = file(
-            r#"database_url = "postgres://app@127.0.0.1:5432/app"
-               [destinations]
-               orders = "http://127.0.0.1:4566/000000000000/orders""#,
-        );
-        let default = Config::resolve(minimal, &BTreeMap::new(), &Overrides::default()).unwrap();
-        let tuning = |c: &Config| {
-            format!(
-                "{:?}",
-                (
-                    (c.mode, &c.slot, &c.publication, c.heartbeat_interval, c.linger, c.adaptive_linger, c.failover),
-                    (c.published_rows, c.max_in_flight_batches, c.max_unsettled_events, c.max_unsettled_bytes),
-                    (c.connect_timeout, c.query_timeout, c.lane_stall_timeout, c.max_retained_wal),
-                    (c.retry_base, c.retry_max, c.poll_interval, c.retention, c.takeover_timeout, c.readiness_stall),
-                )
-            )
-        };
-        assert_eq!(tuning(&shown), tuning(&default), "the reference shows a value that is not the default");
+        for key in keys::KEYS {
+            let Some(default) = key.default else { continue };
+            let shown = Raw { key, given: documented.values().get(key.name).cloned(), env: None };
+            let default = Raw { key, given: Some(default.to_string()), env: None };
+            assert_eq!(parsed(&shown), parsed(&default), "the reference shows {} other than its default", key.name);
+        }
+        let flat = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        for key in keys::KEYS {
+            if let Some(range) = keys::range(key) {
+                let stated = format!("`{}` {range}", key.name);
+                assert!(flat.contains(&stated), "docs/configuration.md does not state the range {stated}");
+            }
+        }
+    }
+
+    /// A value as the relay reads it, for comparison.
+    fn parsed(raw: &Raw) -> String {
+        match raw.key.kind {
+            keys::Kind::Text => format!("{:?}", raw.string()),
+            keys::Kind::Flag => format!("{:?}", raw.flag().unwrap()),
+            keys::Kind::Duration { .. } => format!("{:?}", raw.duration().unwrap()),
+            keys::Kind::Size { .. } => format!("{:?}", raw.size().unwrap()),
+            keys::Kind::Count { .. } => format!("{:?}", raw.count().unwrap()),
+        }
     }
 
     fn file(toml_text: &str) -> FileConfig {
-        toml::from_str(toml_text).unwrap()
+        FileConfig::parse(toml_text).unwrap()
     }
 
     const BASE: &str = r#"
@@ -587,7 +520,7 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
             &Overrides::default(),
         );
         assert!(bad_mode.unwrap_err().to_string().contains("not one of cdc, polling, auto"));
-        assert!(toml::from_str::<FileConfig>("unknown_key = 1").is_err());
+        assert!(FileConfig::parse("unknown_key = 1").unwrap_err().contains("unknown key `unknown_key`"));
     }
 
     #[test]
