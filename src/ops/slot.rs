@@ -2,6 +2,7 @@
 
 use crate::config::Config;
 use crate::db::{self, Db};
+use crate::pipeline::settings::Settings;
 use crate::source::cdc::{
     connect_replication, create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot,
 };
@@ -44,7 +45,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
-    let mut repl = connect_replication(config).await?;
+    let mut repl = connect_replication(config, Settings::of(config).memory).await?;
     let created = async {
         hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;

@@ -51,17 +51,32 @@ impl Budget {
     }
 }
 
-/// Bytes of rows one table-path claim takes at most: a quarter of
-/// `max_unsettled_bytes`, at least 1 MiB.
-pub fn table_claim_bytes(max_unsettled_bytes: u64) -> u64 {
-    (max_unsettled_bytes / 4).max(1 << 20)
+/// The bounds on memory, from `max_unsettled_events` and
+/// `max_unsettled_bytes`: every buffer that holds events is sized from them.
+#[derive(Debug, Clone, Copy)]
+pub struct Memory {
+    pub max_events: usize,
+    pub max_bytes: u64,
 }
 
-/// Events from the replication client's buffer sized so that, at the
-/// largest SQS message (1 MiB), the buffer holds no more than the byte
-/// budget: between 16 and 1,024 events.
-pub fn replication_buffer_events(max_unsettled_bytes: u64) -> usize {
-    (max_unsettled_bytes >> 20).clamp(16, 1_024) as usize
+impl Memory {
+    /// The stream's budget of unsettled events.
+    pub fn budget(&self) -> Budget {
+        Budget::new(self.max_events, self.max_bytes)
+    }
+
+    /// Bytes of rows one table-path claim takes at most: a quarter of the
+    /// byte budget, at least 1 MiB.
+    pub fn table_claim_bytes(&self) -> u64 {
+        (self.max_bytes / 4).max(1 << 20)
+    }
+
+    /// Events from the replication client's buffer sized so that, at the
+    /// largest SQS message (1 MiB), the buffer holds no more than the byte
+    /// budget: between 16 and 1,024 events.
+    pub fn replication_buffer_events(&self) -> usize {
+        (self.max_bytes >> 20).clamp(16, 1_024) as usize
+    }
 }
 
 #[cfg(test)]
@@ -82,7 +97,8 @@ mod tests {
         assert_eq!(b.available_events(), 99);
         drop(big);
         assert_eq!(b.available_bytes(), 1_000);
-        assert_eq!(replication_buffer_events(64 << 20), 64);
-        assert_eq!(replication_buffer_events(1 << 20), 16);
+        let events = |max_bytes| Memory { max_events: 1, max_bytes }.replication_buffer_events();
+        assert_eq!(events(64 << 20), 64);
+        assert_eq!(events(1 << 20), 16);
     }
 }

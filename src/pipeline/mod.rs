@@ -1,9 +1,11 @@
 //! The stages both sources share: route → lane (batch, send, reconcile) →
 //! settle → watermark, within the unsettled budget.
 
+pub mod assemble;
 pub mod batch;
 pub mod budget;
 pub mod lane;
 pub mod route;
+pub mod settings;
 pub mod settle;
 pub mod watermark;

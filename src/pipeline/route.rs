@@ -194,7 +194,7 @@ impl Router<'_> {
             Err(reason) => (Outcome::Dead(reason), None),
         };
         let destination = Arc::from(label);
-        let settlement = Settlement { event: ev, txn: seq, destination, outcome, permit: Some(permit), unmarked };
+        let settlement = Settlement::new(ev, seq, destination, outcome).holding(Some(permit), unmarked);
         self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
     }
 }

@@ -77,6 +77,12 @@ impl Settlement {
         Settlement { event, txn, destination, outcome, permit: None, unmarked: None }
     }
 
+    /// The same, holding its event's budget permit and (a deferred event
+    /// of a streaming lane) its lane's count of unmarked rows.
+    pub fn holding(self, permit: Option<crate::pipeline::budget::Permit>, unmarked: Option<Arc<Unmarked>>) -> Self {
+        Settlement { permit, unmarked, ..self }
+    }
+
     pub fn id(&self) -> i64 {
         self.event.id
     }
@@ -119,13 +125,6 @@ pub struct Marking {
     pub base: Duration,
     pub max: Duration,
     pub published: PublishedRows,
-}
-
-impl Marking {
-    /// As configured: `retry_base`, `retry_max`, `published_rows`.
-    pub fn of(config: &crate::config::Config) -> Marking {
-        Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows }
-    }
 }
 
 /// Most settlements marked by one statement.

@@ -28,7 +28,7 @@ use crate::db::Db;
 use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
-use crate::pipeline::settle::Marking;
+use crate::pipeline::settings::Settings;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};
@@ -56,6 +56,7 @@ pub async fn run(
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
+    let settings = Settings::of(&config);
     let Some(started) = start_up_until_done(&config, &db, publisher.as_ref(), &metrics, &mut stop_rx).await? else {
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
@@ -74,6 +75,7 @@ pub async fn run(
     let env = Env {
         config: &config,
         db: &db,
+        settings: &settings,
         publisher: &publisher,
         metrics: &metrics,
         queues: &queues,
@@ -98,6 +100,7 @@ pub async fn run(
 struct Env<'a> {
     config: &'a Config,
     db: &'a Db,
+    settings: &'a Settings,
     publisher: &'a Arc<dyn Publisher>,
     metrics: &'a Arc<Metrics>,
     queues: &'a BTreeMap<String, QueueInfo>,
@@ -137,12 +140,8 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             queue: queue.clone(),
             source,
             claim_limit: TABLE_CLAIM_LIMIT,
-            claim_bytes: crate::pipeline::budget::table_claim_bytes(config.max_unsettled_bytes),
             poll_interval,
-            linger: config.linger,
-            adaptive: config.adaptive_linger,
-            max_in_flight: config.max_in_flight_batches,
-            marking: Marking::of(config),
+            settings: *env.settings,
         };
         let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
         set.spawn(run_table_lane(cfg, env.db.clone(), publisher, metrics, state, stop.clone()));
@@ -162,6 +161,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let ctx = StreamContext {
         config: env.config.clone(),
         db: env.db.clone(),
+        settings: *env.settings,
         queues: env.queues.clone(),
         publisher: Arc::clone(env.publisher),
         metrics: Arc::clone(env.metrics),

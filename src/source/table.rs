@@ -21,15 +21,17 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::db;
 use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
-use crate::pipeline::lane::{run_lane, Flow, LaneConfig, LaneItem, LaneState, RetryPolicy};
+use crate::pipeline::assemble::send_claimed;
+use crate::pipeline::lane::{Flow, LaneItem, LaneState};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
-use crate::pipeline::settle::{mark, record, Marking, Outcome, Settlement};
+use crate::pipeline::settings::Settings;
+use crate::pipeline::settle::{mark, record, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::Publisher;
@@ -49,15 +51,12 @@ pub struct TableLaneConfig {
     pub source: Claims,
     /// Rows claimed per transaction.
     pub claim_limit: usize,
-    /// Bytes (bodies and attributes) one claim holds in memory at most; the
-    /// first row is taken whatever its size.
-    pub claim_bytes: u64,
     /// Sleep between claims when the last one was not full.
     pub poll_interval: Duration,
-    pub linger: Duration,
-    pub adaptive: bool,
-    pub max_in_flight: usize,
-    pub marking: Marking,
+    /// Lanes, marking and memory bounds; a claim holds at most
+    /// `memory.table_claim_bytes()` of bodies and attributes (the first row
+    /// is taken whatever its size).
+    pub settings: Settings,
 }
 
 /// What one claim did.
@@ -252,7 +251,7 @@ pub async fn claim_round(
     }
     let locked = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
     let mut round = Round { claimed: locked.len(), ..Default::default() };
-    let ids = due_within_budget(&locked, fifo, cfg.claim_bytes);
+    let ids = due_within_budget(&locked, fifo, cfg.settings.memory.table_claim_bytes());
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
@@ -264,7 +263,7 @@ pub async fn claim_round(
         }
     }
     round.handled = items.len() + settled.len();
-    settled.extend(send_claimed(items, cfg, publisher, metrics).await);
+    settled.extend(send_claimed(&cfg.settings, &cfg.name, &cfg.queue, items, publisher, metrics).await);
     for s in &settled {
         match s.outcome {
             Outcome::Published => round.published += 1,
@@ -273,50 +272,11 @@ pub async fn claim_round(
         }
     }
     if !settled.is_empty() {
-        mark(&tx, &settled, cfg.marking).await?;
+        mark(&tx, &settled, cfg.settings.marking).await?;
     }
     tx.commit().await?;
     record(metrics, &settled);
     Ok(round)
-}
-
-/// Send a round's claimed rows through a lane of their own (retries go back
-/// to the table, not into memory); their settlements, once all are done.
-async fn send_claimed(
-    items: Vec<LaneItem>,
-    cfg: &TableLaneConfig,
-    publisher: &Arc<dyn Publisher>,
-    metrics: &Arc<Metrics>,
-) -> Vec<Settlement> {
-    let mut settled = Vec::with_capacity(items.len());
-    if items.is_empty() {
-        return settled;
-    }
-    let (item_tx, item_rx) = mpsc::channel(items.len());
-    let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-    let lane_cfg = LaneConfig {
-        name: Arc::clone(&cfg.name),
-        queue: cfg.queue.clone(),
-        linger: cfg.linger,
-        adaptive: cfg.adaptive,
-        max_in_flight: cfg.max_in_flight,
-        retry_base: cfg.marking.base,
-        retry_cap: cfg.marking.max,
-        retry: RetryPolicy::ToTable,
-        stall_timeout: None,
-    };
-    let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
-    let last = items.len() - 1;
-    for (i, item) in items.into_iter().enumerate() {
-        // Capacity is the number of items: never waits.
-        let _ = item_tx.send(item.ending_chunk(i == last)).await;
-    }
-    drop(item_tx);
-    while let Some(s) = settle_rx.recv().await {
-        settled.push(s);
-    }
-    let _ = lane.await;
-    settled
 }
 
 /// The destinations that have NEW rows, found with a loose index scan over

@@ -24,7 +24,8 @@ use crate::event::{Entry, QueueInfo};
 use crate::metrics::Metrics;
 use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
-use crate::pipeline::settle::{Due, Outcome, Settlement};
+use crate::pipeline::settings::LaneSettings;
+use crate::pipeline::settle::{Due, Marking, Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
 use crate::policy::spool::{stalled, SpoolCause};
 use crate::publish::Publisher;
@@ -96,17 +97,33 @@ pub struct LaneConfig {
 impl LaneConfig {
     /// A streaming lane: entries SQS did not take are retried from memory;
     /// a lane stalled past `lane_stall_timeout` spools.
-    pub fn streaming(name: &str, queue: &QueueInfo, config: &crate::config::Config) -> LaneConfig {
+    pub fn streaming(name: &str, queue: &QueueInfo, s: &LaneSettings) -> LaneConfig {
         LaneConfig {
             name: Arc::from(name),
             queue: queue.clone(),
-            linger: config.linger,
-            adaptive: config.adaptive_linger,
-            max_in_flight: config.max_in_flight_batches,
+            linger: s.linger,
+            adaptive: s.adaptive,
+            max_in_flight: s.max_in_flight,
             retry_base: crate::policy::retry::IN_MEMORY_BASE,
             retry_cap: crate::policy::retry::IN_MEMORY_CAP,
             retry: RetryPolicy::InMemory,
-            stall_timeout: Some(config.lane_stall_timeout),
+            stall_timeout: Some(s.stall_timeout),
+        }
+    }
+
+    /// A lane of the table path: entries SQS did not take go back to the
+    /// table with the marking's backoff; it never spools.
+    pub fn table(name: Arc<str>, queue: &QueueInfo, s: &LaneSettings, marking: &Marking) -> LaneConfig {
+        LaneConfig {
+            name,
+            queue: queue.clone(),
+            linger: s.linger,
+            adaptive: s.adaptive,
+            max_in_flight: s.max_in_flight,
+            retry_base: marking.base,
+            retry_cap: marking.max,
+            retry: RetryPolicy::ToTable,
+            stall_timeout: None,
         }
     }
 }
@@ -385,14 +402,8 @@ pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
     };
     // The settler outlives the lanes; if it is gone the pipeline is stopping
     // and the row stays NEW, to be read again.
-    let sent = ctx.settle.send(Settlement {
-        event: Arc::clone(&item.entry.event),
-        txn: item.txn,
-        destination: Arc::clone(&ctx.cfg.name),
-        outcome,
-        permit: item.permit,
-        unmarked,
-    });
+    let settlement = Settlement::new(Arc::clone(&item.entry.event), item.txn, Arc::clone(&ctx.cfg.name), outcome);
+    let sent = ctx.settle.send(settlement.holding(item.permit, unmarked));
     if let Err(mpsc::error::SendError(s)) = sent {
         if let Some(u) = s.unmarked {
             u.marked();

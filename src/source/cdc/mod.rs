@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use pgwire_replication::ReplicationClient;
 use replication::{Lsn, RelationCache};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
 
@@ -21,9 +21,9 @@ use crate::config::Config;
 use crate::db;
 use crate::event::QueueInfo;
 use crate::metrics::Metrics;
-use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{run_lane, LaneConfig, LaneState};
-use crate::pipeline::settle::{run_settler, Marking};
+use crate::pipeline::assemble::{Parts, Settler, Streaming};
+use crate::pipeline::lane::LaneState;
+use crate::pipeline::settings::Settings;
 use crate::pipeline::watermark::Watermark;
 use crate::publish::Publisher;
 
@@ -51,8 +51,6 @@ use wal_watch::watch_wal;
 /// chunks of this many, or of this many bytes, whichever comes first.
 const CHUNK: usize = 1_000;
 const CHUNK_BYTES: usize = 4 << 20;
-/// Items a lane's channel holds (each holds its share of the budget).
-const LANE_CHANNEL: usize = 4_096;
 /// Lanes may lag this long behind a shutdown request before they are abandoned.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 const STATUS_INTERVAL: Duration = Duration::from_millis(500);
@@ -88,6 +86,8 @@ pub struct StreamContext {
     pub config: Config,
     /// The database, built once at start-up.
     pub db: crate::db::Db,
+    /// The pipeline's settings, derived once at start-up.
+    pub settings: Settings,
     pub queues: BTreeMap<String, QueueInfo>,
     pub publisher: Arc<dyn Publisher>,
     pub metrics: Arc<Metrics>,
@@ -104,12 +104,6 @@ pub struct StreamContext {
     /// Rows committed before this position may have been handed to the
     /// table while no stream brought them ([`held`]).
     pub handed_until: Arc<HandedUntil>,
-}
-
-impl StreamContext {
-    pub fn marking(&self) -> Marking {
-        Marking::of(&self.config)
-    }
 }
 
 /// Run one replication session until `shutdown` turns true (Ok) or an error.
@@ -166,9 +160,8 @@ struct Pipeline<'a> {
     progress: Arc<StreamProgress>,
 }
 
-type Settler = tokio::task::JoinHandle<Result<(), tokio_postgres::Error>>;
-
-/// Start the settler, one lane per destination, the WAL watch, and the router.
+/// The session's pipeline ([`Streaming::start`]), after the lanes with rows
+/// in the table are set spooling; and the WAL and held-row watches beside it.
 async fn start_pipeline<'a>(
     ctx: &'a StreamContext,
     sql: &Client,
@@ -177,36 +170,8 @@ async fn start_pipeline<'a>(
 ) -> Result<(Pipeline<'a>, Settler), CdcError> {
     let cfg = &ctx.config;
     let db = &ctx.db;
-    let (settle_tx, settle_rx) = mpsc::unbounded_channel();
     let settler_client = db.connect().await?;
-    let settler = tokio::spawn(run_settler(
-        settler_client,
-        settle_rx,
-        Arc::clone(watermark),
-        Arc::clone(confirm),
-        Arc::clone(&ctx.metrics),
-        ctx.marking(),
-    ));
-    // Lanes with rows in the table keep spooling until the drain empties it,
-    // so a FIFO group is not overtaken by its own newer events.
-    let spooled: Vec<String> = db
-        .query(
-            "looking for spooled rows",
-            sql.query(
-                "SELECT DISTINCT destination FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NOT NULL",
-                &[],
-            ),
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    for (name, state) in &ctx.lanes {
-        state.reset_deferred();
-        if spooled.contains(name) {
-            state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
-        }
-    }
+    spool_lanes_with_rows_in_table(ctx, sql).await?;
     let wal_watch = tokio::spawn(watch_wal(
         db.clone(),
         cfg.slot.clone(),
@@ -224,32 +189,40 @@ async fn start_pipeline<'a>(
         lane_stall_timeout: cfg.lane_stall_timeout,
         handed_until: Arc::clone(&ctx.handed_until),
     }));
-    let mut lanes = JoinSet::new();
-    let mut lane_tx = HashMap::new();
-    for (name, queue) in &ctx.queues {
-        let (tx, rx) = mpsc::channel(LANE_CHANNEL);
-        lane_tx.insert(name.clone(), tx);
-        let lane_cfg = LaneConfig::streaming(name, queue, cfg);
-        let state = Arc::clone(&ctx.lanes[name]);
-        lanes.spawn(run_lane(
-            lane_cfg,
-            Arc::clone(&ctx.publisher),
-            rx,
-            settle_tx.clone(),
-            Arc::clone(&ctx.metrics),
-            Some(state),
-        ));
-    }
-    let router = Router {
+    let parts = Parts {
+        settings: &ctx.settings,
         queues: &ctx.queues,
-        lanes: lane_tx,
         states: &ctx.lanes,
-        settle: settle_tx,
-        budget: Budget::new(cfg.max_unsettled_events, cfg.max_unsettled_bytes),
-        watermark: Arc::clone(watermark),
-        metrics: Arc::clone(&ctx.metrics),
+        publisher: &ctx.publisher,
+        metrics: &ctx.metrics,
     };
+    let Streaming { router, lanes, settler } = Streaming::start(parts, settler_client, watermark, confirm);
     Ok((Pipeline { router, lanes, wal_watch, held_watch, progress }, settler))
+}
+
+/// Lanes with rows in the table keep spooling until the drain empties it,
+/// so a FIFO group is not overtaken by its own newer events.
+async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Result<(), CdcError> {
+    let spooled: Vec<String> = ctx
+        .db
+        .query(
+            "looking for spooled rows",
+            sql.query(
+                "SELECT DISTINCT destination FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NOT NULL",
+                &[],
+            ),
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for (name, state) in &ctx.lanes {
+        state.reset_deferred();
+        if spooled.contains(name) {
+            state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
+        }
+    }
+    Ok(())
 }
 
 /// Graceful end: no more reading; the lanes finish what they hold (within

@@ -10,6 +10,8 @@ use tokio_postgres::Client;
 
 use crate::config::Config;
 use crate::db;
+use crate::pipeline::budget::Memory;
+use crate::pipeline::settings::Settings;
 
 use super::slot::{drop_unfinished_slot, finish_hand_off, hand_to_table, make_failover};
 use super::*;
@@ -40,7 +42,7 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
         }
         _ => {}
     }
-    let mut repl = connect_replication(cfg).await?;
+    let mut repl = connect_replication(cfg, ctx.settings.memory).await?;
     // A new slot comes with a snapshot: the rows it will not stream are
     // handed to the table path before anything is published.
     let start_lsn = match slot {
@@ -102,7 +104,7 @@ pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
     crate::source::cdc::publication::check_cdc_prerequisites(sql, &cfg.publication).await?;
     check_slot_kind(sql, &cfg.slot).await?;
     let probe = async {
-        let mut repl = connect_replication(cfg).await?;
+        let mut repl = connect_replication(cfg, Settings::of(cfg).memory).await?;
         let answer = tokio::time::timeout(cfg.query_timeout, repl.identify_system()).await;
         // A gated session not started ends when dropped.
         drop(repl);
@@ -153,7 +155,7 @@ async fn check_slot_kind(sql: &Client, slot: &str) -> Result<(), db::DbError> {
 /// turn, each within `connect_timeout`; with `target_session_attrs=read-write`
 /// (the default) a server in recovery is passed over, so a list of servers
 /// follows a promotion. One host: its own error, unchanged.
-pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClient, CdcError> {
+pub(crate) async fn connect_replication(cfg: &Config, memory: Memory) -> Result<ReplicationClient, CdcError> {
     let t = outbox_pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
     let mut passed = Vec::new();
     for (host, port) in &t.hosts {
@@ -161,7 +163,7 @@ pub(crate) async fn connect_replication(cfg: &Config) -> Result<ReplicationClien
         // Connecting and asking whether it is a standby, under one connect
         // deadline: a host that accepts TCP and never answers costs that.
         let one = async {
-            match connect_host(cfg, replication_config(cfg, &t, host, *port)).await {
+            match connect_host(cfg, replication_config(cfg, memory, &t, host, *port)).await {
                 Ok(repl) if !t.read_write => Ok(Ok(repl)),
                 Ok(repl) => in_recovery(cfg, repl).await,
                 Err(e) => Err(e),
@@ -229,7 +231,13 @@ async fn in_recovery(cfg: &Config, mut repl: ReplicationClient) -> Result<Result
 }
 
 /// The replication connection's settings for one host of the URL.
-pub(crate) fn replication_config(cfg: &Config, t: &outbox_pgconn::Target, host: &str, port: u16) -> ReplicationConfig {
+pub(crate) fn replication_config(
+    cfg: &Config,
+    memory: Memory,
+    t: &outbox_pgconn::Target,
+    host: &str,
+    port: u16,
+) -> ReplicationConfig {
     let mode = match t.ssl {
         outbox_pgconn::SslMode::Disable => pgwire_replication::SslMode::Disable,
         outbox_pgconn::SslMode::Prefer => pgwire_replication::SslMode::Prefer,
@@ -254,7 +262,7 @@ pub(crate) fn replication_config(cfg: &Config, t: &outbox_pgconn::Target, host: 
     .with_tls(tls)
     .with_status_interval(STATUS_INTERVAL)
     .with_wakeup_interval(Duration::from_secs(5))
-    .with_buffer_size(crate::pipeline::budget::replication_buffer_events(cfg.max_unsettled_bytes))
+    .with_buffer_size(memory.replication_buffer_events())
     .with_application_name(format!("outbox-relay:{}", cfg.slot))
 }
 

@@ -1,0 +1,123 @@
+//! The pipeline, assembled in one place from its [`Settings`]. Both sources
+//! use it:
+//! - the stream: the router in front of one lane per destination, every
+//!   lane's settlements to one settler ([`Streaming::start`]);
+//! - the table path: one claim's rows through a lane of their own, their
+//!   settlements back to the claiming transaction ([`send_claimed`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{mpsc, Notify};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_postgres::Client;
+
+use crate::event::QueueInfo;
+use crate::metrics::Metrics;
+use crate::publish::Publisher;
+
+use super::lane::{run_lane, LaneConfig, LaneItem, LaneState};
+use super::route::Router;
+use super::settings::Settings;
+use super::settle::{run_settler, Settlement};
+use super::watermark::Watermark;
+
+/// Items a lane's channel holds (each holds its share of the budget).
+const LANE_CHANNEL: usize = 4_096;
+
+/// What a pipeline is made of and sends through.
+#[derive(Clone, Copy)]
+pub struct Parts<'a> {
+    pub settings: &'a Settings,
+    pub queues: &'a BTreeMap<String, QueueInfo>,
+    /// Per destination, outliving sessions: streaming or spooling.
+    pub states: &'a BTreeMap<String, Arc<LaneState>>,
+    pub publisher: &'a Arc<dyn Publisher>,
+    pub metrics: &'a Arc<Metrics>,
+}
+
+/// The settler's task: it ends when every lane and the router are gone.
+pub type Settler = JoinHandle<Result<(), tokio_postgres::Error>>;
+
+/// A stream's running pipeline.
+pub struct Streaming<'a> {
+    pub router: Router<'a>,
+    pub lanes: JoinSet<()>,
+    pub settler: Settler,
+}
+
+impl<'a> Streaming<'a> {
+    /// The settler on `settler_client`, one lane per destination, and the
+    /// router in front of them within the memory budget.
+    pub fn start(
+        parts: Parts<'a>,
+        settler_client: Client,
+        watermark: &Arc<Mutex<Watermark>>,
+        confirm: &Arc<Notify>,
+    ) -> Streaming<'a> {
+        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let settler = tokio::spawn(run_settler(
+            settler_client,
+            settle_rx,
+            Arc::clone(watermark),
+            Arc::clone(confirm),
+            Arc::clone(parts.metrics),
+            parts.settings.marking,
+        ));
+        let mut lanes = JoinSet::new();
+        let mut senders = HashMap::new();
+        for (name, queue) in parts.queues {
+            let (tx, rx) = mpsc::channel(LANE_CHANNEL);
+            senders.insert(name.clone(), tx);
+            lanes.spawn(run_lane(
+                LaneConfig::streaming(name, queue, &parts.settings.lanes),
+                Arc::clone(parts.publisher),
+                rx,
+                settle_tx.clone(),
+                Arc::clone(parts.metrics),
+                Some(Arc::clone(&parts.states[name])),
+            ));
+        }
+        let router = Router {
+            queues: parts.queues,
+            lanes: senders,
+            states: parts.states,
+            settle: settle_tx,
+            budget: parts.settings.memory.budget(),
+            watermark: Arc::clone(watermark),
+            metrics: Arc::clone(parts.metrics),
+        };
+        Streaming { router, lanes, settler }
+    }
+}
+
+/// Send one table claim's rows through a lane of their own (retries go back
+/// to the table, not into memory); their settlements, once all are done.
+pub async fn send_claimed(
+    settings: &Settings,
+    name: &Arc<str>,
+    queue: &QueueInfo,
+    items: Vec<LaneItem>,
+    publisher: &Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+) -> Vec<Settlement> {
+    let mut settled = Vec::with_capacity(items.len());
+    if items.is_empty() {
+        return settled;
+    }
+    let (item_tx, item_rx) = mpsc::channel(items.len());
+    let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+    let lane_cfg = LaneConfig::table(Arc::clone(name), queue, &settings.lanes, &settings.marking);
+    let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
+    let last = items.len() - 1;
+    for (i, item) in items.into_iter().enumerate() {
+        // Capacity is the number of items: never waits.
+        let _ = item_tx.send(item.ending_chunk(i == last)).await;
+    }
+    drop(item_tx);
+    while let Some(s) = settle_rx.recv().await {
+        settled.push(s);
+    }
+    let _ = lane.await;
+    settled
+}

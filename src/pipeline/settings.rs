@@ -1,0 +1,47 @@
+//! The pipeline's settings, derived once from the configuration at start-up:
+//! how lanes batch and send, how settlement marks rows, and the bounds on
+//! memory. Both sources build their pipeline from these, never from
+//! [`Config`] directly.
+
+use std::time::Duration;
+
+use crate::config::Config;
+
+use super::budget::Memory;
+use super::settle::Marking;
+
+/// How every lane batches and sends.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneSettings {
+    /// How long a lane waits for more entries before sending a short batch.
+    pub linger: Duration,
+    /// Send at once when nothing is in flight; linger only while batches are.
+    pub adaptive: bool,
+    /// SendMessageBatch calls in flight per lane.
+    pub max_in_flight: usize,
+    /// A streaming lane whose oldest unsettled event is older spools.
+    pub stall_timeout: Duration,
+}
+
+/// Everything the pipeline is built from.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    pub lanes: LaneSettings,
+    pub marking: Marking,
+    pub memory: Memory,
+}
+
+impl Settings {
+    pub fn of(config: &Config) -> Settings {
+        Settings {
+            lanes: LaneSettings {
+                linger: config.linger,
+                adaptive: config.adaptive_linger,
+                max_in_flight: config.max_in_flight_batches,
+                stall_timeout: config.lane_stall_timeout,
+            },
+            marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
+            memory: Memory { max_events: config.max_unsettled_events, max_bytes: config.max_unsettled_bytes },
+        }
+    }
+}
