@@ -32,7 +32,7 @@ use common::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series,
 use common::*;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
-use outbox_relay::event::{Entry, QueueInfo};
+use outbox_relay::publish::entry::{Entry, QueueInfo};
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;

@@ -12,8 +12,8 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_postgres::Client;
 
-use crate::event::QueueInfo;
 use crate::metrics::Metrics;
+use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 
 use super::lane::{run_lane, LaneConfig, LaneItem, LaneState};

@@ -1,6 +1,6 @@
 //! Cutting batches out of a lane's pending entries, within SQS's limits:
 //! at most 10 entries, at most 1 MiB together (each entry already fits its
-//! queue's `MaximumMessageSize`, see [`crate::event::prepare`]).
+//! queue's `MaximumMessageSize`, see [`crate::publish::entry::prepare`]).
 //!
 //! FIFO queues: a batch holds at most one entry per message group, and never
 //! an entry of a group that is already in flight. A group's entries therefore
@@ -9,7 +9,7 @@
 
 use std::collections::{HashSet, VecDeque};
 
-use crate::event::Entry;
+use crate::publish::entry::Entry;
 
 pub const MAX_BATCH_ENTRIES: usize = 10;
 pub const MAX_BATCH_BYTES: usize = 1_048_576;

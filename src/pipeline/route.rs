@@ -9,13 +9,14 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
 
-use crate::event::{prepare, Entry, OutboxEvent, QueueInfo};
+use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
 use crate::pipeline::lane::{Flow, LaneItem, LaneState};
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
+use crate::publish::entry::{prepare, Entry, QueueInfo};
 
 /// The metric label of events whose destination is not configured.
 pub const UNKNOWN_DESTINATION_LABEL: &str = "unknown";

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use tokio::sync::Semaphore;
 
 use super::{CallError, EntryResult, Publisher};
-use crate::event::{Entry, QueueInfo};
+use crate::publish::entry::{Entry, QueueInfo};
 
 /// What the next `send_batch` call does instead of succeeding.
 #[derive(Debug, Clone)]

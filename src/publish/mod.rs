@@ -4,12 +4,13 @@
 //! keeps messages in memory and injects faults, for tests.
 
 #[cfg(any(test, feature = "test-utils"))]
+pub mod entry;
 pub mod memory;
 pub mod sqs;
 
 use async_trait::async_trait;
 
-use crate::event::{Entry, QueueInfo};
+use crate::publish::entry::{Entry, QueueInfo};
 
 /// The outcome of one entry of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]

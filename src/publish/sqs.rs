@@ -10,7 +10,7 @@ use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageB
 use aws_sdk_sqs::config::http::HttpResponse;
 
 use super::{CallError, EntryResult, Publisher};
-use crate::event::{Entry, QueueInfo};
+use crate::publish::entry::{Entry, QueueInfo};
 
 #[derive(Clone, Debug)]
 pub struct SqsPublisher {

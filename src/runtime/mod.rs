@@ -25,10 +25,10 @@ use std::sync::atomic::AtomicBool;
 
 use crate::config::{Config, Mode};
 use crate::db::Db;
-use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
+use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};

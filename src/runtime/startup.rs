@@ -16,7 +16,7 @@ use super::*;
 pub(crate) struct Started {
     pub(crate) mode: Mode,
     pub(crate) sharded: bool,
-    pub(crate) queues: BTreeMap<String, crate::event::QueueInfo>,
+    pub(crate) queues: BTreeMap<String, crate::publish::entry::QueueInfo>,
     pub(crate) listener: Option<tokio::net::TcpListener>,
     pub(crate) retention: Option<Duration>,
 }

@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::db;
-use crate::event::{prepare, OutboxEvent, QueueInfo, OUTBOX_COLUMNS};
+use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::send_claimed;
 use crate::pipeline::lane::{Flow, LaneItem, LaneState};
@@ -34,6 +34,7 @@ use crate::pipeline::settings::Settings;
 use crate::pipeline::settle::{mark, record, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
+use crate::publish::entry::{prepare, QueueInfo};
 use crate::publish::Publisher;
 
 /// Which rows a table lane claims.

@@ -20,7 +20,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use crate::event::{Entry, QueueInfo};
 use crate::metrics::Metrics;
 use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
@@ -28,6 +27,7 @@ use crate::pipeline::settings::LaneSettings;
 use crate::pipeline::settle::{Due, Marking, Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
 use crate::policy::spool::{stalled, SpoolCause};
+use crate::publish::entry::{Entry, QueueInfo};
 use crate::publish::Publisher;
 
 mod send;
@@ -429,7 +429,8 @@ fn catching_up(spool: &Option<watch::Receiver<Flow>>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{prepare, OutboxEvent};
+    use crate::event::OutboxEvent;
+    use crate::publish::entry::prepare;
     use crate::publish::memory::MemoryPublisher;
 
     const Q: &str = "http://memory.invalid/orders";

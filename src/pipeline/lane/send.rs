@@ -8,10 +8,10 @@ use std::time::Instant;
 use tokio::sync::watch;
 
 use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy};
-use crate::event::Entry;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
+use crate::publish::entry::Entry;
 use crate::publish::{CallError, EntryResult};
 
 /// What becomes of one entry after a call.

@@ -19,12 +19,12 @@ use tokio_postgres::Client;
 
 use crate::config::Config;
 use crate::db;
-use crate::event::QueueInfo;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
 use crate::pipeline::watermark::Watermark;
+use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 
 mod decode;

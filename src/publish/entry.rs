@@ -1,0 +1,342 @@
+//! The SQS entry made from an outbox row. Every rule SQS would enforce is
+//! checked here, before any send, so a row SQS would refuse becomes DEAD
+//! with its reason instead of failing a whole batch.
+
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::event::OutboxEvent;
+use crate::policy::dead::{DeadCode, DeadReason};
+
+/// What SQS needs to know about a queue to batch for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueInfo {
+    pub url: String,
+    pub fifo: bool,
+    /// `MaximumMessageSize`, bytes (body plus attributes).
+    pub max_message_size: usize,
+}
+
+/// A message attribute, in SQS's terms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attribute {
+    pub name: String,
+    pub data_type: String,
+    pub value: String,
+}
+
+/// An event validated for its queue: ready to go into a batch.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub event: Arc<OutboxEvent>,
+    pub attributes: Vec<Attribute>,
+    /// Bytes SQS counts against the message and batch limits.
+    pub size: usize,
+    /// FIFO only: `MessageGroupId`.
+    pub group_id: Option<String>,
+    /// FIFO only: `MessageDeduplicationId`.
+    pub dedup_id: Option<String>,
+}
+
+/// SQS's limit on an attribute's `DataType`, its custom label included.
+pub const MAX_DATA_TYPE: usize = 256;
+
+/// SQS's limit on attributes per message.
+pub const MAX_ATTRIBUTES: usize = 10;
+
+/// SQS accepts `#x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD | #x10000-#x10FFFF`.
+/// Rust strings hold no surrogates, so that leaves the C0 controls and
+/// U+FFFE/U+FFFF to refuse.
+pub fn first_invalid_char(s: &str) -> Option<(usize, char)> {
+    s.char_indices().find(|&(_, c)| {
+        let c = c as u32;
+        !(c == 0x9 || c == 0xA || c == 0xD || (0x20..=0xFFFD).contains(&c) || c >= 0x10000)
+    })
+}
+
+/// Deduplication and group ids: 1 to 128 of `[A-Za-z0-9]` and ASCII punctuation.
+fn is_sqs_token(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation())
+}
+
+/// `MessageDeduplicationId` for an event: its `event_id` when SQS accepts it
+/// as one, otherwise the hex SHA-256 of it (64 characters, deterministic, so a
+/// resend within SQS's 5-minute window is still absorbed).
+pub fn dedup_id(event_id: &str) -> String {
+    if is_sqs_token(event_id) {
+        event_id.to_string()
+    } else {
+        hex::encode(Sha256::digest(event_id.as_bytes()))
+    }
+}
+
+/// Parse the `attributes` JSON: an object of at most 10 entries, each a string
+/// (type String), a number (type Number, its JSON text carried exactly, never
+/// through a float), a boolean (type String), or
+/// `{"DataType": "String|Number[.label]", "StringValue": "..."}`.
+pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
+    use serde_json::value::RawValue;
+    let bad = |d: String| DeadReason::new(DeadCode::InvalidAttributes, d);
+    let top: &RawValue = serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let obj: std::collections::BTreeMap<String, &RawValue> = match top.get().trim_start().as_bytes().first() {
+        Some(b'n') => return Ok(Vec::new()),
+        Some(b'{') => serde_json::from_str(top.get()).map_err(|e| bad(format!("not JSON: {e}")))?,
+        _ => return Err(bad(format!("expected a JSON object, got {}", top.get().trim()))),
+    };
+    if obj.len() > MAX_ATTRIBUTES {
+        return Err(bad(format!("{} attributes; SQS allows at most {MAX_ATTRIBUTES}", obj.len())));
+    }
+    let mut out = Vec::with_capacity(obj.len());
+    for (name, raw) in obj {
+        validate_attribute_name(&name).map_err(bad)?;
+        let (data_type, value) = attribute_value(&name, raw.get().trim()).map_err(bad)?;
+        let base = data_type.split('.').next().unwrap_or_default();
+        if base != "String" && base != "Number" {
+            return Err(bad(format!(
+                "attribute {name:?}: DataType {data_type:?} is not String or Number (Binary is not supported)"
+            )));
+        }
+        if data_type.len() > MAX_DATA_TYPE {
+            return Err(bad(format!(
+                "attribute {name:?}: DataType is {} characters; SQS allows at most {MAX_DATA_TYPE}",
+                data_type.len()
+            )));
+        }
+        if value.is_empty() {
+            return Err(bad(format!("attribute {name:?}: empty value")));
+        }
+        if base == "Number" {
+            check_sqs_number(&value).map_err(|e| bad(format!("attribute {name:?}: {e}")))?;
+        }
+        if let Some((i, c)) = first_invalid_char(&value) {
+            return Err(DeadReason::new(
+                DeadCode::InvalidCharacters,
+                format!("attribute {name:?} has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
+            ));
+        }
+        out.push(Attribute { name, data_type, value });
+    }
+    Ok(out)
+}
+
+/// One attribute's (DataType, value) from its raw JSON text.
+fn attribute_value(name: &str, raw: &str) -> Result<(String, String), String> {
+    let parse = |e: serde_json::Error| format!("attribute {name:?}: {e}");
+    match raw.as_bytes().first() {
+        Some(b'"') => Ok(("String".into(), serde_json::from_str::<String>(raw).map_err(parse)?)),
+        Some(b't' | b'f') => Ok(("String".into(), serde_json::from_str::<bool>(raw).map_err(parse)?.to_string())),
+        // The number's own text: 38 significant digits survive, as SQS keeps them.
+        Some(b'-' | b'0'..=b'9') => Ok(("Number".into(), raw.to_string())),
+        Some(b'{') => {
+            let mut o: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw).map_err(parse)?;
+            let t = o.remove("DataType").and_then(|t| t.as_str().map(str::to_owned));
+            let s = o.remove("StringValue").and_then(|t| t.as_str().map(str::to_owned));
+            match (t, s) {
+                (Some(t), Some(s)) if o.is_empty() => Ok((t, s)),
+                _ => Err(format!("attribute {name:?}: expected {{\"DataType\": ..., \"StringValue\": ...}}")),
+            }
+        }
+        _ => Err(format!("attribute {name:?}: unsupported value {raw}")),
+    }
+}
+
+/// SQS's rule for a Number attribute: a decimal number (optional sign,
+/// fraction and exponent) of at most 38 significant digits, between 10^-128
+/// and 10^+126 in magnitude (or zero). Leading and trailing zeros do not count.
+pub fn check_sqs_number(s: &str) -> Result<(), String> {
+    let not_a_number = || format!("Number value {s:?} is not a decimal number");
+    let t = s.strip_prefix(['-', '+']).unwrap_or(s);
+    let (mantissa, exp) = match t.find(['e', 'E']) {
+        Some(i) => (&t[..i], t[i + 1..].parse::<i64>().map_err(|_| not_a_number())?),
+        None => (t, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits_only = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
+    if (int.is_empty() && frac.is_empty()) || !digits_only(int) || !digits_only(frac) {
+        return Err(not_a_number());
+    }
+    let digits = format!("{int}{frac}");
+    let significant = digits.trim_matches('0');
+    if significant.is_empty() {
+        return Ok(());
+    }
+    if significant.len() > 38 {
+        return Err(format!("Number value {s:?} has {} significant digits; SQS keeps at most 38", significant.len()));
+    }
+    let leading_zeros = (digits.len() - digits.trim_start_matches('0').len()) as i64;
+    let magnitude = int.len() as i64 - 1 - leading_zeros + exp;
+    if !(-128..126).contains(&magnitude) {
+        return Err(format!("Number value {s:?} is outside SQS's range (10^-128 to 10^126)"));
+    }
+    Ok(())
+}
+
+fn validate_attribute_name(name: &str) -> Result<(), String> {
+    let lower = name.to_ascii_lowercase();
+    let ok = !name.is_empty()
+        && name.len() <= 256
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && !name.starts_with('.')
+        && !name.ends_with('.')
+        && !name.contains("..")
+        && !lower.starts_with("aws.")
+        && !lower.starts_with("amazon.");
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("attribute name {name:?} is not allowed by SQS"))
+    }
+}
+
+/// Validate `event` for `queue` and build its entry, or say why it is DEAD.
+pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, DeadReason> {
+    if event.body.is_empty() {
+        return Err(DeadReason::new(DeadCode::EmptyBody, "SQS refuses an empty message body"));
+    }
+    if let Some((i, c)) = first_invalid_char(&event.body) {
+        return Err(DeadReason::new(
+            DeadCode::InvalidCharacters,
+            format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
+        ));
+    }
+    let attributes = match &event.attributes {
+        Some(json) => parse_attributes(json)?,
+        None => Vec::new(),
+    };
+    let size =
+        event.body.len() + attributes.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
+    if size > queue.max_message_size {
+        return Err(DeadReason::new(
+            DeadCode::TooLarge,
+            format!("message is {size} bytes with its attributes; the queue allows {}", queue.max_message_size),
+        ));
+    }
+    let (group_id, dedup) = if queue.fifo {
+        let group = match &event.group_key {
+            None => {
+                return Err(DeadReason::new(
+                    DeadCode::FifoWithoutGroup,
+                    "the destination is a FIFO queue and the row has no group_key",
+                ))
+            }
+            Some(g) if !is_sqs_token(g) => {
+                return Err(DeadReason::new(
+                    DeadCode::InvalidGroupKey,
+                    "group_key must be 1 to 128 letters, digits or ASCII punctuation",
+                ))
+            }
+            Some(g) => g.clone(),
+        };
+        (Some(group), Some(dedup_id(&event.event_id)))
+    } else {
+        (None, None)
+    };
+    Ok(Entry { event, attributes, size, group_id, dedup_id: dedup })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
+        Arc::new(OutboxEvent { event_id: format!("e:{id}:0"), ..OutboxEvent::for_test(id, "orders", body) })
+    }
+
+    fn q(fifo: bool, max: usize) -> QueueInfo {
+        QueueInfo { url: "http://q".into(), fifo, max_message_size: max }
+    }
+
+    #[test]
+    fn characters_sqs_refuses() {
+        assert_eq!(first_invalid_char("héllo\t\n\r ✓ 😀"), None);
+        assert_eq!(first_invalid_char("a\u{0}b"), Some((1, '\u{0}')));
+        assert_eq!(first_invalid_char("\u{1f}"), Some((0, '\u{1f}')));
+        assert_eq!(first_invalid_char("x\u{FFFE}"), Some((1, '\u{FFFE}')));
+        let dead = prepare(ev(1, "bad\u{7}bell"), &q(false, 1000)).unwrap_err();
+        assert_eq!(dead.code, DeadCode::InvalidCharacters);
+        assert!(dead.last_error().contains("U+0007"));
+    }
+
+    #[test]
+    fn size_counts_multibyte_body_and_attributes() {
+        let mut e = (*ev(1, "é")).clone(); // 2 bytes
+        e.attributes = Some(r#"{"k": "vv", "n": 12}"#.into());
+        let entry = prepare(Arc::new(e.clone()), &q(false, 1000)).unwrap();
+        // body 2 + ("k" 1 + "String" 6 + "vv" 2) + ("n" 1 + "Number" 6 + "12" 2)
+        assert_eq!(entry.size, 2 + 9 + 9);
+        let dead = prepare(Arc::new(e), &q(false, 19)).unwrap_err();
+        assert_eq!(dead.code, DeadCode::TooLarge);
+    }
+
+    #[test]
+    fn attributes_rules() {
+        assert!(parse_attributes(r#"{"a": {"DataType": "Number.int", "StringValue": "3"}}"#).is_ok());
+        let eleven: String =
+            format!("{{{}}}", (0..11).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(","));
+        assert!(parse_attributes(&eleven).unwrap_err().detail.contains("at most 10"));
+        assert!(parse_attributes("[1]").is_err());
+        assert!(parse_attributes(r#"{"AWS.x": "v"}"#).is_err());
+        assert!(parse_attributes(r#"{"a": {"DataType": "Binary", "StringValue": "x"}}"#).is_err());
+        assert!(parse_attributes(r#"{"a": ""}"#).is_err());
+        let label = |n: usize| format!(r#"{{"a": {{"DataType": "String.{}", "StringValue": "x"}}}}"#, "l".repeat(n));
+        assert!(parse_attributes(&label(256 - 7)).is_ok());
+        assert!(parse_attributes(&label(256 - 6)).unwrap_err().detail.contains("at most 256"));
+        assert!(parse_attributes(r#"{"a": null}"#).is_err());
+        assert_eq!(parse_attributes("null").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn numbers_keep_their_exact_text() {
+        let a = parse_attributes(
+            r#"{"big": 123456789012345678901234567890, "frac": 12345678901234.56789, "e": -1.5e-7, "z": 0}"#,
+        )
+        .unwrap();
+        let v = |n: &str| a.iter().find(|x| x.name == n).map(|x| (x.data_type.as_str(), x.value.as_str())).unwrap();
+        assert_eq!(v("big"), ("Number", "123456789012345678901234567890"));
+        assert_eq!(v("frac"), ("Number", "12345678901234.56789"));
+        assert_eq!(v("e"), ("Number", "-1.5e-7"));
+        assert_eq!(v("z"), ("Number", "0"));
+        // 38 significant digits pass (trailing zeros do not count); 39 are DEAD.
+        let d38 = "1".repeat(38);
+        assert!(parse_attributes(&format!(r#"{{"n": {d38}000}}"#)).is_ok());
+        let e = parse_attributes(&format!(r#"{{"n": {d38}1}}"#)).unwrap_err();
+        assert_eq!(e.code, DeadCode::InvalidAttributes);
+        assert!(e.detail.contains("39 significant digits"), "{e:?}");
+        assert!(parse_attributes(r#"{"n": 1e126}"#).unwrap_err().detail.contains("outside SQS's range"));
+        assert!(parse_attributes(r#"{"n": 9.99e125}"#).is_ok());
+        assert!(parse_attributes(r#"{"n": 1e-129}"#).unwrap_err().detail.contains("outside SQS's range"));
+        assert!(parse_attributes(r#"{"n": 1e-128}"#).is_ok());
+        // The explicit form is checked the same way.
+        let explicit =
+            |v: &str| parse_attributes(&format!(r#"{{"n": {{"DataType": "Number.price", "StringValue": "{v}"}}}}"#));
+        assert_eq!(explicit("00012.50").unwrap()[0].value, "00012.50");
+        assert!(explicit("twelve").unwrap_err().detail.contains("not a decimal number"));
+        assert!(explicit("1.2.3").is_err());
+        assert!(parse_attributes(r#"{"b": true}"#).unwrap()[0].value == "true");
+        assert!(parse_attributes(r#"{"a": [1]}"#).unwrap_err().detail.contains("unsupported value"));
+    }
+
+    #[test]
+    fn fifo_needs_a_group_and_gets_a_dedup_id() {
+        let dead = prepare(ev(1, "x"), &q(true, 1000)).unwrap_err();
+        assert_eq!(dead.code, DeadCode::FifoWithoutGroup);
+        let mut e = (*ev(1, "x")).clone();
+        e.group_key = Some("customer-7".into());
+        let entry = prepare(Arc::new(e.clone()), &q(true, 1000)).unwrap();
+        assert_eq!(entry.group_id.as_deref(), Some("customer-7"));
+        assert_eq!(entry.dedup_id.as_deref(), Some("e:1:0"));
+        e.group_key = Some("has space".into());
+        assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, DeadCode::InvalidGroupKey);
+    }
+
+    #[test]
+    fn long_or_odd_event_ids_are_hashed() {
+        assert_eq!(dedup_id("order.created:abc:0"), "order.created:abc:0");
+        let long = "x".repeat(129);
+        assert_eq!(dedup_id(&long).len(), 64);
+        assert_eq!(dedup_id(&long), dedup_id(&long));
+        assert_eq!(dedup_id("with space").len(), 64);
+        assert_eq!(dedup_id("ünïcode").len(), 64);
+    }
+}
