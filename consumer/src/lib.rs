@@ -276,6 +276,19 @@ pub enum DlqDisposition {
     Unrecognised,
 }
 
+impl DlqDisposition {
+    /// `outbox_dlq_job`'s answer (protocol.sql).
+    fn parse(s: &str) -> Option<DlqDisposition> {
+        Some(match s {
+            "marked_dead" => DlqDisposition::MarkedDead,
+            "already_terminal" => DlqDisposition::AlreadyTerminal,
+            "lease_live" => DlqDisposition::LeaseLive,
+            "unrecognised" => DlqDisposition::Unrecognised,
+            _ => return None,
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ConsumerConfig {
     /// This worker's name in `claimed_by`.
@@ -460,11 +473,13 @@ impl Consumer {
     /// One row of `outbox_claim_jobs` as a verdict.
     fn verdict(&self, m: JobMessage, r: &tokio_postgres::Row) -> Result<Verdict, ConsumerError> {
         let action: String = r.get(1);
+        let action = ClaimAnswer::parse(&action)
+            .ok_or_else(|| ConsumerError::Protocol(format!("outbox_claim_jobs answered {action:?}")))?;
         let delay = secs(r.get(5));
         let reason: Option<String> = r.get(6);
         let decided = |d, a| Ok(Verdict::Decided(d, a));
-        match action.as_str() {
-            "run" => {
+        match action {
+            ClaimAnswer::Run => {
                 let rescued: bool = r.get(4);
                 if rescued {
                     tracing::info!(job_id = %m.job_id, "expired lease rescued");
@@ -472,22 +487,23 @@ impl Consumer {
                 let handler = Arc::clone(&self.handlers[&m.kind]);
                 Ok(Verdict::Run(Claimed { attempt: r.get(2), payload: r.get(3), rescued, handler, message: m }))
             }
-            "skip" => decided(Disposition::TerminalSkip, QueueAction::Delete),
-            "not_due" => decided(Disposition::NotDue { after: delay }, QueueAction::Hide(delay)),
-            "busy" => decided(Disposition::Busy { after: delay }, QueueAction::Hide(delay)),
+            ClaimAnswer::Skip => decided(Disposition::TerminalSkip, QueueAction::Delete),
+            ClaimAnswer::NotDue => decided(Disposition::NotDue { after: delay }, QueueAction::Hide(delay)),
+            ClaimAnswer::Busy => decided(Disposition::Busy { after: delay }, QueueAction::Hide(delay)),
             // Someone else got there: the message comes back after their lease.
-            "fenced" => decided(Disposition::Fenced, QueueAction::Hide(self.config.lease)),
-            "stale" => {
+            ClaimAnswer::Fenced => decided(Disposition::Fenced, QueueAction::Hide(self.config.lease)),
+            ClaimAnswer::Stale => {
                 tracing::info!(job_id = %m.job_id, generation = m.generation, "stale generation message rejected");
                 decided(Disposition::Stale, QueueAction::Delete)
             }
-            "dead" => decided(Disposition::Dead { reason: reason.unwrap_or_default() }, QueueAction::Delete),
-            "unknown_job" => {
+            ClaimAnswer::Dead => decided(Disposition::Dead { reason: reason.unwrap_or_default() }, QueueAction::Delete),
+            ClaimAnswer::UnknownJob => {
                 tracing::warn!(job_id = %m.job_id, "message for a job the database does not have: left for the DLQ");
                 decided(Disposition::UnknownJob, QueueAction::Leave)
             }
-            "wrong_wiring" => decided(Disposition::WrongWiring(reason.unwrap_or_default()), QueueAction::Leave),
-            other => Err(ConsumerError::Protocol(format!("outbox_claim_jobs answered {other:?}"))),
+            ClaimAnswer::WrongWiring => {
+                decided(Disposition::WrongWiring(reason.unwrap_or_default()), QueueAction::Leave)
+            }
         }
     }
 
@@ -646,20 +662,46 @@ impl Consumer {
         let conn = self.conn().await?;
         self.trip(1);
         let answer: String = conn.query_one("SELECT outbox_dlq_job($1, $2)", &[&m.job_id, &m.generation]).await?.get(0);
-        let d = match answer.as_str() {
-            "marked_dead" => {
-                tracing::warn!(job_id = %m.job_id, "job DEAD: its message reached the DLQ");
-                DlqDisposition::MarkedDead
-            }
-            "already_terminal" => DlqDisposition::AlreadyTerminal,
-            "lease_live" => DlqDisposition::LeaseLive,
-            "unrecognised" => DlqDisposition::Unrecognised,
-            other => return Err(ConsumerError::Protocol(format!("outbox_dlq_job answered {other:?}"))),
-        };
+        let d = DlqDisposition::parse(&answer)
+            .ok_or_else(|| ConsumerError::Protocol(format!("outbox_dlq_job answered {answer:?}")))?;
+        if d == DlqDisposition::MarkedDead {
+            tracing::warn!(job_id = %m.job_id, "job DEAD: its message reached the DLQ");
+        }
         if matches!(d, DlqDisposition::MarkedDead | DlqDisposition::AlreadyTerminal) {
             queue.delete(&msg.receipt).await?;
         }
         Ok(d)
+    }
+}
+
+/// What `outbox_claim_jobs` answers for a message (protocol.sql).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClaimAnswer {
+    Run,
+    Skip,
+    NotDue,
+    Busy,
+    Fenced,
+    Stale,
+    Dead,
+    UnknownJob,
+    WrongWiring,
+}
+
+impl ClaimAnswer {
+    fn parse(s: &str) -> Option<ClaimAnswer> {
+        Some(match s {
+            "run" => ClaimAnswer::Run,
+            "skip" => ClaimAnswer::Skip,
+            "not_due" => ClaimAnswer::NotDue,
+            "busy" => ClaimAnswer::Busy,
+            "fenced" => ClaimAnswer::Fenced,
+            "stale" => ClaimAnswer::Stale,
+            "dead" => ClaimAnswer::Dead,
+            "unknown_job" => ClaimAnswer::UnknownJob,
+            "wrong_wiring" => ClaimAnswer::WrongWiring,
+            _ => return None,
+        })
     }
 }
 

@@ -91,72 +91,103 @@ pub async fn run_table_lane(
         if *stop.borrow() {
             return;
         }
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            match db.connect().await {
-                Ok(c) => client = Some(c),
-                Err(e) => {
-                    tracing::warn!(destination = %cfg.name, error = %e, "table path cannot connect; retrying");
-                    if sleep_or_stop(reconnect.failed(), &mut stop).await {
-                        return;
-                    }
-                    continue;
-                }
+        let Some(round) = connect_and_claim(&mut client, &db, &cfg, &publisher, &metrics).await else {
+            if sleep_or_stop(reconnect.failed(), &mut stop).await {
+                return;
             }
-        }
-        let c = client.as_mut().expect("connected above");
-        let round = match claim_round(c, &cfg, &publisher, &metrics).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(destination = %cfg.name, error = %db::describe(&e), "table path round failed; its rows stay NEW and are claimed again");
-                client = None;
-                if sleep_or_stop(reconnect.failed(), &mut stop).await {
-                    return;
-                }
-                continue;
-            }
+            continue;
         };
         reconnect.succeeded();
-        if round.handled > 0 && round.handled > round.dead {
-            let ok = round.deferred == 0;
-            if ok != sends_ok {
-                if ok {
-                    tracing::info!(destination = %cfg.name, published = round.published, "table path: sends succeed again");
-                } else {
-                    tracing::warn!(destination = %cfg.name, deferred = round.deferred, "table path: sends fail; rows wait in the table with a backoff (retry_base doubling to retry_max)");
-                }
-            }
-            sends_ok = ok;
-        }
-        if let Some(state) = &state {
-            let resume = may_stream_again(DrainRound {
-                held: state.is_held(),
-                fifo: cfg.queue.fifo,
-                catching_up: state.flow() == Flow::CatchingUp,
-                claimed: round.claimed,
-                full: round.claimed >= cfg.claim_limit,
-                published: round.published,
-                sends_ok,
-                deferred_unmarked: state.deferred_unmarked(),
-            });
-            match resume {
-                _ if !state.is_spooling() => {}
-                Resume::No => {}
-                Resume::Now => state.stop_spooling(),
-                Resume::CatchUp => state.catch_up(),
-                Resume::IfSpoolEmpty => match spool_is_empty(c, &cfg.name).await {
-                    Ok(true) => state.stop_spooling(),
-                    Ok(false) => {}
-                    Err(e) => {
-                        tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
-                        client = None;
-                    }
-                },
+        sends_ok = sends_now_ok(&cfg.name, &round, sends_ok);
+        if let (Some(state), Some(c)) = (&state, &client) {
+            if let Err(e) = resume_streaming(state, &cfg, &round, sends_ok, c).await {
+                tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
+                client = None;
             }
         }
         if round.claimed < cfg.claim_limit && sleep_or_stop(cfg.poll_interval, &mut stop).await {
             return;
         }
     }
+}
+
+/// One round on `client` (connected first if it is not); `None`, logged,
+/// when the connection or the round failed (the client is dropped).
+async fn connect_and_claim(
+    client: &mut Option<Client>,
+    db: &db::Db,
+    cfg: &TableLaneConfig,
+    publisher: &Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+) -> Option<Round> {
+    if client.as_ref().is_none_or(|c| c.is_closed()) {
+        match db.connect().await {
+            Ok(c) => *client = Some(c),
+            Err(e) => {
+                tracing::warn!(destination = %cfg.name, error = %e, "table path cannot connect; retrying");
+                return None;
+            }
+        }
+    }
+    let c = client.as_mut().expect("connected above");
+    match claim_round(c, cfg, publisher, metrics).await {
+        Ok(r) => Some(r),
+        Err(e) => {
+            tracing::warn!(destination = %cfg.name, error = %db::describe(&e), "table path round failed; its rows stay NEW and are claimed again");
+            *client = None;
+            None
+        }
+    }
+}
+
+/// Whether sends succeed after `round` (a round that sent nothing but DEAD
+/// rows says nothing); a change is logged.
+fn sends_now_ok(name: &str, round: &Round, sends_ok: bool) -> bool {
+    if round.handled == 0 || round.handled <= round.dead {
+        return sends_ok;
+    }
+    let ok = round.deferred == 0;
+    if ok != sends_ok {
+        if ok {
+            tracing::info!(destination = %name, published = round.published, "table path: sends succeed again");
+        } else {
+            tracing::warn!(destination = %name, deferred = round.deferred, "table path: sends fail; rows wait in the table with a backoff (retry_base doubling to retry_max)");
+        }
+    }
+    ok
+}
+
+/// A spooling lane streams again when the spool policy says so after this
+/// round ([`may_stream_again`]).
+async fn resume_streaming(
+    state: &LaneState,
+    cfg: &TableLaneConfig,
+    round: &Round,
+    sends_ok: bool,
+    c: &Client,
+) -> Result<(), tokio_postgres::Error> {
+    let resume = may_stream_again(DrainRound {
+        held: state.is_held(),
+        fifo: cfg.queue.fifo,
+        catching_up: state.flow() == Flow::CatchingUp,
+        claimed: round.claimed,
+        full: round.claimed >= cfg.claim_limit,
+        published: round.published,
+        sends_ok,
+        deferred_unmarked: state.deferred_unmarked(),
+    });
+    match resume {
+        _ if !state.is_spooling() => {}
+        Resume::No => {}
+        Resume::Now => state.stop_spooling(),
+        Resume::CatchUp => state.catch_up(),
+        Resume::IfSpoolEmpty => {
+            if spool_is_empty(c, &cfg.name).await? {
+                state.stop_spooling();
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Sleep; true if `stop` turned true meanwhile.

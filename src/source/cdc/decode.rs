@@ -2,7 +2,7 @@
 //! transaction, chunks handed to the router.
 
 use pgwire_replication::ReplicationEvent;
-use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache};
+use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache, Tuple};
 use tokio_postgres::Client;
 
 use crate::event::OutboxEvent;
@@ -94,57 +94,9 @@ impl Decoder {
             return Ok(());
         }
         match msg {
-            LogicalMessage::Insert { relation, new } => {
-                let rel = self
-                    .cache
-                    .get(relation)
-                    .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
-                if rel.name != "outbox" || owned_by_table(rel, &new) {
-                    return Ok(());
-                }
-                let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
-                let row = row_from_tuple(rel, &new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
-                if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
-                    // A full chunk is handed on once the transaction goes on
-                    // past it. What is left of it may update these rows, so
-                    // they are sent as committed (read back from the table).
-                    let (seq, final_lsn, mut buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
-                    t.buf_bytes = 0;
-                    t.buffered.clear();
-                    as_committed(sql, &mut buf).await?;
-                    router.dispatch(sql, seq, self.replayed(final_lsn), buf).await?;
-                }
-                let t = self.txn.as_mut().expect("checked above");
-                t.buf_bytes += row.size();
-                t.buffered.insert(row.id, t.buf.len());
-                t.buf.push(row);
-            }
-            LogicalMessage::Update { relation, new, .. } => {
-                // A row its own transaction inserted and then changed is
-                // sent as it stands at commit (a chunk handed on earlier was
-                // read back from the table). Other updates (later
-                // transactions, the relay's own marks) change nothing here.
-                let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
-                let (Some(t), Some(id)) = (self.txn.as_mut(), tuple_id(rel, &new)) else { return Ok(()) };
-                if let Some(&i) = t.buffered.get(&id) {
-                    let row = updated_row(rel, &new, &t.buf[i])?;
-                    t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
-                    t.buf[i] = row;
-                }
-            }
-            LogicalMessage::Delete { relation, key, old } => {
-                // A row deleted by the transaction that inserted it is
-                // transient: published, never settled in the table. Other
-                // deletes (later transactions, the relay's own settlement)
-                // need nothing.
-                let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
-                let (Some(t), Some(id)) = (self.txn.as_mut(), key.or(old).and_then(|k| tuple_id(rel, &k))) else {
-                    return Ok(());
-                };
-                if let Some(&i) = t.buffered.get(&id) {
-                    t.buf[i].transient = true;
-                }
-            }
+            LogicalMessage::Insert { relation, new } => self.on_insert(relation, &new, sql, router).await?,
+            LogicalMessage::Update { relation, new, .. } => self.on_update(relation, &new)?,
+            LogicalMessage::Delete { relation, key, old } => self.on_delete(relation, key.or(old)),
             LogicalMessage::Truncate { .. } => {
                 tracing::warn!(
                     "TRUNCATE of the outbox seen in the stream; rows truncated before being published are gone"
@@ -153,6 +105,66 @@ impl Decoder {
             _ => {}
         }
         Ok(())
+    }
+
+    /// An outbox row inserted: buffered in its transaction; a full chunk is
+    /// handed on once the transaction goes on past it.
+    async fn on_insert(
+        &mut self,
+        relation: u32,
+        new: &Tuple,
+        sql: &Client,
+        router: &mut Router<'_>,
+    ) -> Result<(), CdcError> {
+        let rel = self
+            .cache
+            .get(relation)
+            .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
+        if rel.name != "outbox" || owned_by_table(rel, new) {
+            return Ok(());
+        }
+        let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
+        let row = row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
+        if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
+            // What is left of the transaction may update the chunk's rows,
+            // so they are sent as committed (read back from the table).
+            let (seq, final_lsn, mut buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
+            t.buf_bytes = 0;
+            t.buffered.clear();
+            as_committed(sql, &mut buf).await?;
+            router.dispatch(sql, seq, self.replayed(final_lsn), buf).await?;
+        }
+        let t = self.txn.as_mut().expect("checked above");
+        t.buf_bytes += row.size();
+        t.buffered.insert(row.id, t.buf.len());
+        t.buf.push(row);
+        Ok(())
+    }
+
+    /// A row its own transaction inserted and then changed is sent as it
+    /// stands at commit (a chunk handed on earlier was read back from the
+    /// table). Other updates (later transactions, the relay's own marks)
+    /// change nothing here.
+    fn on_update(&mut self, relation: u32, new: &Tuple) -> Result<(), CdcError> {
+        let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
+        let (Some(t), Some(id)) = (self.txn.as_mut(), tuple_id(rel, new)) else { return Ok(()) };
+        if let Some(&i) = t.buffered.get(&id) {
+            let row = updated_row(rel, new, &t.buf[i])?;
+            t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
+            t.buf[i] = row;
+        }
+        Ok(())
+    }
+
+    /// A row deleted by the transaction that inserted it is transient:
+    /// published, never settled in the table. Other deletes (later
+    /// transactions, the relay's own settlement) need nothing.
+    fn on_delete(&mut self, relation: u32, old: Option<Tuple>) {
+        let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return };
+        let (Some(t), Some(id)) = (self.txn.as_mut(), old.and_then(|k| tuple_id(rel, &k))) else { return };
+        if let Some(&i) = t.buffered.get(&id) {
+            t.buf[i].transient = true;
+        }
     }
 }
 

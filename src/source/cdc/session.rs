@@ -47,45 +47,10 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     // handed to the table path before anything is published.
     let start_lsn = match slot {
         SlotState::Exists { confirmed_flush, failover } => {
-            if cfg.failover && !failover {
-                db.within("altering the slot to FAILOVER", make_failover(&mut repl, &cfg.slot)).await?;
-            }
-            let pending = finish_hand_off(&sql, &cfg.slot, ctx.shard.as_deref());
-            if let Some((rows, until)) = db.within("finishing an interrupted slot hand-off", pending).await? {
-                ctx.handed_until.raise(until);
-                tracing::warn!(slot = %cfg.slot, rows, "the slot's hand-off of older rows had not finished (the relay stopped during it): every NEW row not streamed yet handed to the table path");
-            }
+            resume_slot(ctx, &sql, &mut repl, failover).await?;
             confirmed_flush
         }
-        SlotState::Missing | SlotState::Lost { .. } => {
-            // Recorded first: a relay stopped before the hand-off ends
-            // leaves the record, and the next session finishes it.
-            db.within("recording the slot hand-off", hand_off_begins(&sql, &cfg.slot)).await?;
-            // Creating a slot waits for running transactions: no deadline,
-            // but shutdown still interrupts it.
-            let (consistent, snapshot) = create_slot_exporting(&mut repl, &cfg.slot, cfg.failover).await?;
-            let snap_client = db.connect().await?;
-            db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
-            // A task of its own: a shutdown arriving meanwhile does not cut
-            // the hand-off short.
-            let shard = ctx.shard.clone();
-            let handed = match tokio::spawn(hand_to_table(snap_client, shard)).await {
-                Ok(Ok(n)) => n,
-                failed => {
-                    // The slot must not stay without its hand-off: drop it, so
-                    // the next session creates it again.
-                    drop_unfinished_slot(cfg, &sql).await;
-                    return Err(match failed {
-                        Ok(Err(e)) => e,
-                        Err(e) => CdcError::Protocol(format!("hand-off task: {e}")),
-                        Ok(Ok(_)) => unreachable!(),
-                    });
-                }
-            };
-            db.within("recording the end of the slot hand-off", hand_off_done(&sql, &cfg.slot)).await?;
-            tracing::info!(slot = %cfg.slot, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
-            consistent
-        }
+        SlotState::Missing | SlotState::Lost { .. } => create_slot(ctx, &sql, &mut repl).await?,
     };
     db.within("starting replication", async {
         repl.start().await?;
@@ -94,6 +59,58 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
     })
     .await?;
     Ok(Opened { sql, repl, start_lsn, startup_lsn })
+}
+
+/// An existing slot: made FAILOVER if configured so, and an interrupted
+/// hand-off of older rows finished.
+async fn resume_slot(
+    ctx: &StreamContext,
+    sql: &Client,
+    repl: &mut ReplicationClient,
+    failover: bool,
+) -> Result<(), CdcError> {
+    let (cfg, db) = (&ctx.config, &ctx.db);
+    if cfg.failover && !failover {
+        db.within("altering the slot to FAILOVER", make_failover(repl, &cfg.slot)).await?;
+    }
+    let pending = finish_hand_off(sql, &cfg.slot, ctx.shard.as_deref());
+    if let Some((rows, until)) = db.within("finishing an interrupted slot hand-off", pending).await? {
+        ctx.handed_until.raise(until);
+        tracing::warn!(slot = %cfg.slot, rows, "the slot's hand-off of older rows had not finished (the relay stopped during it): every NEW row not streamed yet handed to the table path");
+    }
+    Ok(())
+}
+
+/// A new slot, and the NEW rows its snapshot sees handed to the table path
+/// (the slot will never stream them); its consistent point.
+async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationClient) -> Result<Lsn, CdcError> {
+    let (cfg, db) = (&ctx.config, &ctx.db);
+    // Recorded first: a relay stopped before the hand-off ends leaves the
+    // record, and the next session finishes it.
+    db.within("recording the slot hand-off", hand_off_begins(sql, &cfg.slot)).await?;
+    // Creating a slot waits for running transactions: no deadline, but
+    // shutdown still interrupts it.
+    let (consistent, snapshot) = create_slot_exporting(repl, &cfg.slot, cfg.failover).await?;
+    let snap_client = db.connect().await?;
+    db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
+    // A task of its own: a shutdown arriving meanwhile does not cut the
+    // hand-off short.
+    let handed = match tokio::spawn(hand_to_table(snap_client, ctx.shard.clone())).await {
+        Ok(Ok(n)) => n,
+        failed => {
+            // The slot must not stay without its hand-off: drop it, so the
+            // next session creates it again.
+            drop_unfinished_slot(cfg, sql).await;
+            return Err(match failed {
+                Ok(Err(e)) => e,
+                Err(e) => CdcError::Protocol(format!("hand-off task: {e}")),
+                Ok(Ok(_)) => unreachable!(),
+            });
+        }
+    };
+    db.within("recording the end of the slot hand-off", hand_off_done(sql, &cfg.slot)).await?;
+    tracing::info!(slot = %cfg.slot, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
+    Ok(consistent)
 }
 
 /// Every CDC prerequisite: what SQL can tell ([`crate::source::cdc::publication::check_cdc_prerequisites`]),
