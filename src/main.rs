@@ -51,6 +51,9 @@ enum Command {
     Migrate {
         #[arg(long, env = "OUTBOX_RELAY_DATABASE_URL")]
         database_url: String,
+        /// Print the migrations not applied yet, with their SQL, and apply nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
     /// Relay committed outbox rows to SQS until SIGTERM or SIGINT.
     Run {
@@ -228,9 +231,12 @@ fn main() -> ExitCode {
 
 async fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Migrate { database_url } => {
+        Command::Migrate { database_url, dry_run } => {
             let target = outbox_pgconn::parse(&database_url).map_err(anyhow::Error::msg)?;
             let mut client = db::connect_target(&target, db::Deadlines::default().connect).await?;
+            if dry_run {
+                return print_pending(&client).await;
+            }
             let applied = db::schema::migrate(&mut client).await?;
             if applied.is_empty() {
                 println!("migrations: up to date");
@@ -320,6 +326,18 @@ async fn connected(common: &CommonArgs) -> anyhow::Result<(Config, Db, tokio_pos
     let db = Db::of(&config);
     let client = db.connect().await?;
     Ok((config, db, client))
+}
+
+/// `migrate --dry-run`: what would be applied, nothing applied.
+async fn print_pending(client: &tokio_postgres::Client) -> anyhow::Result<()> {
+    let pending = db::schema::pending(client).await?;
+    if pending.is_empty() {
+        println!("migrations: up to date; nothing would be applied");
+    }
+    for (version, name, sql) in &pending {
+        println!("-- migration {version}: {name} (not applied: --dry-run)\n{}\n", sql.trim_end());
+    }
+    Ok(())
 }
 
 /// An answer as JSON (`--json`) or as text.

@@ -27,6 +27,18 @@ pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, DbError> {
     Ok(outbox_consumer::apply_migrations(client, MIGRATIONS).await?)
 }
 
+/// The migrations `migrate` would apply now, in order, with their SQL;
+/// nothing is written (`migrate --dry-run`).
+pub async fn pending(client: &Client) -> Result<Vec<(i32, &'static str, &'static str)>, DbError> {
+    let recorded = client.query_one("SELECT to_regclass('outbox_relay_migrations') IS NOT NULL", &[]).await?.get(0);
+    let applied: Vec<i32> = if recorded {
+        client.query("SELECT version FROM outbox_relay_migrations", &[]).await?.iter().map(|r| r.get(0)).collect()
+    } else {
+        Vec::new()
+    };
+    Ok(MIGRATIONS.iter().filter(|(v, _, _)| !applied.contains(v)).copied().collect())
+}
+
 /// The outbox table exists (every mode needs it).
 pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
     let outbox = client.query_opt("SELECT to_regclass('outbox')::text", &[]).await?;

@@ -3,8 +3,8 @@
 //! [`crate::policy::retry`] is the only place that retries); [`memory::MemoryPublisher`]
 //! keeps messages in memory and injects faults, for tests.
 
-#[cfg(any(test, feature = "test-utils"))]
 pub mod entry;
+#[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
 pub mod sqs;
 
