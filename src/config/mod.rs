@@ -599,6 +599,34 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
     }
 
     #[test]
+    fn the_file_is_read_by_the_key_table() {
+        let e = FileConfig::parse("[sqs]\nregoin = \"eu-west-1\"").unwrap_err();
+        assert!(e.contains("unknown key `sqs.regoin`") && e.contains("sqs.region"), "{e}");
+        let e = FileConfig::parse("linger = [1, 2]").unwrap_err();
+        assert!(e.contains("linger = [1, 2] is not a string, a number or true/false"), "{e}");
+        let e = FileConfig::parse("[destinations]\norders = 3").unwrap_err();
+        assert!(e.contains("destinations.orders must be a string"), "{e}");
+        let c = Config::resolve(
+            file(&format!("max_in_flight_batches = 16\nadaptive_linger = false\n{BASE}")),
+            &[("OUTBOX_RELAY_SQS_REGION".to_string(), "eu-west-1".to_string())].into(),
+            &Overrides::default(),
+        )
+        .unwrap();
+        assert_eq!((c.max_in_flight_batches, c.adaptive_linger, c.sqs_region.as_str()), (16, false, "eu-west-1"));
+        for key in keys::KEYS {
+            assert!(key.env_name().starts_with("OUTBOX_RELAY_") && !key.env_name().contains('.'), "{}", key.name);
+        }
+        let e = Config::resolve(
+            file(BASE),
+            &[("OUTBOX_RELAY_FAILOVER".to_string(), "yes".to_string())].into(),
+            &Overrides::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("OUTBOX_RELAY_FAILOVER \"yes\" is not true or false"), "{e}");
+    }
+
+    #[test]
     fn a_toml_syntax_error_names_the_line() {
         let dir = std::env::temp_dir().join(format!("cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
