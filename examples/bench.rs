@@ -128,7 +128,7 @@ struct NullPublisher {
 #[async_trait]
 impl Publisher for NullPublisher {
     async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
-        Ok(QueueInfo { url: queue_url.into(), fifo: false, max_message_size: 1 << 20 })
+        Ok(QueueInfo::new(queue_url, false, 1 << 20))
     }
     async fn send_batch(&self, _queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         self.entries.fetch_add(entries.len() as u64, Ordering::Relaxed);

@@ -75,6 +75,12 @@ pub const LINGER: Key =
 pub const ADAPTIVE_LINGER: Key =
     key("adaptive_linger", Kind::Flag, Some("true"), "a lane with nothing in flight sends at once");
 pub const FAILOVER: Key = key("failover", Kind::Flag, Some("false"), "PostgreSQL 17+: create the slot with FAILOVER");
+pub const FAIR_QUEUES: Key = key(
+    "fair_queues",
+    Kind::Flag,
+    Some("true"),
+    "a standard queue gets the row's group_key as MessageGroupId (SQS fair queues)",
+);
 pub const PUBLISHED_ROWS: Key =
     key("published_rows", Kind::Text, Some("delete"), "delete | keep (marked PUBLISHED, swept by retention)");
 pub const MAX_IN_FLIGHT_BATCHES: Key = key(
@@ -161,6 +167,7 @@ pub const KEYS: &[Key] = &[
     LINGER,
     ADAPTIVE_LINGER,
     FAILOVER,
+    FAIR_QUEUES,
     PUBLISHED_ROWS,
     MAX_IN_FLIGHT_BATCHES,
     MAX_UNSETTLED_EVENTS,

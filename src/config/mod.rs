@@ -186,6 +186,9 @@ pub struct Config {
     /// Create the slot with FAILOVER (PostgreSQL 17+), so a standby running
     /// `sync_replication_slots` keeps it and a promotion needs no catch-up.
     pub failover: bool,
+    /// A standard queue gets the row's `group_key` as `MessageGroupId` (SQS
+    /// fair queues).
+    pub fair_queues: bool,
     /// SendMessageBatch calls in flight per lane.
     pub max_in_flight_batches: usize,
     /// Events read from the slot but not yet settled, across all lanes.
@@ -349,6 +352,7 @@ impl Config {
         self.linger = d(&keys::LINGER)?;
         self.adaptive_linger = src.get(&keys::ADAPTIVE_LINGER).flag()?;
         self.failover = src.get(&keys::FAILOVER).flag()?;
+        self.fair_queues = src.get(&keys::FAIR_QUEUES).flag()?;
         self.published_rows = src.get(&keys::PUBLISHED_ROWS).string().unwrap_or_default().parse()?;
         self.max_in_flight_batches = src.get(&keys::MAX_IN_FLIGHT_BATCHES).count()?;
         self.max_unsettled_events = src.get(&keys::MAX_UNSETTLED_EVENTS).count()?;

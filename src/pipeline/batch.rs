@@ -30,7 +30,7 @@ impl Batchable for Entry {
         self.size
     }
     fn group(&self) -> Option<&str> {
-        self.group_id.as_deref()
+        self.ordering_group()
     }
 }
 
@@ -91,8 +91,18 @@ mod tests {
             attributes: vec![],
             size,
             group_id: group.map(|g| format!("g{g}")),
+            ordered: true,
             dedup_id: None,
         }
+    }
+
+    /// A standard queue's fair-queue groups impose no order: a group in
+    /// flight does not hold its next entries back.
+    #[test]
+    fn fair_queue_groups_are_not_serialised() {
+        let mut p: VecDeque<_> = (0..12).map(|i| Entry { ordered: false, ..entry(i, 100, Some(1)) }).collect();
+        let busy: HashSet<String> = ["g1".to_string()].into();
+        assert_eq!(take_batch(&mut p, &busy).len(), 10);
     }
 
     #[test]

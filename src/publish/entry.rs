@@ -16,6 +16,17 @@ pub struct QueueInfo {
     pub fifo: bool,
     /// `MaximumMessageSize`, bytes (body plus attributes).
     pub max_message_size: usize,
+    /// A standard queue gets the row's `group_key` as `MessageGroupId`
+    /// (SQS fair queues: one busy tenant does not delay the others); from
+    /// the `fair_queues` setting, on unless configured off.
+    pub fair: bool,
+}
+
+impl QueueInfo {
+    /// A queue as SQS describes it, fair-queue groups on.
+    pub fn new(url: impl Into<String>, fifo: bool, max_message_size: usize) -> QueueInfo {
+        QueueInfo { url: url.into(), fifo, max_message_size, fair: true }
+    }
 }
 
 /// A message attribute, in SQS's terms.
@@ -33,10 +44,21 @@ pub struct Entry {
     pub attributes: Vec<Attribute>,
     /// Bytes SQS counts against the message and batch limits.
     pub size: usize,
-    /// FIFO only: `MessageGroupId`.
+    /// `MessageGroupId`: a FIFO queue's group, or a standard queue's
+    /// fair-queue tenant.
     pub group_id: Option<String>,
+    /// FIFO: the group's entries go in order, one batch of a group in
+    /// flight at a time. A standard queue's groups impose no order.
+    pub ordered: bool,
     /// FIFO only: `MessageDeduplicationId`.
     pub dedup_id: Option<String>,
+}
+
+impl Entry {
+    /// The group whose order this entry keeps: FIFO queues only.
+    pub fn ordering_group(&self) -> Option<&str> {
+        self.group_id.as_deref().filter(|_| self.ordered)
+    }
 }
 
 /// SQS's limit on an attribute's `DataType`, its custom label included.
@@ -230,9 +252,11 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         };
         (Some(group), Some(dedup_id(&event.event_id)))
     } else {
-        (None, None)
+        // Fair queues: a group key SQS would refuse is left out (the
+        // message is still delivered; fairness is per group only).
+        (event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None)
     };
-    Ok(Entry { event, attributes, size, group_id, dedup_id: dedup })
+    Ok(Entry { ordered: queue.fifo, event, attributes, size, group_id, dedup_id: dedup })
 }
 
 #[cfg(test)]
@@ -244,7 +268,7 @@ mod tests {
     }
 
     fn q(fifo: bool, max: usize) -> QueueInfo {
-        QueueInfo { url: "http://q".into(), fifo, max_message_size: max }
+        QueueInfo::new("http://q", fifo, max)
     }
 
     #[test]
@@ -315,6 +339,20 @@ mod tests {
         assert!(explicit("1.2.3").is_err());
         assert!(parse_attributes(r#"{"b": true}"#).unwrap()[0].value == "true");
         assert!(parse_attributes(r#"{"a": [1]}"#).unwrap_err().detail.contains("unsupported value"));
+    }
+
+    #[test]
+    fn a_standard_queue_gets_the_group_as_a_fair_queue_tenant() {
+        let mut e = OutboxEvent::for_test(1, "orders", "{}");
+        e.group_key = Some("tenant-7".into());
+        let entry = prepare(Arc::new(e.clone()), &q(false, 1 << 20)).unwrap();
+        assert_eq!((entry.group_id.as_deref(), entry.dedup_id.as_deref()), (Some("tenant-7"), None));
+        assert_eq!(entry.ordering_group(), None, "fair-queue groups impose no order");
+        let off = QueueInfo { fair: false, ..q(false, 1 << 20) };
+        assert_eq!(prepare(Arc::new(e.clone()), &off).unwrap().group_id, None);
+        e.group_key = Some("has space".into());
+        let entry = prepare(Arc::new(e), &q(false, 1 << 20)).unwrap();
+        assert_eq!(entry.group_id, None, "a key SQS would refuse is left out, the message still goes");
     }
 
     #[test]

@@ -56,11 +56,7 @@ impl MemoryPublisher {
     }
 
     pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
-        self.inner
-            .lock()
-            .unwrap()
-            .queues
-            .insert(url.to_string(), QueueInfo { url: url.to_string(), fifo, max_message_size });
+        self.inner.lock().unwrap().queues.insert(url.to_string(), QueueInfo::new(url, fifo, max_message_size));
     }
 
     pub fn push_fault(&self, f: Fault) {

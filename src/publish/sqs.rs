@@ -107,7 +107,7 @@ impl Publisher for SqsPublisher {
             attrs.get(&QueueAttributeName::MaximumMessageSize).and_then(|v| v.parse().ok()).unwrap_or(262_144);
         let fifo = attrs.get(&QueueAttributeName::FifoQueue).map(|v| v == "true").unwrap_or(false)
             || queue_url.ends_with(".fifo");
-        Ok(QueueInfo { url: queue_url.to_string(), fifo, max_message_size })
+        Ok(QueueInfo::new(queue_url, fifo, max_message_size))
     }
 
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {

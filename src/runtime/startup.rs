@@ -95,11 +95,12 @@ async fn start_up(
     }
     let mut queues = BTreeMap::new();
     for (name, url) in &config.destinations {
-        let info = publisher.queue_info(url).await.map_err(|e| {
+        let mut info = publisher.queue_info(url).await.map_err(|e| {
             RelayError::Startup(format!(
                 "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
             ))
         })?;
+        info.fair = config.fair_queues;
         tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
         queues.insert(name.clone(), info);
     }

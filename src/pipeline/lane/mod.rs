@@ -67,7 +67,7 @@ impl Batchable for LaneItem {
         self.entry.size
     }
     fn group(&self) -> Option<&str> {
-        self.entry.group_id.as_deref()
+        self.entry.ordering_group()
     }
 }
 
@@ -258,7 +258,7 @@ impl Lane {
         if !self.held.is_empty() && !self.pending.is_empty() && !catching_up(&self.spool_rx) {
             let held = &self.held;
             let (keep, follow): (VecDeque<_>, VecDeque<_>) =
-                self.pending.drain(..).partition(|i| i.entry.group_id.as_ref().is_none_or(|g| !held.contains(g)));
+                self.pending.drain(..).partition(|i| i.entry.ordering_group().is_none_or(|g| !held.contains(g)));
             self.pending = keep;
             for item in follow {
                 defer(&self.ctx, item, "held behind an earlier entry of its group", Due::Now);
@@ -292,7 +292,8 @@ impl Lane {
             if batch.is_empty() {
                 break; // every pending group is in flight
             }
-            let groups: Vec<String> = batch.iter().filter_map(|i| i.entry.group_id.clone()).collect();
+            let groups: Vec<String> =
+                batch.iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect();
             self.busy.extend(groups.iter().cloned());
             let since = batch.iter().map(|i| i.arrived).min().unwrap_or_else(Instant::now);
             let ctx = Arc::clone(&self.ctx);
@@ -437,7 +438,7 @@ mod tests {
 
     fn item(id: i64) -> LaneItem {
         let ev = OutboxEvent::for_test(id, "orders", &format!("body {id}"));
-        let queue = QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 };
+        let queue = QueueInfo::new(Q, false, 1 << 20);
         LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
     }
 
@@ -445,7 +446,7 @@ mod tests {
     fn streaming_lane(max_in_flight: usize, retry_base: Duration, retry_cap: Duration) -> LaneConfig {
         LaneConfig {
             name: Arc::from("orders"),
-            queue: QueueInfo { url: Q.into(), fifo: false, max_message_size: 1 << 20 },
+            queue: QueueInfo::new(Q, false, 1 << 20),
             linger: Duration::ZERO,
             adaptive: true,
             max_in_flight,

@@ -78,7 +78,7 @@ pub(super) async fn send_until_settled(
     while !todo.is_empty() {
         if spooling(&spool) {
             for item in todo.drain(..) {
-                deferred_groups.extend(item.entry.group_id.clone());
+                deferred_groups.extend(item.entry.ordering_group().map(str::to_string));
                 // Tried and failed already, or not tried yet.
                 defer(ctx, item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
             }
@@ -101,7 +101,7 @@ pub(super) async fn send_until_settled(
         }
         if ctx.cfg.retry == RetryPolicy::ToTable {
             for (item, err) in retry {
-                deferred_groups.extend(item.entry.group_id.clone());
+                deferred_groups.extend(item.entry.ordering_group().map(str::to_string));
                 settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
             }
             break;
