@@ -92,6 +92,7 @@ mod tests {
             size,
             group_id: group.map(|g| format!("g{g}")),
             ordered: true,
+            trace_header: None,
             dedup_id: None,
         }
     }

@@ -50,6 +50,9 @@ pub struct Entry {
     /// FIFO: the group's entries go in order, one batch of a group in
     /// flight at a time. A standard queue's groups impose no order.
     pub ordered: bool,
+    /// The `AWSTraceHeader` system attribute (X-Ray format), from a W3C
+    /// `traceparent` attribute: the trace joins producer and consumer.
+    pub trace_header: Option<String>,
     /// FIFO only: `MessageDeduplicationId`.
     pub dedup_id: Option<String>,
 }
@@ -59,6 +62,26 @@ impl Entry {
     pub fn ordering_group(&self) -> Option<&str> {
         self.group_id.as_deref().filter(|_| self.ordered)
     }
+}
+
+/// The W3C trace-context attribute a producer sets to join its trace.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// A W3C `traceparent` (`00-<32 hex trace id>-<16 hex parent id>-<2 hex
+/// flags>`) as an X-Ray trace header (`Root=1-<8 hex>-<24 hex>;Parent=<16
+/// hex>;Sampled=<0|1>`), which SQS carries as `AWSTraceHeader`; `None` when
+/// it is not a valid traceparent (the attribute still goes as it is).
+pub fn xray_trace_header(traceparent: &str) -> Option<String> {
+    let parts: Vec<&str> = traceparent.trim().split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let [version, trace, parent, flags, ..] = parts[..] else { return None };
+    let zero = |s: &str| s.bytes().all(|b| b == b'0');
+    let valid = hex(version, 2) && version != "ff" && (version != "00" || parts.len() == 4);
+    if !valid || !hex(trace, 32) || !hex(parent, 16) || !hex(flags, 2) || zero(trace) || zero(parent) {
+        return None;
+    }
+    let sampled = u8::from_str_radix(flags, 16).ok()? & 1;
+    Some(format!("Root=1-{}-{};Parent={parent};Sampled={sampled}", &trace[..8], &trace[8..]))
 }
 
 /// SQS's limit on an attribute's `DataType`, its custom label included.
@@ -256,7 +279,8 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         // message is still delivered; fairness is per group only).
         (event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None)
     };
-    Ok(Entry { ordered: queue.fifo, event, attributes, size, group_id, dedup_id: dedup })
+    let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
+    Ok(Entry { ordered: queue.fifo, trace_header, event, attributes, size, group_id, dedup_id: dedup })
 }
 
 #[cfg(test)]
@@ -339,6 +363,41 @@ mod tests {
         assert!(explicit("1.2.3").is_err());
         assert!(parse_attributes(r#"{"b": true}"#).unwrap()[0].value == "true");
         assert!(parse_attributes(r#"{"a": [1]}"#).unwrap_err().detail.contains("unsupported value"));
+    }
+
+    #[test]
+    fn a_traceparent_becomes_the_xray_trace_header() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let want = "Root=1-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7;Sampled=1";
+        assert_eq!(xray_trace_header(tp).as_deref(), Some(want));
+        assert!(xray_trace_header("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap().ends_with("=0"));
+        // A later version may append fields; 00 may not.
+        assert!(xray_trace_header("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x").is_some());
+        for bad in [
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f35-00f067aa0ba902b7-01",
+            "not a traceparent",
+        ] {
+            assert_eq!(xray_trace_header(bad), None, "{bad}");
+        }
+        let mut e = OutboxEvent::for_test(1, "orders", "{}");
+        e.attributes = Some(format!(r#"{{"traceparent": "{tp}"}}"#));
+        let entry = prepare(Arc::new(e), &q(false, 1 << 20)).unwrap();
+        assert_eq!(entry.trace_header.as_deref(), Some(want));
+        assert_eq!(entry.attributes[0].value, tp, "the attribute itself goes too");
+    }
+
+    proptest::proptest! {
+        /// Any valid traceparent maps to a header naming its trace and parent.
+        #[test]
+        fn every_valid_traceparent_maps(trace in "[0-9a-f]{31}[1-9a-f]", parent in "[1-9a-f][0-9a-f]{15}", flags in 0u8..=255) {
+            let h = xray_trace_header(&format!("00-{trace}-{parent}-{flags:02x}")).unwrap();
+            proptest::prop_assert_eq!(h, format!("Root=1-{}-{};Parent={parent};Sampled={}", &trace[..8], &trace[8..], flags & 1));
+        }
     }
 
     #[test]

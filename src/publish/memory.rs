@@ -29,6 +29,8 @@ pub struct Sent {
     pub group_id: Option<String>,
     pub dedup_id: Option<String>,
     pub attributes: Vec<(String, String, String)>,
+    /// The `AWSTraceHeader` system attribute.
+    pub trace_header: Option<String>,
 }
 
 #[derive(Default)]
@@ -147,6 +149,7 @@ impl Publisher for MemoryPublisher {
                 body: e.event.body.clone(),
                 group_id: e.group_id.clone(),
                 dedup_id: e.dedup_id.clone(),
+                trace_header: e.trace_header.clone(),
                 attributes: e
                     .attributes
                     .iter()

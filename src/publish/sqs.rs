@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
-use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName, SendMessageBatchRequestEntry};
+use aws_sdk_sqs::types::{
+    MessageAttributeValue, MessageSystemAttributeNameForSends, MessageSystemAttributeValue, QueueAttributeName,
+    SendMessageBatchRequestEntry,
+};
 
 use aws_sdk_sqs::config::http::HttpResponse;
 
@@ -127,6 +130,14 @@ impl Publisher for SqsPublisher {
             }
             if let Some(d) = &e.dedup_id {
                 b = b.message_deduplication_id(d.clone());
+            }
+            if let Some(t) = &e.trace_header {
+                let v = MessageSystemAttributeValue::builder()
+                    .data_type("String")
+                    .string_value(t.clone())
+                    .build()
+                    .map_err(|err| CallError::transport(err.to_string()))?;
+                b = b.message_system_attributes(MessageSystemAttributeNameForSends::AwsTraceHeader, v);
             }
             req = req.entries(b.build().map_err(|err| CallError::transport(err.to_string()))?);
         }
