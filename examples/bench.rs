@@ -17,10 +17,6 @@
 //!   lane's queue gone for the whole run while rows keep arriving;
 //! - scaling: throughput and RSS over row counts and destination counts.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(unused_imports)]
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,14 +24,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use clap::Parser;
-use common::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
-use common::*;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
 use outbox_relay::event::{Entry, QueueInfo};
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;
+use testkit::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
+use testkit::*;
 
 #[derive(Parser, Clone)]
 #[command(about = "Throughput, latency and cost of the relay against the limits of this machine")]
@@ -319,7 +315,7 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> (f64, f64) {
     // Its walsender may outlive pg_recvlogical by a moment: wait until it
     // has exited, so all of its CPU is counted.
     wait_for("pg_recvlogical's walsender gone", Duration::from_secs(10), || async {
-        common::process::postgres_walsenders() == 0
+        testkit::process::postgres_walsenders() == 0
     })
     .await;
     (secs, phase.pg_cpu())
@@ -1068,7 +1064,7 @@ fn machine() -> serde_json::Value {
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
-    let stack_guard = common::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
+    let stack_guard = testkit::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
     let started = Instant::now();
     let q = a.quick;
     let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });

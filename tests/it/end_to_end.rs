@@ -1,15 +1,13 @@
 //! The relay against the real PostgreSQL and ministack started by the harness.
 //! The suite runs in both modes: CDC (the slot) and polling (the table).
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::process::RelayConfig;
-use common::*;
 use outbox_relay::config::Mode;
+use testkit::process::RelayConfig;
+use testkit::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cdc_thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {

@@ -1,11 +1,11 @@
 //! Kill -9 the leading relay while rows flow; a standby (same config) takes
-//! over. Used by tests/ha.rs (once) and examples/takeover.rs (ten times).
+//! over. Used by tests/it/ha.rs (once) and examples/takeover.rs (ten times).
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::process::{RelayConfig, RelayProcess};
-use super::*;
+use crate::process::{RelayConfig, RelayProcess};
+use crate::*;
 
 async fn active_pid(db: &TestDb) -> Option<i32> {
     db.client()

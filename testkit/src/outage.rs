@@ -1,5 +1,5 @@
 //! One lane's queue deleted under load while unrelated tables write hundreds
-//! of MB: the scenario behind `tests/degraded.rs` (short) and
+//! of MB: the scenario behind `tests/it/degraded.rs` (short) and
 //! `examples/outage.rs` (the measurement for the README).
 
 use std::collections::HashSet;
@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::*;
+use crate::*;
 
 pub struct Params {
     pub baseline: Duration,

@@ -4,20 +4,18 @@
 //! replayed or settled row is matched to its own row whatever happened to
 //! ids since; a hung host of several does not block connections.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::cluster::{ClusterDir, Node, StopOnDrop};
-use common::*;
 use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
 use outbox_relay::pipeline::settle::{mark, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
+use testkit::cluster::{ClusterDir, Node, StopOnDrop};
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 
@@ -462,7 +460,7 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 ///
 /// The short run here takes two seeds of 20 steps; a long one:
 /// `OUTBOX_RELAY_INVARIANT_SEEDS=1-50 OUTBOX_RELAY_INVARIANT_STEPS=80 cargo test --release
-/// --features outbox-relay/test-utils --test invariants randomized -- --nocapture`
+/// --features outbox-relay/test-utils --test it invariants::randomized -- --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_workloads_keep_every_invariant() {
     let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
@@ -481,7 +479,7 @@ async fn randomized_workloads_keep_every_invariant() {
 /// A relay that exits at start-up (the server down) is started again, as a
 /// supervisor would. CI runs two seeds of 20 steps; a long run: `OUTBOX_RELAY_INVARIANT_SEEDS=1-8
 /// OUTBOX_RELAY_INVARIANT_STEPS=60 cargo test --release --features
-/// outbox-relay/test-utils --test invariants sigkill -- --nocapture`.
+/// outbox-relay/test-utils --test it invariants::randomized_sigkills -- --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_sigkills_of_the_release_binary_keep_every_invariant() {
     let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
@@ -496,10 +494,10 @@ async fn randomized_sigkills_of_the_release_binary_keep_every_invariant() {
 
 mod workload {
     use super::*;
-    use common::process::{RelayConfig, RelayProcess};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use std::time::Instant;
+    use testkit::process::{RelayConfig, RelayProcess};
 
     const QUEUES: [(&str, &str, bool); 3] = [
         ("a", "http://memory.invalid/a", false),

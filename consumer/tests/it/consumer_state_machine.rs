@@ -3,19 +3,17 @@
 //! crashes mid-handler, redrives and cancellations yields two completions of
 //! one job generation, and a SUCCEEDED job has exactly one.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::jobs::{effects_db, Effect};
-use common::*;
 use outbox_consumer::memory::MemoryQueue;
 use outbox_consumer::queue::Queue;
 use outbox_consumer::{enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob};
 use proptest::prelude::*;
+use testkit::jobs::{effects_db, Effect};
+use testkit::*;
 use tokio_postgres::Transaction;
 
 #[derive(Debug, Clone, Copy)]

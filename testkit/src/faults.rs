@@ -1,10 +1,11 @@
 //! The fault-injection measurement: ten scenarios in which a process dies at
 //! the worst moment, each repeated N times against the real PostgreSQL and
-//! ministack. Run by `src/bin/measure.rs` (100 repetitions, the README's
-//! Guarantees table) and by tests/faults.rs (a few repetitions, in CI).
+//! ministack. Run by this crate's `measure` binary (src/bin/measure.rs: 100
+//! repetitions, the README's Guarantees table) and by its test,
+//! tests/faults.rs (a few repetitions, in CI).
 //!
 //! Processes die by `SIGKILL`, or by `exit(137)` at a fail point
-//! (`outbox_relay::faults`, `--features failpoints`). The measurement runs on
+//! (`outbox_relay::faults`, `--features outbox-relay/failpoints`). The measurement runs on
 //! a stack of its own (`OUTBOX_RELAY_STACK_DIR`), since one scenario restarts
 //! PostgreSQL in immediate mode.
 
@@ -24,9 +25,9 @@ use outbox_relay::faults::crash_point;
 use rand::Rng;
 use serde::Serialize;
 
-use super::jobs::{consumer, effects, effects_db, Effect, RunningWorker};
-use super::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig};
-use super::*;
+use crate::jobs::{consumer, effects, effects_db, Effect, RunningWorker};
+use crate::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig};
+use crate::*;
 
 pub struct Params {
     pub repetitions: usize,
@@ -634,7 +635,7 @@ async fn relay_killed_mid_batch(p: &Params) -> Counters {
 // Scenario 7: PostgreSQL restarted in immediate mode under a streaming relay.
 
 fn restart_postgres() {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/dev-stack");
     let st = Command::new("bash").arg(script).arg("pg-restart").stdout(Stdio::null()).status().unwrap();
     assert!(st.success(), "scripts/dev-stack pg-restart failed");
 }
