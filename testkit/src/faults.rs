@@ -26,7 +26,7 @@ use rand::Rng;
 use serde::Serialize;
 
 use crate::jobs::{consumer, effects, effects_db, Effect, RunningWorker};
-use crate::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig};
+use crate::process::{died_like_kill_9, free_addr, scrape, series, RelayConfig, RelayProcess};
 use crate::*;
 
 pub struct Params {
@@ -222,71 +222,78 @@ pub async fn child(args: &[String]) -> anyhow::Result<()> {
     outbox_relay::faults::configure_from_env().map_err(anyhow::Error::msg)?;
     let arg = |i: usize| args.get(i).cloned().ok_or_else(|| anyhow::anyhow!("child: argument {i} missing"));
     let (mode, url) = (arg(0)?, arg(1)?);
-    let mut c = outbox_relay::db::connect(&url).await?;
     match mode.as_str() {
-        // What the outbox replaces: commit the job, then send the message.
-        "dual-write" => {
-            let (endpoint, queue, tag) = (arg(2)?, arg(3)?, arg(4)?);
-            let sqs = SqsPublisher::new("us-east-1", Some(&endpoint)).await;
-            let job_id = format!("dw-{tag}");
-            c.execute(
-                "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', jsonb_build_object('tag', $2::text), 'jobs')",
-                &[&job_id, &tag],
-            )
-            .await?;
-            crash_point("dual_write::before_send");
-            sqs.client().send_message().queue_url(queue).message_body(&job_id).send().await?;
-        }
-        // An application writing the job and its event as two statements of
-        // one transaction, dying between them.
-        "between-inserts" => {
-            let tag = arg(2)?;
-            let tx = c.transaction().await?;
-            let payload = serde_json::json!({ "tag": tag });
-            let id = outbox_consumer::job_id(&tx, "effect", &payload).await?;
-            tx.execute(
-                "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', $2, 'jobs')",
-                &[&id, &payload],
-            )
-            .await?;
-            crash_point("enqueue::between_inserts");
-            tx.execute(
-                "INSERT INTO outbox (event_id, destination, body) VALUES ('effect:' || $1 || ':0', 'jobs', outbox_job_message($1, 'effect', 0))",
-                &[&id],
-            )
-            .await?;
-            tx.commit().await?;
-        }
-        // The library's enqueue, committed; the process dies right after.
-        "after-commit" => {
-            let tag = arg(2)?;
-            let tx = c.transaction().await?;
-            let payload = serde_json::json!({ "tag": tag });
-            enqueue(
-                &tx,
-                &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None },
-            )
-            .await?;
-            tx.commit().await?;
-            crash_point("enqueue::after_commit");
-        }
-        // A worker whose handler dies after writing its effect.
-        "worker" => {
-            let (endpoint, queue) = (arg(2)?, arg(3)?);
-            let sqs = SqsPublisher::new("us-east-1", Some(&endpoint)).await;
-            let cons = Arc::new(consumer(&url, "doomed", Duration::from_secs(1)).handle("effect", Effect));
-            let q = SqsQueue::new(sqs.client().clone(), queue);
-            let end = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < end {
-                for m in q.receive(1, Duration::from_secs(1)).await? {
-                    cons.process(&q, &m).await?;
-                }
-            }
-            anyhow::bail!("worker: no message to die on within 20 s");
-        }
+        "dual-write" => child_dual_write(&url, &arg(2)?, &arg(3)?, &arg(4)?).await,
+        "between-inserts" => child_between_inserts(&url, &arg(2)?).await,
+        "after-commit" => child_after_commit(&url, &arg(2)?).await,
+        "worker" => child_worker(&url, &arg(2)?, &arg(3)?).await,
         other => anyhow::bail!("child: unknown mode {other:?}"),
     }
+}
+
+/// What the outbox replaces: commit the job, then send the message.
+async fn child_dual_write(url: &str, endpoint: &str, queue: &str, tag: &str) -> anyhow::Result<()> {
+    let c = outbox_relay::db::connect(url).await?;
+    let sqs = SqsPublisher::new("us-east-1", Some(endpoint)).await;
+    let job_id = format!("dw-{tag}");
+    c.execute(
+        "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', jsonb_build_object('tag', $2::text), 'jobs')",
+        &[&job_id, &tag],
+    )
+    .await?;
+    crash_point("dual_write::before_send");
+    sqs.client().send_message().queue_url(queue).message_body(&job_id).send().await?;
     Ok(())
+}
+
+/// An application writing the job and its event as two statements of one
+/// transaction, dying between them.
+async fn child_between_inserts(url: &str, tag: &str) -> anyhow::Result<()> {
+    let mut c = outbox_relay::db::connect(url).await?;
+    let tx = c.transaction().await?;
+    let payload = serde_json::json!({ "tag": tag });
+    let id = outbox_consumer::job_id(&tx, "effect", &payload).await?;
+    tx.execute(
+        "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', $2, 'jobs')",
+        &[&id, &payload],
+    )
+    .await?;
+    crash_point("enqueue::between_inserts");
+    tx.execute(
+        "INSERT INTO outbox (event_id, destination, body) VALUES ('effect:' || $1 || ':0', 'jobs', outbox_job_message($1, 'effect', 0))",
+        &[&id],
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The library's enqueue, committed; the process dies right after.
+async fn child_after_commit(url: &str, tag: &str) -> anyhow::Result<()> {
+    let mut c = outbox_relay::db::connect(url).await?;
+    let tx = c.transaction().await?;
+    let payload = serde_json::json!({ "tag": tag });
+    enqueue(&tx, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None })
+        .await?;
+    tx.commit().await?;
+    crash_point("enqueue::after_commit");
+    Ok(())
+}
+
+/// A worker whose handler dies after writing its effect.
+async fn child_worker(url: &str, endpoint: &str, queue: &str) -> anyhow::Result<()> {
+    // The connection the other modes use, made first here too.
+    let _c = outbox_relay::db::connect(url).await?;
+    let sqs = SqsPublisher::new("us-east-1", Some(endpoint)).await;
+    let cons = Arc::new(consumer(url, "doomed", Duration::from_secs(1)).handle("effect", Effect));
+    let q = SqsQueue::new(sqs.client().clone(), queue.to_string());
+    let end = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < end {
+        for m in q.receive(1, Duration::from_secs(1)).await? {
+            cons.process(&q, &m).await?;
+        }
+    }
+    anyhow::bail!("worker: no message to die on within 20 s");
 }
 
 /// Spawn `measure child ...` with `FAILPOINTS`; true if it died like kill -9.
@@ -473,37 +480,34 @@ async fn app_child_scenario(p: &Params, mode: &str, point: &str) -> Counters {
     .await;
     c.missing_publish_intents = jobs_without_event as u64;
     match mode {
-        "dual-write" => {
-            // No outbox: a job whose message is not in the queue is lost.
-            let expected: HashSet<String> = db
-                .client()
-                .await
-                .query("SELECT job_id FROM jobs", &[])
-                .await
-                .unwrap()
-                .into_iter()
-                .map(|r| r.get(0))
-                .collect();
-            let got = collect(&sqs, std::slice::from_ref(&q), &expected, Duration::from_secs(3)).await;
-            tally(&mut c, &expected, &got);
-        }
-        "between-inserts" => {
-            c.partial_commits = (jobs_without_event + events_without_job) as u64;
-        }
+        "dual-write" => dual_write_deliveries(&db, &sqs, &q, &mut c).await,
+        "between-inserts" => c.partial_commits = (jobs_without_event + events_without_job) as u64,
         _ => {
             c.partial_commits = (jobs_without_event + events_without_job) as u64;
-            // The relay runs afterwards.
-            let lsn = db.current_lsn().await;
-            let relay = relay_cfg.spawn();
-            settled(&db, "true", lsn, Duration::from_secs(120)).await;
-            let expected = bodies(&db, "true").await;
-            let got = collect(&sqs, std::slice::from_ref(&q), &expected, Duration::from_secs(60)).await;
-            relay.terminate(Duration::from_secs(15)).await;
-            tally(&mut c, &expected, &got);
-            c.dead_rows = db.count("status = 'DEAD'").await as u64;
+            relay_afterwards(&db, &sqs, &q, &relay_cfg, &mut c).await;
         }
     }
     c
+}
+
+/// No outbox: a job whose message is not in the queue is lost.
+async fn dual_write_deliveries(db: &TestDb, sqs: &SqsPublisher, q: &str, c: &mut Counters) {
+    let expected: HashSet<String> =
+        db.client().await.query("SELECT job_id FROM jobs", &[]).await.unwrap().into_iter().map(|r| r.get(0)).collect();
+    let got = collect(sqs, &[q.to_string()], &expected, Duration::from_secs(3)).await;
+    tally(c, &expected, &got);
+}
+
+/// The relay runs after the application died: it publishes every row.
+async fn relay_afterwards(db: &TestDb, sqs: &SqsPublisher, q: &str, relay_cfg: &RelayConfig, c: &mut Counters) {
+    let lsn = db.current_lsn().await;
+    let relay = relay_cfg.spawn();
+    settled(db, "true", lsn, Duration::from_secs(120)).await;
+    let expected = bodies(db, "true").await;
+    let got = collect(sqs, &[q.to_string()], &expected, Duration::from_secs(60)).await;
+    relay.terminate(Duration::from_secs(15)).await;
+    tally(c, &expected, &got);
+    c.dead_rows = db.count("status = 'DEAD'").await as u64;
 }
 
 // ---------------------------------------------------------------------------
@@ -653,64 +657,20 @@ async fn postgres_restart(p: &Params) -> Counters {
     let mut reconnect_ms = Vec::new();
     let mut exits = 0u64;
     for rep in 0..p.repetitions {
-        // A writer commits a transaction every 20 ms, before, during and
-        // after the restart; failed or uncertain commits are settled by
-        // looking at the table afterwards.
         let stop = Arc::new(AtomicBool::new(false));
-        let writer = {
-            let (url, stop) = (db.url.clone(), Arc::clone(&stop));
-            tokio::spawn(async move {
-                let mut k = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    if let Ok(c) = outbox_relay::db::connect(&url).await {
-                        while !stop.load(Ordering::Relaxed) {
-                            let sql = format!(
-                                "INSERT INTO outbox (event_id, destination, body) SELECT 'r{rep}k{k}' || l || i, l, 'r{rep}k{k}' || l || i
-                                   FROM unnest(ARRAY['a','b']) l, generate_series(1, 5) i"
-                            );
-                            k += 1;
-                            if c.batch_execute(&sql).await.is_err() {
-                                break;
-                            }
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            })
-        };
+        let writer = restart_writer(&db.url, rep, Arc::clone(&stop));
         tokio::time::sleep(Duration::from_millis(300)).await;
         tokio::task::spawn_blocking(restart_postgres).await.unwrap();
         c.killed += 1;
-        let restarted = Instant::now();
-        let back = {
-            let end = restarted + Duration::from_secs(60);
-            loop {
-                if slot_active(&db).await {
-                    break true;
-                }
-                if Instant::now() > end {
-                    break false;
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
-        if back {
-            reconnect_ms.push(restarted.elapsed().as_secs_f64() * 1000.0);
+        if let Some(ms) = streaming_again_ms(&db, Instant::now()).await {
+            reconnect_ms.push(ms);
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
         stop.store(true, Ordering::Relaxed);
         writer.await.unwrap();
-        let lsn = db.current_lsn().await;
         let filter = format!("event_id LIKE 'r{rep}k%'");
-        if !settled(&db, &filter, lsn, Duration::from_secs(60)).await {
-            eprintln!("measure: postgres_restart: repetition {rep} did not settle within 60 s");
-        }
-        if let Ok(Some(s)) = relay.child.try_wait() {
-            eprintln!("measure: postgres_restart: the relay exited ({s:?}); starting another");
+        if settle_repetition(&db, &cfg, &mut relay, &filter, rep).await {
             exits += 1;
-            relay = cfg.spawn();
-            settled(&db, &filter, lsn, Duration::from_secs(60)).await;
         }
         let expected = bodies(&db, &filter).await;
         c.committed += expected.len() as u64;
@@ -723,6 +683,61 @@ async fn postgres_restart(p: &Params) -> Counters {
     c.extra.insert("reconnect_ms_p50".into(), round1(percentile(&mut reconnect_ms.clone(), 0.5)));
     c.extra.insert("reconnect_ms_max".into(), round1(percentile(&mut reconnect_ms, 1.0)));
     c
+}
+
+/// A writer that commits a transaction every 20 ms, before, during and after
+/// the restart of repetition `rep`, reconnecting until `stop`; failed or
+/// uncertain commits are settled by looking at the table afterwards.
+fn restart_writer(url: &str, rep: usize, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
+    let url = url.to_string();
+    tokio::spawn(async move {
+        let mut k = 0;
+        while !stop.load(Ordering::Relaxed) {
+            if let Ok(c) = outbox_relay::db::connect(&url).await {
+                while !stop.load(Ordering::Relaxed) {
+                    let sql = format!(
+                        "INSERT INTO outbox (event_id, destination, body) SELECT 'r{rep}k{k}' || l || i, l, 'r{rep}k{k}' || l || i
+                           FROM unnest(ARRAY['a','b']) l, generate_series(1, 5) i"
+                    );
+                    k += 1;
+                    if c.batch_execute(&sql).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
+/// Milliseconds from `restarted` until the relay streams again (its slot
+/// active), or None if it does not within 60 s.
+async fn streaming_again_ms(db: &TestDb, restarted: Instant) -> Option<f64> {
+    let end = restarted + Duration::from_secs(60);
+    loop {
+        if slot_active(db).await {
+            return Some(restarted.elapsed().as_secs_f64() * 1000.0);
+        }
+        if Instant::now() > end {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Wait until repetition `rep`'s rows (`filter`) are settled; a relay that
+/// exited meanwhile is replaced, as a supervisor would. True if it had exited.
+async fn settle_repetition(db: &TestDb, cfg: &RelayConfig, relay: &mut RelayProcess, filter: &str, rep: usize) -> bool {
+    let lsn = db.current_lsn().await;
+    if !settled(db, filter, lsn, Duration::from_secs(60)).await {
+        eprintln!("measure: postgres_restart: repetition {rep} did not settle within 60 s");
+    }
+    let Ok(Some(s)) = relay.child.try_wait() else { return false };
+    eprintln!("measure: postgres_restart: the relay exited ({s:?}); starting another");
+    *relay = cfg.spawn();
+    settled(db, filter, lsn, Duration::from_secs(60)).await;
+    true
 }
 
 // ---------------------------------------------------------------------------
@@ -748,111 +763,185 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
     );
     let relay = cfg.spawn();
     wait_for("the relay streams", Duration::from_secs(60), || async { slot_active(&db).await }).await;
-
-    // Receivers: every queue, all the time, into one list per lane.
-    let received: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
-    let stop_receivers = Arc::new(AtomicBool::new(false));
-    let mut receivers = Vec::new();
-    for (lane, url) in std::iter::once(("h".to_string(), healthy.clone())).chain(sick.iter().cloned()) {
-        let (sqs, received, stop) = (sqs.clone(), Arc::clone(&received), Arc::clone(&stop_receivers));
-        receivers.push(tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let got = receive_batch(&sqs, &url, 1).await;
-                received.lock().unwrap().entry(lane.clone()).or_default().extend(got);
-            }
-        }));
-    }
-    // Writer: a transaction every 100 ms with 2 rows per lane; the sick
-    // lanes' rows can be held back while their queues are drained.
-    let stop = Arc::new(AtomicBool::new(false));
-    let hold_sick = Arc::new(AtomicBool::new(false));
-    let written = Arc::new(AtomicU64::new(0));
-    let writer = {
-        let (c, stop, hold, written) =
-            (db.client().await, Arc::clone(&stop), Arc::clone(&hold_sick), Arc::clone(&written));
-        let lanes: Vec<String> = sick.iter().map(|(l, _)| l.clone()).collect();
-        tokio::spawn(async move {
-            let mut k = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let mut ls = vec!["h".to_string()];
-                if !hold.load(Ordering::Relaxed) {
-                    ls.extend(lanes.iter().cloned());
-                }
-                c.execute(
-                    "INSERT INTO outbox (event_id, destination, body) SELECT 'w' || $1 || l || i, l, 'w' || $1 || l || i FROM unnest($2::text[]) l, generate_series(1, 2) i",
-                    &[&k.to_string(), &ls],
-                )
-                .await
-                .unwrap();
-                written.fetch_add(1, Ordering::Relaxed);
-                k += 1;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
-    let epoch = |c: Client| async move {
-        c.query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[]).await.unwrap().get::<_, f64>(0)
-    };
+    let lanes = Lanes::start(&db, &sqs, healthy, sick).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let mut windows = Vec::new();
     let mut c = Counters { repetitions: p.repetitions as u64, ..Default::default() };
-    let mut done = 0;
-    let sick_list = sick.iter().map(|(l, _)| format!("'{l}'")).collect::<Vec<_>>().join(",");
-    while done < p.repetitions {
-        let k = parallel.min(p.repetitions - done);
-        // Everything already sent to the doomed queues must be received
-        // first: deleting a queue deletes its messages, which is not the
-        // relay's loss.
-        hold_sick.store(true, Ordering::Relaxed);
+    let windows = lanes.outages(&db, &sqs, p, parallel, &mut c).await;
+    // Let the spools drain, then stop writing and collect the rest.
+    let (expected_all, received) = lanes.finish(&db).await;
+    relay.terminate(Duration::from_secs(15)).await;
+    let got: Vec<String> = received.values().flatten().cloned().collect();
+    report_missing(&db, &expected_all, &got, &windows).await;
+    c.committed = expected_all.len() as u64;
+    tally(&mut c, &expected_all, &got);
+    let healthy_expected = bodies(&db, "destination = 'h'").await;
+    let healthy_got: HashSet<String> = received.get("h").cloned().unwrap_or_default().into_iter().collect();
+    c.extra.insert(
+        "healthy_lane_missing".into(),
+        healthy_expected.iter().filter(|b| !healthy_got.contains(*b)).count() as f64,
+    );
+    c.dead_rows = db.count("status = 'DEAD'").await as u64;
+    // Every mark counts an attempt: a row deferred to the table and sent later has two or more.
+    c.extra.insert("rows_deferred_to_table".into(), db.count("attempts > 1").await as f64);
+    healthy_latency(&db, &windows, &mut c).await;
+    c.extra.insert("outage_seconds".into(), p.sqs_outage.as_secs_f64());
+    c.extra.insert("outages_side_by_side".into(), parallel as f64);
+    c
+}
+
+/// The lanes of sqs_down_one_lane while rows flow: a receiver per queue, all
+/// the time, into one list per lane; a writer committing a transaction every
+/// 100 ms with 2 rows per lane, whose sick lanes' rows can be held back while
+/// their queues are drained.
+struct Lanes {
+    /// (lane, queue URL) of the lanes whose queues go away.
+    sick: Vec<(String, String)>,
+    received: Arc<Mutex<HashMap<String, Vec<String>>>>,
+    stop_receivers: Arc<AtomicBool>,
+    receivers: Vec<tokio::task::JoinHandle<()>>,
+    stop_writer: Arc<AtomicBool>,
+    hold_sick: Arc<AtomicBool>,
+    writer: tokio::task::JoinHandle<()>,
+}
+
+impl Lanes {
+    async fn start(db: &TestDb, sqs: &SqsPublisher, healthy: String, sick: Vec<(String, String)>) -> Lanes {
+        let received: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
+        let stop_receivers = Arc::new(AtomicBool::new(false));
+        let mut receivers = Vec::new();
+        for (lane, url) in std::iter::once(("h".to_string(), healthy)).chain(sick.iter().cloned()) {
+            let (sqs, received, stop) = (sqs.clone(), Arc::clone(&received), Arc::clone(&stop_receivers));
+            receivers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let got = receive_batch(&sqs, &url, 1).await;
+                    received.lock().unwrap().entry(lane.clone()).or_default().extend(got);
+                }
+            }));
+        }
+        let stop_writer = Arc::new(AtomicBool::new(false));
+        let hold_sick = Arc::new(AtomicBool::new(false));
+        let lanes: Vec<String> = sick.iter().map(|(l, _)| l.clone()).collect();
+        let writer = lane_writer(db.client().await, lanes, Arc::clone(&stop_writer), Arc::clone(&hold_sick));
+        Lanes { sick, received, stop_receivers, receivers, stop_writer, hold_sick, writer }
+    }
+
+    /// `p.repetitions` outages, `parallel` side by side: the sick queues
+    /// deleted for `p.sqs_outage`, then created again. The outages' windows
+    /// (epoch seconds of the database clock).
+    async fn outages(
+        &self,
+        db: &TestDb,
+        sqs: &SqsPublisher,
+        p: &Params,
+        parallel: usize,
+        c: &mut Counters,
+    ) -> Vec<(f64, f64)> {
+        let mut windows = Vec::new();
+        let mut done = 0;
+        while done < p.repetitions {
+            let k = parallel.min(p.repetitions - done);
+            self.drain_sick(db).await;
+            for (_, url) in self.sick.iter().take(k) {
+                sqs.client().delete_queue().queue_url(url).send().await.unwrap();
+            }
+            let from = db_epoch(db).await;
+            self.hold_sick.store(false, Ordering::Relaxed);
+            tokio::time::sleep(p.sqs_outage).await;
+            for (_, url) in self.sick.iter().take(k) {
+                let name = url.rsplit('/').next().unwrap();
+                let again = sqs.client().create_queue().queue_name(name).send().await.unwrap().queue_url.unwrap();
+                assert_eq!(&again, url, "ministack gives a recreated queue its old URL");
+            }
+            windows.push((from, db_epoch(db).await));
+            c.killed += k as u64;
+            done += k;
+        }
+        windows
+    }
+
+    /// Everything already sent to the doomed queues must be received first:
+    /// deleting a queue deletes its messages, which is not the relay's loss.
+    /// Holds the sick lanes' rows back until the outage starts.
+    async fn drain_sick(&self, db: &TestDb) {
+        let sick_list = self.sick.iter().map(|(l, _)| format!("'{l}'")).collect::<Vec<_>>().join(",");
+        self.hold_sick.store(true, Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(200)).await;
         wait_for("sick lanes drained before the outage", Duration::from_secs(120), || async {
             if db.count(&format!("status = 'NEW' AND destination IN ({sick_list})")).await != 0 {
                 return false;
             }
-            let published: HashSet<String> = bodies(&db, &format!("destination IN ({sick_list})")).await;
-            let r = received.lock().unwrap();
+            let published: HashSet<String> = bodies(db, &format!("destination IN ({sick_list})")).await;
+            let r = self.received.lock().unwrap();
             let got: HashSet<&String> = r.iter().filter(|(l, _)| *l != "h").flat_map(|(_, v)| v.iter()).collect();
             published.iter().all(|b| got.contains(b))
         })
         .await;
-        for (_, url) in sick.iter().take(k) {
-            sqs.client().delete_queue().queue_url(url).send().await.unwrap();
-        }
-        let from = epoch(db.client().await).await;
-        hold_sick.store(false, Ordering::Relaxed);
-        tokio::time::sleep(p.sqs_outage).await;
-        for (_, url) in sick.iter().take(k) {
-            let name = url.rsplit('/').next().unwrap();
-            let again = sqs.client().create_queue().queue_name(name).send().await.unwrap().queue_url.unwrap();
-            assert_eq!(&again, url, "ministack gives a recreated queue its old URL");
-        }
-        windows.push((from, epoch(db.client().await).await));
-        c.killed += k as u64;
-        done += k;
     }
-    // Let the spools drain, then stop writing and collect the rest.
-    stop.store(true, Ordering::Relaxed);
-    writer.await.unwrap();
-    let lsn = db.current_lsn().await;
-    settled(&db, "true", lsn, Duration::from_secs(120)).await;
-    let expected_all = bodies(&db, "true").await;
-    let end = Instant::now() + Duration::from_secs(60);
-    loop {
-        let all: HashSet<String> = received.lock().unwrap().values().flatten().cloned().collect();
-        if expected_all.iter().all(|b| all.contains(b)) || Instant::now() > end {
-            break;
+
+    /// Stop writing, wait until every row is settled and received (60 s at
+    /// most) and for stragglers, stop receiving. Every row's body, and what
+    /// each lane received.
+    async fn finish(self, db: &TestDb) -> (HashSet<String>, HashMap<String, Vec<String>>) {
+        self.stop_writer.store(true, Ordering::Relaxed);
+        self.writer.await.unwrap();
+        let lsn = db.current_lsn().await;
+        settled(db, "true", lsn, Duration::from_secs(120)).await;
+        let expected_all = bodies(db, "true").await;
+        let end = Instant::now() + Duration::from_secs(60);
+        loop {
+            let all: HashSet<String> = self.received.lock().unwrap().values().flatten().cloned().collect();
+            if expected_all.iter().all(|b| all.contains(b)) || Instant::now() > end {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(1500)).await; // stragglers (duplicates)
+        self.stop_receivers.store(true, Ordering::Relaxed);
+        for r in self.receivers {
+            let _ = r.await;
+        }
+        let received = std::mem::take(&mut *self.received.lock().unwrap());
+        (expected_all, received)
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await; // stragglers (duplicates)
-    stop_receivers.store(true, Ordering::Relaxed);
-    for r in receivers {
-        let _ = r.await;
-    }
-    relay.terminate(Duration::from_secs(15)).await;
-    let got: Vec<String> = received.lock().unwrap().values().flatten().cloned().collect();
+}
+
+/// The writer of [`Lanes`]: 2 rows per lane every 100 ms; the sick lanes'
+/// rows only while `hold` is false.
+fn lane_writer(
+    c: Client,
+    lanes: Vec<String>,
+    stop: Arc<AtomicBool>,
+    hold: Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut k = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let mut ls = vec!["h".to_string()];
+            if !hold.load(Ordering::Relaxed) {
+                ls.extend(lanes.iter().cloned());
+            }
+            c.execute(
+                "INSERT INTO outbox (event_id, destination, body) SELECT 'w' || $1 || l || i, l, 'w' || $1 || l || i FROM unnest($2::text[]) l, generate_series(1, 2) i",
+                &[&k.to_string(), &ls],
+            )
+            .await
+            .unwrap();
+            k += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+/// The database's clock, in epoch seconds.
+async fn db_epoch(db: &TestDb) -> f64 {
+    let c = db.client().await;
+    c.query_one("SELECT extract(epoch FROM clock_timestamp())::float8", &[]).await.unwrap().get::<_, f64>(0)
+}
+
+/// Name up to five missing rows with their state, for the log.
+async fn report_missing(db: &TestDb, expected: &HashSet<String>, got: &[String], windows: &[(f64, f64)]) {
     let got_set: HashSet<&String> = got.iter().collect();
-    let missing: Vec<&String> = expected_all.iter().filter(|b| !got_set.contains(b)).take(5).collect();
+    let missing: Vec<&String> = expected.iter().filter(|b| !got_set.contains(b)).take(5).collect();
     for b in missing {
         let r = db
             .client()
@@ -873,19 +962,10 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
             r.get::<_, Option<String>>(4)
         );
     }
-    c.committed = expected_all.len() as u64;
-    tally(&mut c, &expected_all, &got);
-    let healthy_expected = bodies(&db, "destination = 'h'").await;
-    let healthy_got: HashSet<String> =
-        received.lock().unwrap().get("h").cloned().unwrap_or_default().into_iter().collect();
-    c.extra.insert(
-        "healthy_lane_missing".into(),
-        healthy_expected.iter().filter(|b| !healthy_got.contains(*b)).count() as f64,
-    );
-    c.dead_rows = db.count("status = 'DEAD'").await as u64;
-    // Every mark counts an attempt: a row deferred to the table and sent later has two or more.
-    c.extra.insert("rows_deferred_to_table".into(), db.count("attempts > 1").await as f64);
-    // Healthy lane: commit-to-mark latency outside and inside the outages.
+}
+
+/// The healthy lane's commit-to-mark latency outside and inside the outages.
+async fn healthy_latency(db: &TestDb, windows: &[(f64, f64)], c: &mut Counters) {
     let lat = db
         .client()
         .await
@@ -904,13 +984,10 @@ async fn sqs_down_one_lane(p: &Params) -> Counters {
             outside.push(ms);
         }
     }
-    c.extra.insert("outage_seconds".into(), p.sqs_outage.as_secs_f64());
-    c.extra.insert("outages_side_by_side".into(), parallel as f64);
     c.extra.insert("healthy_p50_ms_outside_outages".into(), round1(percentile(&mut outside.clone(), 0.5)));
     c.extra.insert("healthy_p99_ms_outside_outages".into(), round1(percentile(&mut outside, 0.99)));
     c.extra.insert("healthy_p50_ms_during_outages".into(), round1(percentile(&mut inside.clone(), 0.5)));
     c.extra.insert("healthy_p99_ms_during_outages".into(), round1(percentile(&mut inside, 0.99)));
-    c
 }
 
 // ---------------------------------------------------------------------------
@@ -960,21 +1037,7 @@ async fn consumer_duplicate_delivery(p: &Params) -> Counters {
     let lsn = db.current_lsn().await;
     settled(&db, "true", lsn, Duration::from_secs(120)).await;
     relay.terminate(Duration::from_secs(15)).await;
-    // Every message a second time, as a relay crash or SQS itself may do.
-    let all: Vec<String> = bodies(&db, "true").await.into_iter().collect();
-    for chunk in all.chunks(10) {
-        let mut req = sqs.client().send_message_batch().queue_url(&q);
-        for (i, b) in chunk.iter().enumerate() {
-            req = req.entries(
-                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
-                    .id(i.to_string())
-                    .message_body(b)
-                    .build()
-                    .unwrap(),
-            );
-        }
-        req.send().await.unwrap();
-    }
+    send_every_message_again(&db, &sqs, &q).await;
     let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.client().clone(), &q), deletes: AtomicU64::new(0) });
     let worker = Worker::new(
         Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)),
@@ -1038,15 +1101,7 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
         // Another worker finds it after the lease expires.
         let worker = RunningWorker::start(Worker::new(Arc::clone(&rescuer), queue.clone(), 2), Duration::from_secs(1));
         let metrics = Arc::clone(&worker.metrics);
-        let end = Instant::now() + Duration::from_secs(60);
-        let mut state = String::new();
-        while Instant::now() < end {
-            state = w.query_one("SELECT status FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
-            if state == "SUCCEEDED" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let state = job_state_within(&w, &id, "SUCCEEDED", Duration::from_secs(60)).await;
         rescue_ms.push(died.elapsed().as_secs_f64() * 1000.0);
         worker.stop().await;
         let n_effects = effects(&db, &format!("job_id = '{id}'")).await;
@@ -1069,6 +1124,39 @@ async fn consumer_killed_mid_handler(p: &Params) -> Counters {
     c.extra.insert("rescue_ms_p50".into(), round1(percentile(&mut rescue_ms.clone(), 0.5)));
     c.extra.insert("rescue_ms_max".into(), round1(percentile(&mut rescue_ms, 1.0)));
     c
+}
+
+/// The state of job `id` once it is `want`, or the last seen when `within`
+/// has passed.
+async fn job_state_within(w: &Client, id: &str, want: &str, within: Duration) -> String {
+    let end = Instant::now() + within;
+    let mut state = String::new();
+    while Instant::now() < end {
+        state = w.query_one("SELECT status FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
+        if state == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    state
+}
+
+/// Every message a second time, as a relay crash or SQS itself may do.
+async fn send_every_message_again(db: &TestDb, sqs: &SqsPublisher, q: &str) {
+    let all: Vec<String> = bodies(db, "true").await.into_iter().collect();
+    for chunk in all.chunks(10) {
+        let mut req = sqs.client().send_message_batch().queue_url(q);
+        for (i, b) in chunk.iter().enumerate() {
+            req = req.entries(
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(b)
+                    .build()
+                    .unwrap(),
+            );
+        }
+        req.send().await.unwrap();
+    }
 }
 
 // ---------------------------------------------------------------------------
