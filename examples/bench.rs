@@ -17,10 +17,6 @@
 //!   lane's queue gone for the whole run while rows keep arriving;
 //! - scaling: throughput and RSS over row counts and destination counts.
 
-#[path = "../tests/common/mod.rs"]
-#[allow(unused_imports)]
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -28,14 +24,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use clap::Parser;
-use common::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
-use common::*;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
 use outbox_relay::publish::entry::{Entry, QueueInfo};
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;
+use testkit::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
+use testkit::*;
 
 #[derive(Parser, Clone)]
 #[command(about = "Throughput, latency and cost of the relay against the limits of this machine")]
@@ -319,7 +315,7 @@ async fn recvlogical(db: &TestDb, slot: &str, end: u64) -> (f64, f64) {
     // Its walsender may outlive pg_recvlogical by a moment: wait until it
     // has exited, so all of its CPU is counted.
     wait_for("pg_recvlogical's walsender gone", Duration::from_secs(10), || async {
-        common::process::postgres_walsenders() == 0
+        testkit::process::postgres_walsenders() == 0
     })
     .await;
     (secs, phase.pg_cpu())
@@ -1065,89 +1061,133 @@ fn machine() -> serde_json::Value {
     })
 }
 
-#[tokio::main]
-async fn main() {
-    let a = Args::parse();
-    let stack_guard = common::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
-    let started = Instant::now();
-    let q = a.quick;
-    let steady_s = a.steady_seconds.unwrap_or(if q { 4 } else { 30 });
-    let sqs = sqs().await;
-    eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
-    if let Some(rates) = &a.latency_only {
-        print_latency(&latency_runs(&a, &sqs, rates, steady_s).await);
-        drop(stack_guard);
-        return;
+/// What the full run measured, in the order it measures.
+struct Results {
+    large: Vec<LargeBodies>,
+    dec: Decode,
+    sqsc: SqsCeiling,
+    /// Through the 15 ms RTT proxy: one lane, then every lane.
+    far: SqsCeiling,
+    far3: SqsCeiling,
+    lat: Vec<Latency>,
+    drains: Vec<Drain>,
+    down: LaneDown,
+}
+
+/// The ratios and latencies the targets are about.
+struct Ratios {
+    relay_vs_recv: f64,
+    relay_vs_raw: f64,
+    relay_vs_raw_far: f64,
+    relay_vs_raw_far3: f64,
+    transient_vs_recv: f64,
+    settle_wal_ratio: f64,
+    /// The physical limits through the proxy: batches in flight × 10 / RTT.
+    far_limit: f64,
+    far3_limit: f64,
+    c1: Latency,
+    p1: Latency,
+    c5: Latency,
+    f5: Latency,
+}
+
+const RTT: Duration = Duration::from_millis(15);
+
+impl Results {
+    fn ratios(&self) -> Ratios {
+        let at = |mode: &str, rate: u64| {
+            self.lat.iter().find(|l| l.mode == mode && l.rows_per_s_target == rate).cloned().unwrap()
+        };
+        let (dec, sqsc, far, far3) = (&self.dec, &self.sqsc, &self.far, &self.far3);
+        Ratios {
+            relay_vs_recv: dec.relay_null_rows_per_s / dec.recvlogical_rows_per_s,
+            relay_vs_raw: sqsc.relay_msgs_per_s / sqsc.raw_msgs_per_s,
+            relay_vs_raw_far: far.relay_msgs_per_s / far.raw_msgs_per_s,
+            relay_vs_raw_far3: far3.relay_msgs_per_s / far3.raw_msgs_per_s,
+            transient_vs_recv: dec.transient_relay_rows_per_s / dec.transient_recvlogical_rows_per_s,
+            settle_wal_ratio: dec.settle_wal_per_row / dec.insert_wal_per_row,
+            far_limit: far.concurrency as f64 * 10.0 / RTT.as_secs_f64(),
+            far3_limit: far3.concurrency as f64 * 10.0 / RTT.as_secs_f64(),
+            c1: at("cdc", 1000),
+            p1: at("polling", 1000),
+            c5: at("cdc", 5000),
+            f5: at("cdc, fixed linger", 5000),
+        }
     }
-    if let Some(n) = a.decode_only {
-        let d = decode_ceiling(&a, n).await;
+}
+
+fn r2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+fn print_decode_only(d: &Decode) {
+    println!(
+        "keep: relay {:.0} rows/s, settle WAL {} B/row; persistent: recvlogical {:.0} relay {:.0} rows/s ({:.2}); transient: recvlogical {:.0} relay {:.0} ({:.2}); WAL per row: insert {} settle {} transient {} keep-mark {}",
+        d.keep_relay_rows_per_s,
+        d.keep_settle_wal_per_row,
+        d.recvlogical_rows_per_s,
+        d.relay_null_rows_per_s,
+        d.relay_null_rows_per_s / d.recvlogical_rows_per_s,
+        d.transient_recvlogical_rows_per_s,
+        d.transient_relay_rows_per_s,
+        d.transient_relay_rows_per_s / d.transient_recvlogical_rows_per_s,
+        d.insert_wal_per_row,
+        d.settle_wal_per_row,
+        d.transient_settle_wal_per_row,
+        d.keep_mark_wal_per_row
+    );
+    print_decode_cpu(d);
+}
+
+fn print_large(large: &[LargeBodies]) {
+    println!("| max_unsettled_bytes | rows | body bytes | seconds | peak unsettled events | peak RSS MB |");
+    println!("|---|---|---|---|---|---|");
+    for l in large {
         println!(
-            "keep: relay {:.0} rows/s, settle WAL {} B/row; persistent: recvlogical {:.0} relay {:.0} rows/s ({:.2}); transient: recvlogical {:.0} relay {:.0} ({:.2}); WAL per row: insert {} settle {} transient {} keep-mark {}",
-            d.keep_relay_rows_per_s,
-            d.keep_settle_wal_per_row,
-            d.recvlogical_rows_per_s,
-            d.relay_null_rows_per_s,
-            d.relay_null_rows_per_s / d.recvlogical_rows_per_s,
-            d.transient_recvlogical_rows_per_s,
-            d.transient_relay_rows_per_s,
-            d.transient_relay_rows_per_s / d.transient_recvlogical_rows_per_s,
-            d.insert_wal_per_row,
-            d.settle_wal_per_row,
-            d.transient_settle_wal_per_row,
-            d.keep_mark_wal_per_row
+            "| {} | {} | {} | {} | {} | {} |",
+            l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb
         );
-        print_decode_cpu(&d);
-        drop(stack_guard);
-        return;
     }
-    // Large bodies, the default byte budget beside one so large that only
-    // the event budget (20,000) binds: peak RSS side by side.
-    let large_n = if q { 600 } else { 2_000 };
+    println!();
+}
+
+/// Large bodies, the default byte budget beside one so large that only the
+/// event budget (20,000) binds: peak RSS side by side.
+async fn large_bodies_rows(a: &Args, sqs: &SqsPublisher, started: Instant) -> Vec<LargeBodies> {
+    let large_n = if a.quick { 600 } else { 2_000 };
     let mut large = Vec::new();
     for budget in ["64MB", "64GB"] {
-        large.push(large_bodies(&sqs, large_n, 250_000, budget).await);
+        large.push(large_bodies(sqs, large_n, 250_000, budget).await);
     }
     eprintln!("bench: large bodies done ({:.0} s)", started.elapsed().as_secs_f64());
-    let print_large = |large: &[LargeBodies]| {
-        println!("| max_unsettled_bytes | rows | body bytes | seconds | peak unsettled events | peak RSS MB |");
-        println!("|---|---|---|---|---|---|");
-        for l in large {
-            println!(
-                "| {} | {} | {} | {} | {} | {} |",
-                l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb
-            );
-        }
-        println!();
-    };
-    if a.large_bodies_only {
-        print_large(&large);
-        println!("{}", serde_json::to_string_pretty(&json!({ "large_bodies": large })).unwrap());
-        drop(stack_guard);
-        return;
-    }
+    large
+}
 
-    let dec = decode_ceiling(&a, if q { 50_000 } else { 200_000 }).await;
+/// The ceilings: decode against pg_recvlogical, SQS against a plain client,
+/// directly and through the 15 ms RTT proxy.
+async fn ceilings(a: &Args, sqs: &SqsPublisher, started: Instant) -> (Decode, SqsCeiling, SqsCeiling, SqsCeiling) {
+    let q = a.quick;
+    let dec = decode_ceiling(a, if q { 50_000 } else { 200_000 }).await;
     eprintln!("bench: decode ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
-    let sqsc = sqs_ceiling(&a, &sqs, if q { 10_000 } else { 50_000 }).await;
+    let sqsc = sqs_ceiling(a, sqs, if q { 10_000 } else { 50_000 }).await;
     eprintln!("bench: SQS ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
-    let rtt = Duration::from_millis(15);
     // One lane: 8 batches in flight bound it (5,333 msg/s at 15 ms), below
     // what ministack takes; three lanes: ministack and the two cores bind.
-    let far = sqs_ceiling_rtt(&a, if q { 10_000 } else { 40_000 }, rtt, 1).await;
-    let far_limit = far.concurrency as f64 * 10.0 / rtt.as_secs_f64();
-    let far3 = sqs_ceiling_rtt(&a, if q { 10_000 } else { 50_000 }, rtt, a.destinations).await;
-    let far3_limit = far3.concurrency as f64 * 10.0 / rtt.as_secs_f64();
+    let far = sqs_ceiling_rtt(a, if q { 10_000 } else { 40_000 }, RTT, 1).await;
+    let far3 = sqs_ceiling_rtt(a, if q { 10_000 } else { 50_000 }, RTT, a.destinations).await;
     eprintln!("bench: SQS ceiling at 15 ms RTT done ({:.0} s)", started.elapsed().as_secs_f64());
-    let lat = latency_runs(&a, &sqs, &[1_000, 5_000], steady_s).await;
-    eprintln!("bench: latency done ({:.0} s)", started.elapsed().as_secs_f64());
-    let backlog = if q { 10_000 } else { 100_000 };
-    let mut drains = vec![
-        drain(&a, &sqs, "backlog", "cdc", backlog, a.destinations).await,
-        drain(&a, &sqs, "backlog", "polling", backlog, a.destinations).await,
+    (dec, sqsc, far, far3)
+}
+
+/// The backlog drains: CDC, polling, CDC on one worker thread, CDC again.
+async fn backlog_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Drain> {
+    vec![
+        drain(a, sqs, "backlog", "cdc", backlog, a.destinations).await,
+        drain(a, sqs, "backlog", "polling", backlog, a.destinations).await,
         // The same drain on a one-thread runtime, side by side.
         drain_with(
-            &a,
-            &sqs,
+            a,
+            sqs,
             "backlog, --worker-threads 1",
             "cdc",
             backlog,
@@ -1155,59 +1195,66 @@ async fn main() {
             &[("OUTBOX_RELAY_WORKER_THREADS", "1")],
         )
         .await,
-        drain(&a, &sqs, "backlog (again)", "cdc", backlog, a.destinations).await,
-    ];
-    eprintln!("bench: backlog drains done ({:.0} s)", started.elapsed().as_secs_f64());
-    let down = lane_down(&a, &sqs, if q { 100_000 } else { 1_000_000 }).await;
-    eprintln!("bench: lane down done ({:.0} s)", started.elapsed().as_secs_f64());
+        drain(a, sqs, "backlog (again)", "cdc", backlog, a.destinations).await,
+    ]
+}
+
+/// Scaling: drains over row counts and destination counts (those the
+/// backlog drains did not already measure).
+async fn scaling_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Drain> {
+    let q = a.quick;
+    let mut drains = Vec::new();
     let rows_curve: &[usize] = if q { &[10_000, 50_000] } else { &[10_000, 100_000, 1_000_000] };
     for &n in rows_curve {
         if n != backlog {
-            drains.push(drain(&a, &sqs, "rows", "cdc", n, a.destinations).await);
+            drains.push(drain(a, sqs, "rows", "cdc", n, a.destinations).await);
         }
     }
     let dest_rows = if q { 10_000 } else { 100_000 };
     for d in [1, 3, 10] {
         if !(d == a.destinations && dest_rows == backlog) {
-            drains.push(drain(&a, &sqs, "destinations", "cdc", dest_rows, d).await);
+            drains.push(drain(a, sqs, "destinations", "cdc", dest_rows, d).await);
         }
     }
+    drains
+}
+
+/// Every row of the full run after the large bodies.
+async fn measure_all(
+    a: &Args,
+    sqs: &SqsPublisher,
+    large: Vec<LargeBodies>,
+    steady_s: u64,
+    started: Instant,
+) -> Results {
+    let (dec, sqsc, far, far3) = ceilings(a, sqs, started).await;
+    let lat = latency_runs(a, sqs, &[1_000, 5_000], steady_s).await;
+    eprintln!("bench: latency done ({:.0} s)", started.elapsed().as_secs_f64());
+    let backlog = if a.quick { 10_000 } else { 100_000 };
+    let mut drains = backlog_drains(a, sqs, backlog).await;
+    eprintln!("bench: backlog drains done ({:.0} s)", started.elapsed().as_secs_f64());
+    let down = lane_down(a, sqs, if a.quick { 100_000 } else { 1_000_000 }).await;
+    eprintln!("bench: lane down done ({:.0} s)", started.elapsed().as_secs_f64());
+    drains.extend(scaling_drains(a, sqs, backlog).await);
     eprintln!("bench: scaling done ({:.0} s)", started.elapsed().as_secs_f64());
+    Results { large, dec, sqsc, far, far3, lat, drains, down }
+}
 
-    let at =
-        |mode: &str, rate: u64| lat.iter().find(|l| l.mode == mode && l.rows_per_s_target == rate).cloned().unwrap();
-    let (c1, p1) = (at("cdc", 1000), at("polling", 1000));
-    let relay_vs_recv = dec.relay_null_rows_per_s / dec.recvlogical_rows_per_s;
-    let relay_vs_raw = sqsc.relay_msgs_per_s / sqsc.raw_msgs_per_s;
-    let relay_vs_raw_far = far.relay_msgs_per_s / far.raw_msgs_per_s;
-    let relay_vs_raw_far3 = far3.relay_msgs_per_s / far3.raw_msgs_per_s;
-    let transient_vs_recv = dec.transient_relay_rows_per_s / dec.transient_recvlogical_rows_per_s;
-    let settle_wal_ratio = dec.settle_wal_per_row / dec.insert_wal_per_row;
-    let c5 = at("cdc", 5000);
-    let f5 = at("cdc, fixed linger", 5000);
-    let r2 = |x: f64| (x * 100.0).round() / 100.0;
-
-    println!(
-        "outbox-relay bench ({}), row {} B, {} destinations, backlog transactions of {} rows",
-        if q { "quick" } else { "full" },
-        a.row_size,
-        a.destinations,
-        a.txn_size
-    );
-    println!();
+fn print_ceilings(a: &Args, r: &Results, x: &Ratios) {
+    let (dec, sqsc, far, far3) = (&r.dec, &r.sqsc, &r.far, &r.far3);
     println!("| ceiling | limit | relay | ratio | target |");
     println!("|---|---|---|---|---|");
     println!(
         "| decode, {} persistent rows (deleted when published) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.80 |",
-        dec.rows, dec.recvlogical_rows_per_s, dec.relay_null_rows_per_s, relay_vs_recv
+        dec.rows, dec.recvlogical_rows_per_s, dec.relay_null_rows_per_s, x.relay_vs_recv
     );
     println!(
         "| decode, {} transient rows (deleted by their transaction) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.90 |",
-        dec.rows, dec.transient_recvlogical_rows_per_s, dec.transient_relay_rows_per_s, transient_vs_recv
+        dec.rows, dec.transient_recvlogical_rows_per_s, dec.transient_relay_rows_per_s, x.transient_vs_recv
     );
     println!(
         "| settlement WAL per row (persistent; transient {} B) | INSERT {} B | relay's drain {} B (keep-mode mark alone {} B) | {:.2} | <= 0.25 |",
-        dec.transient_settle_wal_per_row, dec.insert_wal_per_row, dec.settle_wal_per_row, dec.keep_mark_wal_per_row, settle_wal_ratio
+        dec.transient_settle_wal_per_row, dec.insert_wal_per_row, dec.settle_wal_per_row, dec.keep_mark_wal_per_row, x.settle_wal_ratio
     );
     println!(
         "| settle statement alone: delete / mark PUBLISHED | {:.0} rows/s | {:.0} rows/s | | |",
@@ -1219,7 +1266,7 @@ async fn main() {
     );
     println!(
         "| SQS, {} messages, {} concurrent batches | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.90 |",
-        sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, relay_vs_raw
+        sqsc.messages, sqsc.concurrency, sqsc.raw_msgs_per_s, sqsc.relay_msgs_per_s, x.relay_vs_raw
     );
     println!(
         "|  sender CPU s / 100k, machine busy, calls / 100k | {} s, {}%, 10000 | {} s, {}%, {} | | |",
@@ -1231,97 +1278,164 @@ async fn main() {
     );
     println!(
         "| SQS through a proxy adding 15 ms RTT, 1 lane, {} concurrent batches (limit {:.0} msg/s) | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | >= 0.95 |",
-        far.concurrency, far_limit, far.raw_msgs_per_s, far.relay_msgs_per_s, relay_vs_raw_far
+        far.concurrency, x.far_limit, far.raw_msgs_per_s, far.relay_msgs_per_s, x.relay_vs_raw_far
     );
     println!(
         "| same, {} lanes, {} concurrent batches (limit {:.0} msg/s; ministack binds) | aws-sdk-sqs {:.0} msg/s | relay {:.0} msg/s | {:.2} | |",
-        a.destinations, far3.concurrency, far3_limit, far3.raw_msgs_per_s, far3.relay_msgs_per_s, relay_vs_raw_far3
+        a.destinations, far3.concurrency, x.far3_limit, far3.raw_msgs_per_s, far3.relay_msgs_per_s, x.relay_vs_raw_far3
     );
-    print_decode_cpu(&dec);
-    print_latency(&lat);
+}
+
+fn print_drains(r: &Results) {
     println!();
     println!("| run | mode | rows | destinations | seconds | rows/s | CPU s / 100k | peak RSS MB |");
     println!("|---|---|---|---|---|---|---|---|");
-    for d in &drains {
+    for d in &r.drains {
         println!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             d.case, d.mode, d.rows, d.destinations, d.seconds, d.rows_per_s, d.cpu_s_per_100k, d.peak_rss_mb
         );
     }
+    let down = &r.down;
     println!(
         "| one lane's queue gone | cdc | {} | 2 | {} | - | {} | {} |",
         down.rows, down.seconds, down.cpu_s_per_100k, down.peak_rss_mb
     );
     println!();
-    print_large(&large);
-    let summary = json!({
-        "quick": q,
+}
+
+fn print_results(a: &Args, r: &Results, x: &Ratios) {
+    println!(
+        "outbox-relay bench ({}), row {} B, {} destinations, backlog transactions of {} rows",
+        if a.quick { "quick" } else { "full" },
+        a.row_size,
+        a.destinations,
+        a.txn_size
+    );
+    println!();
+    print_ceilings(a, r, x);
+    print_decode_cpu(&r.dec);
+    print_latency(&r.lat);
+    print_drains(r);
+    print_large(&r.large);
+}
+
+fn decode_json(dec: &Decode) -> serde_json::Value {
+    json!({"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round(),
+        "relay_null_cpu_s_per_100k": dec.relay_null_cpu_s_per_100k, "relay_null_machine_busy_pct": dec.relay_null_machine_busy_pct,
+        "mark_only_rows_per_s": dec.mark_only_rows_per_s.round(), "delete_only_rows_per_s": dec.delete_only_rows_per_s.round(),
+        "insert_wal_bytes_per_row": dec.insert_wal_per_row, "settle_wal_bytes_per_row": dec.settle_wal_per_row,
+        "keep_mark_wal_bytes_per_row": dec.keep_mark_wal_per_row,
+        "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
+        "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
+        "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row,
+        "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row,
+        "cpu_s_per_100k": decode_cpu_json(dec)})
+}
+
+fn sqs_json(r: &Results, x: &Ratios) -> (serde_json::Value, serde_json::Value, serde_json::Value) {
+    let (sqsc, far, far3) = (&r.sqsc, &r.far, &r.far3);
+    let direct = json!({
+        "messages": sqsc.messages, "concurrency": sqsc.concurrency,
+        "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),
+        "raw_cpu_s_per_100k": sqsc.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": sqsc.relay_cpu_s_per_100k,
+        "raw_machine_busy_pct": sqsc.raw_machine_busy_pct, "relay_machine_busy_pct": sqsc.relay_machine_busy_pct,
+        "relay_calls_per_100k": sqsc.relay_calls_per_100k,
+    });
+    let one_lane = json!({
+        "messages": far.messages, "concurrency": far.concurrency, "physical_limit_msgs_per_s": x.far_limit.round(),
+        "raw_msgs_per_s": far.raw_msgs_per_s.round(), "relay_msgs_per_s": far.relay_msgs_per_s.round(),
+        "raw_cpu_s_per_100k": far.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": far.relay_cpu_s_per_100k,
+        "relay_calls_per_100k": far.relay_calls_per_100k,
+    });
+    let all_lanes = json!({
+        "messages": far3.messages, "concurrency": far3.concurrency, "physical_limit_msgs_per_s": x.far3_limit.round(),
+        "raw_msgs_per_s": far3.raw_msgs_per_s.round(), "relay_msgs_per_s": far3.relay_msgs_per_s.round(),
+        "ratio": r2(x.relay_vs_raw_far3),
+    });
+    (direct, one_lane, all_lanes)
+}
+
+fn targets_met(r: &Results, x: &Ratios) -> BTreeMap<&'static str, bool> {
+    BTreeMap::from([
+        ("relay_vs_recvlogical_0_80", x.relay_vs_recv >= 0.8),
+        ("relay_vs_raw_sqs_0_90", x.relay_vs_raw >= 0.9),
+        ("relay_vs_recvlogical_transient_0_90", x.transient_vs_recv >= 0.9),
+        ("settle_wal_0_25_of_insert", x.settle_wal_ratio <= 0.25),
+        ("relay_vs_raw_sqs_rtt_15ms_0_95", x.relay_vs_raw_far >= 0.95),
+        ("cdc_p50_under_10_ms_at_1000", x.c1.p50_ms < 10.0),
+        ("cdc_p50_under_5_ms_at_1000", x.c1.p50_ms < 5.0),
+        ("cdc_p99_under_25_ms_at_1000", x.c1.p99_ms < 25.0),
+        ("cdc_p99_under_50_ms_at_5000", x.c5.p99_ms < 50.0),
+        ("cdc_calls_at_5000_no_more_than_fixed_linger", x.c5.calls_per_100k <= x.f5.calls_per_100k),
+        ("peak_rss_under_100_mb_lane_down", r.down.peak_rss_mb < 100.0),
+        ("peak_rss_under_256_mb_large_bodies", r.large[0].peak_rss_mb < 256.0),
+    ])
+}
+
+fn summary(a: &Args, r: &Results, x: &Ratios, started: Instant) -> serde_json::Value {
+    let (sqs, sqs_rtt, sqs_rtt_all) = sqs_json(r, x);
+    json!({
+        "quick": a.quick,
         "machine": machine(),
         "seconds": started.elapsed().as_secs_f64().round(),
-        "relay_vs_recvlogical": r2(relay_vs_recv),
-        "relay_vs_raw_sqs": r2(relay_vs_raw),
-        "relay_vs_recvlogical_transient": r2(transient_vs_recv),
-        "settle_wal_per_insert_wal": r2(settle_wal_ratio),
-        "relay_vs_raw_sqs_rtt_15ms": r2(relay_vs_raw_far),
-        "cdc_p50_ms_5000": c5.p50_ms,
-        "cdc_p99_ms_5000": c5.p99_ms,
-        "cdc_calls_per_100k_5000": c5.calls_per_100k,
-        "cdc_fixed_linger_calls_per_100k_5000": f5.calls_per_100k,
-        "cdc_p50_ms": c1.p50_ms,
-        "cdc_p99_ms": c1.p99_ms,
-        "cdc_p999_ms": c1.p999_ms,
-        "polling_p50_ms": p1.p50_ms,
-        "polling_p99_ms": p1.p99_ms,
-        "polling_p999_ms": p1.p999_ms,
-        "peak_rss_mb_lane_down": down.peak_rss_mb,
-        "decode": {"rows": dec.rows, "recvlogical_rows_per_s": dec.recvlogical_rows_per_s.round(), "relay_null_rows_per_s": dec.relay_null_rows_per_s.round(),
-            "relay_null_cpu_s_per_100k": dec.relay_null_cpu_s_per_100k, "relay_null_machine_busy_pct": dec.relay_null_machine_busy_pct,
-            "mark_only_rows_per_s": dec.mark_only_rows_per_s.round(), "delete_only_rows_per_s": dec.delete_only_rows_per_s.round(),
-            "insert_wal_bytes_per_row": dec.insert_wal_per_row, "settle_wal_bytes_per_row": dec.settle_wal_per_row,
-            "keep_mark_wal_bytes_per_row": dec.keep_mark_wal_per_row,
-            "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
-            "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
-            "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row,
-            "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row,
-            "cpu_s_per_100k": decode_cpu_json(&dec)},
-        "sqs": {
-            "messages": sqsc.messages, "concurrency": sqsc.concurrency,
-            "raw_msgs_per_s": sqsc.raw_msgs_per_s.round(), "relay_msgs_per_s": sqsc.relay_msgs_per_s.round(),
-            "raw_cpu_s_per_100k": sqsc.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": sqsc.relay_cpu_s_per_100k,
-            "raw_machine_busy_pct": sqsc.raw_machine_busy_pct, "relay_machine_busy_pct": sqsc.relay_machine_busy_pct,
-            "relay_calls_per_100k": sqsc.relay_calls_per_100k,
-        },
-        "sqs_rtt_15ms": {
-            "messages": far.messages, "concurrency": far.concurrency, "physical_limit_msgs_per_s": far_limit.round(),
-            "raw_msgs_per_s": far.raw_msgs_per_s.round(), "relay_msgs_per_s": far.relay_msgs_per_s.round(),
-            "raw_cpu_s_per_100k": far.raw_cpu_s_per_100k, "relay_cpu_s_per_100k": far.relay_cpu_s_per_100k,
-            "relay_calls_per_100k": far.relay_calls_per_100k,
-        },
-        "sqs_rtt_15ms_all_lanes": {
-            "messages": far3.messages, "concurrency": far3.concurrency, "physical_limit_msgs_per_s": far3_limit.round(),
-            "raw_msgs_per_s": far3.raw_msgs_per_s.round(), "relay_msgs_per_s": far3.relay_msgs_per_s.round(),
-            "ratio": r2(relay_vs_raw_far3),
-        },
-        "latency": lat,
-        "drains": drains,
-        "lane_down": down,
-        "large_bodies": large,
-        "targets_met": BTreeMap::from([
-            ("relay_vs_recvlogical_0_80", relay_vs_recv >= 0.8),
-            ("relay_vs_raw_sqs_0_90", relay_vs_raw >= 0.9),
-            ("relay_vs_recvlogical_transient_0_90", transient_vs_recv >= 0.9),
-            ("settle_wal_0_25_of_insert", settle_wal_ratio <= 0.25),
-            ("relay_vs_raw_sqs_rtt_15ms_0_95", relay_vs_raw_far >= 0.95),
-            ("cdc_p50_under_10_ms_at_1000", c1.p50_ms < 10.0),
-            ("cdc_p50_under_5_ms_at_1000", c1.p50_ms < 5.0),
-            ("cdc_p99_under_25_ms_at_1000", c1.p99_ms < 25.0),
-            ("cdc_p99_under_50_ms_at_5000", c5.p99_ms < 50.0),
-            ("cdc_calls_at_5000_no_more_than_fixed_linger", c5.calls_per_100k <= f5.calls_per_100k),
-            ("peak_rss_under_100_mb_lane_down", down.peak_rss_mb < 100.0),
-            ("peak_rss_under_256_mb_large_bodies", large[0].peak_rss_mb < 256.0),
-        ]),
-    });
-    let text = serde_json::to_string_pretty(&summary).unwrap();
+        "relay_vs_recvlogical": r2(x.relay_vs_recv),
+        "relay_vs_raw_sqs": r2(x.relay_vs_raw),
+        "relay_vs_recvlogical_transient": r2(x.transient_vs_recv),
+        "settle_wal_per_insert_wal": r2(x.settle_wal_ratio),
+        "relay_vs_raw_sqs_rtt_15ms": r2(x.relay_vs_raw_far),
+        "cdc_p50_ms_5000": x.c5.p50_ms,
+        "cdc_p99_ms_5000": x.c5.p99_ms,
+        "cdc_calls_per_100k_5000": x.c5.calls_per_100k,
+        "cdc_fixed_linger_calls_per_100k_5000": x.f5.calls_per_100k,
+        "cdc_p50_ms": x.c1.p50_ms,
+        "cdc_p99_ms": x.c1.p99_ms,
+        "cdc_p999_ms": x.c1.p999_ms,
+        "polling_p50_ms": x.p1.p50_ms,
+        "polling_p99_ms": x.p1.p99_ms,
+        "polling_p999_ms": x.p1.p999_ms,
+        "peak_rss_mb_lane_down": r.down.peak_rss_mb,
+        "decode": decode_json(&r.dec),
+        "sqs": sqs,
+        "sqs_rtt_15ms": sqs_rtt,
+        "sqs_rtt_15ms_all_lanes": sqs_rtt_all,
+        "latency": r.lat,
+        "drains": r.drains,
+        "lane_down": r.down,
+        "large_bodies": r.large,
+        "targets_met": targets_met(r, x),
+    })
+}
+
+#[tokio::main]
+async fn main() {
+    let a = Args::parse();
+    let stack_guard = testkit::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
+    let started = Instant::now();
+    let steady_s = a.steady_seconds.unwrap_or(if a.quick { 4 } else { 30 });
+    let sqs = sqs().await;
+    eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
+    if let Some(rates) = &a.latency_only {
+        print_latency(&latency_runs(&a, &sqs, rates, steady_s).await);
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.decode_only {
+        print_decode_only(&decode_ceiling(&a, n).await);
+        drop(stack_guard);
+        return;
+    }
+    let large = large_bodies_rows(&a, &sqs, started).await;
+    if a.large_bodies_only {
+        print_large(&large);
+        println!("{}", serde_json::to_string_pretty(&json!({ "large_bodies": large })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    let r = measure_all(&a, &sqs, large, steady_s, started).await;
+    let x = r.ratios();
+    print_results(&a, &r, &x);
+    let text = serde_json::to_string_pretty(&summary(&a, &r, &x, started)).unwrap();
     std::fs::write(&a.json_out, &text).unwrap_or_else(|e| panic!("write {}: {e}", a.json_out.display()));
     drop(stack_guard);
     println!("{text}");

@@ -9,9 +9,6 @@
 //!
 //! It starts the project's own stack (scripts/dev-stack), as the tests do.
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-
 use std::time::Duration;
 
 fn arg(name: &str, default: u64) -> u64 {
@@ -25,7 +22,7 @@ fn arg(name: &str, default: u64) -> u64 {
 
 #[tokio::main]
 async fn main() {
-    let params = common::outage::Params {
+    let params = testkit::outage::Params {
         baseline: Duration::from_secs(arg("--baseline", 20)),
         outage: Duration::from_secs(arg("--outage", 60)),
         rows_per_lane_per_s: arg("--rate", 500) as u32,
@@ -33,6 +30,6 @@ async fn main() {
         max_retained_wal: arg("--budget-mb", 256) << 20,
         lane_stall_timeout: Duration::from_secs(arg("--stall-timeout", 30)),
     };
-    let report = common::outage::run(params).await;
+    let report = testkit::outage::run(params).await;
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
 }

@@ -4,9 +4,6 @@
 //!
 //!     cargo run --release --example takeover -- [--kills 10]
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -16,7 +13,7 @@ async fn main() {
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
-    let (mut times, total, unique) = common::takeover::run(kills).await;
+    let (mut times, total, unique) = testkit::takeover::run(kills).await;
     let ms: Vec<u128> = times.iter().map(|d| d.as_millis()).collect();
     times.sort();
     let median = times[times.len() / 2];

@@ -7,9 +7,6 @@
 //!
 //!     cargo run --release --example worker_bench -- [--jobs 5000] [--concurrency 16]
 
-#[path = "../tests/common/mod.rs"]
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +33,7 @@ fn arg(name: &str, default: usize) -> usize {
 }
 
 /// Enqueue `n` jobs; returns their message bodies.
-async fn jobs(db: &common::TestDb, tag: &str, n: usize) -> Vec<String> {
+async fn jobs(db: &testkit::TestDb, tag: &str, n: usize) -> Vec<String> {
     let c = db.client().await;
     c.execute(
         "SELECT outbox_enqueue_job('noop', jsonb_build_object('tag', $1::text, 'n', i), 'jobs') FROM generate_series(1, $2::int) i",
@@ -53,13 +50,13 @@ async fn jobs(db: &common::TestDb, tag: &str, n: usize) -> Vec<String> {
 }
 
 /// Jobs/s and database round trips per job.
-async fn drain(db: &common::TestDb, queue: Arc<dyn Queue>, n: usize, concurrency: usize) -> (f64, f64) {
+async fn drain(db: &testkit::TestDb, queue: Arc<dyn Queue>, n: usize, concurrency: usize) -> (f64, f64) {
     let consumer = Arc::new(
         Consumer::new(Consumer::pool(&db.url, concurrency * 2 + 2).unwrap(), ConsumerConfig::default())
             .handle("noop", Noop),
     );
     let started = Instant::now();
-    let w = common::jobs::RunningWorker::start(
+    let w = testkit::jobs::RunningWorker::start(
         Worker::new(Arc::clone(&consumer), queue, concurrency),
         Duration::from_secs(1),
     );
@@ -134,7 +131,7 @@ async fn raw_ceiling(client: &aws_sdk_sqs::Client, url: &str, n: usize, loops: u
 async fn main() {
     let n = arg("--jobs", 5_000);
     let concurrency = arg("--concurrency", 16);
-    let db = common::TestDb::new("workerbench").await;
+    let db = testkit::TestDb::new("workerbench").await;
     let c = db.client().await;
 
     // In memory: the database's share of the cost.
@@ -147,12 +144,12 @@ async fn main() {
     let (mem_rate, mem_trips) = drain(&db, Arc::new(mem), n, concurrency).await;
 
     // ministack: the same work through SQS's API, and the raw ceiling.
-    let sqs = common::sqs().await;
-    let url = common::create_queue(&sqs, "workerbench", false, None).await;
+    let sqs = testkit::sqs().await;
+    let url = testkit::create_queue(&sqs, "workerbench", false, None).await;
     let bodies = jobs(&db, "sqs", n).await;
     fill(&sqs, &url, &bodies).await;
     let (sqs_rate, sqs_trips) = drain(&db, Arc::new(SqsQueue::new(sqs.client().clone(), &url)), n, concurrency).await;
-    let raw_url = common::create_queue(&sqs, "workerbench-raw", false, None).await;
+    let raw_url = testkit::create_queue(&sqs, "workerbench-raw", false, None).await;
     fill(&sqs, &raw_url, &bodies).await;
     let loops = concurrency.div_ceil(10);
     let raw_rate = raw_ceiling(sqs.client(), &raw_url, n, loops).await;

@@ -2,22 +2,18 @@
 //! "Guarantees" table, N times each, on a stack of its own; prints a table,
 //! then one JSON object of counters (also written to `--json-out`).
 //!
-//!     cargo run --release --features failpoints --bin measure -- --repetitions 100
+//!     cargo run --release -p outbox-relay-testkit --features outbox-relay/failpoints --bin measure -- --repetitions 100
 //!
-//! Exits 1 when a must-be-zero cell is not zero. Built only with the
+//! Exits 1 when a must-be-zero cell is not zero. Built only with the relay's
 //! `failpoints` feature; the relay binary it spawns must have the fail points
 //! too: it checks (`outbox-relay --built-with-failpoints`) and builds it with
 //! them when it does not.
-
-#[path = "../../tests/common/mod.rs"]
-#[allow(unused_imports)]
-mod common;
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use common::faults;
+use testkit::faults;
 
 #[derive(Parser)]
 #[command(about = "Kill processes at the worst moments and count what is lost or duplicated")]
@@ -46,7 +42,7 @@ struct Args {
 /// built without them would silently not fail where planned. If it lacks
 /// them (or is missing), build it with them, with the cargo that built us.
 fn ensure_failpoint_relay() -> Result<(), String> {
-    let relay = common::process::relay_bin();
+    let relay = testkit::process::relay_bin();
     let has = |p: &std::path::Path| {
         std::process::Command::new(p).arg("--built-with-failpoints").status().map(|s| s.success()).unwrap_or(false)
     };
@@ -55,7 +51,7 @@ fn ensure_failpoint_relay() -> Result<(), String> {
     }
     eprintln!("measure: {} lacks the fail points; building it with --features failpoints", relay.display());
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
     let built = std::process::Command::new(cargo)
         .args(["build", "--release", "--features", "failpoints", "--bin", "outbox-relay", "--manifest-path", manifest])
         .status()
@@ -88,7 +84,7 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     // A stack of its own: one scenario restarts PostgreSQL.
-    let stack_guard = common::process::StackGuard::own("measure", "OUTBOX_RELAY_MEASURE_STACK_DIR", args.keep_stack);
+    let stack_guard = testkit::process::StackGuard::own("measure", "OUTBOX_RELAY_MEASURE_STACK_DIR", args.keep_stack);
     let params = faults::Params {
         repetitions: args.repetitions,
         sqs_outage: args.sqs_outage,

@@ -1,14 +1,12 @@
 //! Operations: standby takeover, a leader losing its lock, readiness under a
 //! stuck slot, and the shipped alert rules and dashboard.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use outbox_relay::publish::memory::MemoryPublisher;
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 
@@ -18,7 +16,7 @@ fn gauge(metrics: &str, prefix: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_the_leader_and_a_standby_takes_over_within_the_timeout() {
-    let (times, total, received) = common::takeover::run(1).await;
+    let (times, total, received) = testkit::takeover::run(1).await;
     eprintln!("takeover after kill -9: {times:?}; {received} of {total} rows received");
     assert!(times[0] < Duration::from_secs(10), "takeover took {:?}", times[0]);
     assert_eq!(received, total, "every row arrives");

@@ -1,15 +1,13 @@
 //! The pipeline against the real PostgreSQL with the in-memory publisher,
 //! which holds sends at a gate or fails chosen entries.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use outbox_relay::config::PublishedRows;
 use outbox_relay::publish::memory::{Fault, MemoryPublisher};
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 const Q2: &str = "http://memory.invalid/billing";

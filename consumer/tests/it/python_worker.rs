@@ -5,15 +5,13 @@
 //! redrive with stale copies of the old generation's messages. One effect per
 //! job and generation.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::types::QueueAttributeName;
-use common::jobs::*;
-use common::*;
+use testkit::jobs::*;
+use testkit::*;
 
 const JOBS: i64 = 300;
 
@@ -27,7 +25,7 @@ impl Drop for Worker {
 }
 
 fn python_worker(db: &TestDb, queue: &str, id: &str, handler_sleep: &str) -> Worker {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python_worker/worker.py");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/python_worker/worker.py");
     let child = Command::new(&stack().python)
         .arg(script)
         .args(["--database-url", &db.url, "--queue-url", queue, "--endpoint-url", &stack().sqs_url])

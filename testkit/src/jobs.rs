@@ -1,4 +1,4 @@
-//! Consumer-side helpers shared by tests/consumer.rs and the fault-injection
+//! Consumer-side helpers shared by consumer/tests/it/consumer.rs and the fault-injection
 //! measurement: a handler whose business effect is one row per run that
 //! commits, so duplicate effects can be counted.
 
@@ -11,7 +11,7 @@ use outbox_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 
-use super::*;
+use crate::*;
 
 pub const EFFECTS_DDL: &str =
     "CREATE TABLE IF NOT EXISTS business_effects (job_id text, generation int, attempt int, at timestamptz DEFAULT now())";

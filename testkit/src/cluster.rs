@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::*;
+use crate::*;
 
 /// One server, in a directory of its own owned by `postgres`.
 pub struct Node {

@@ -1,8 +1,8 @@
 //! The integration-test harness: starts the local stack (scripts/dev-stack:
 //! PostgreSQL 15 with wal_level=logical and ministack) once, gives each test its
-//! own database, slot and queues, and removes them afterwards.
-
-#![allow(dead_code)]
+//! own database, slot and queues, and removes them afterwards. Used by the
+//! relay's and the consumer's integration tests (`tests/it/`), the examples
+//! and the fault-injection measurement (the `measure` binary of this crate).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -41,7 +41,7 @@ pub struct Stack {
 pub fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/dev-stack");
         let out = std::process::Command::new("bash").arg(script).arg("up").output().expect("run scripts/dev-stack");
         assert!(out.status.success(), "scripts/dev-stack up failed:\n{}", String::from_utf8_lossy(&out.stderr));
         let text = String::from_utf8(out.stdout).unwrap();

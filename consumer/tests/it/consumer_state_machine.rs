@@ -3,19 +3,17 @@
 //! crashes mid-handler, redrives and cancellations yields two completions of
 //! one job generation, and a SUCCEEDED job has exactly one.
 
-mod common;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::jobs::{effects_db, Effect};
-use common::*;
 use outbox_consumer::memory::MemoryQueue;
 use outbox_consumer::queue::Queue;
 use outbox_consumer::{enqueue, redrive, request_cancel, Consumer, ConsumerConfig, Handler, HandlerError, Job, NewJob};
 use proptest::prelude::*;
+use testkit::jobs::{effects_db, Effect};
+use testkit::*;
 use tokio_postgres::Transaction;
 
 #[derive(Debug, Clone, Copy)]
@@ -87,37 +85,7 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut worker_no = 0;
     for op in ops {
         match op {
-            Op::Deliver(deliveries) => {
-                let generation: i32 =
-                    c.query_one("SELECT redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
-                let mut tasks = Vec::new();
-                for (b, stale) in deliveries {
-                    let g = if stale && generation > 0 { generation - 1 } else { generation };
-                    let body: String =
-                        c.query_one("SELECT outbox_job_message($1, 'k', $2)", &[&id, &g]).await.unwrap().get(0);
-                    queue.send(body);
-                    let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
-                    worker_no += 1;
-                    let cons = Consumer::new(
-                        w.pool.clone(),
-                        ConsumerConfig {
-                            worker_id: format!("w{worker_no}"),
-                            lease: Duration::from_secs(60),
-                            retry_base: Duration::from_secs(60),
-                            retry_max: Duration::from_secs(60),
-                        },
-                    )
-                    .handle("k", Scripted(b));
-                    let queue = queue.clone();
-                    tasks.push(tokio::spawn(async move {
-                        // A crash: the claim stands, the handler's transaction goes.
-                        let _ = tokio::time::timeout(Duration::from_millis(300), cons.process(&queue, &m)).await;
-                    }));
-                }
-                for t in tasks {
-                    t.await.unwrap();
-                }
-            }
+            Op::Deliver(deliveries) => deliver(w, &c, &queue, &id, deliveries, &mut worker_no).await,
             Op::ExpireLeasesAndBackoffs => {
                 c.execute(
                     "UPDATE jobs SET lease_expires_at = now() - interval '1 second',
@@ -135,21 +103,73 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 request_cancel(&c, &id).await.unwrap();
             }
         }
-        // After every step: no generation completed twice.
-        let twice = c
-            .query(
-                "SELECT generation, count(*) FROM business_effects WHERE job_id = $1 GROUP BY generation HAVING count(*) > 1",
-                &[&id],
-            )
-            .await
-            .unwrap();
-        prop_assert!(
-            twice.is_empty(),
-            "generation {} has {} effects",
-            twice[0].get::<_, i32>(0),
-            twice[0].get::<_, i64>(1)
-        );
+        no_generation_completed_twice(&c, &id).await?;
     }
+    one_effect_if_succeeded(&c, &id).await
+}
+
+/// Deliveries processed at the same time, each by a worker of its own
+/// (numbered on from `worker_no`); a stale one carries the previous
+/// generation's message.
+async fn deliver(
+    w: &World,
+    c: &tokio_postgres::Client,
+    queue: &MemoryQueue,
+    id: &str,
+    deliveries: Vec<(Behaviour, bool)>,
+    worker_no: &mut usize,
+) {
+    let generation: i32 =
+        c.query_one("SELECT redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap().get(0);
+    let mut tasks = Vec::new();
+    for (b, stale) in deliveries {
+        let g = if stale && generation > 0 { generation - 1 } else { generation };
+        let body: String = c.query_one("SELECT outbox_job_message($1, 'k', $2)", &[&id, &g]).await.unwrap().get(0);
+        queue.send(body);
+        let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
+        *worker_no += 1;
+        let cons = Consumer::new(
+            w.pool.clone(),
+            ConsumerConfig {
+                worker_id: format!("w{worker_no}"),
+                lease: Duration::from_secs(60),
+                retry_base: Duration::from_secs(60),
+                retry_max: Duration::from_secs(60),
+            },
+        )
+        .handle("k", Scripted(b));
+        let queue = queue.clone();
+        tasks.push(tokio::spawn(async move {
+            // A crash: the claim stands, the handler's transaction goes.
+            let _ = tokio::time::timeout(Duration::from_millis(300), cons.process(&queue, &m)).await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// After every step: no generation completed twice.
+async fn no_generation_completed_twice(c: &tokio_postgres::Client, id: &str) -> Result<(), TestCaseError> {
+    let twice = c
+        .query(
+            "SELECT generation, count(*) FROM business_effects WHERE job_id = $1 GROUP BY generation HAVING count(*) > 1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    prop_assert!(
+        twice.is_empty(),
+        "generation {} has {} effects",
+        twice[0].get::<_, i32>(0),
+        twice[0].get::<_, i64>(1)
+    );
+    Ok(())
+}
+
+/// At the end: a SUCCEEDED job has exactly one committed effect in its
+/// generation, any other none.
+async fn one_effect_if_succeeded(c: &tokio_postgres::Client, id: &str) -> Result<(), TestCaseError> {
     let r = c.query_one("SELECT status, redrive_generation FROM jobs WHERE job_id = $1", &[&id]).await.unwrap();
     let (status, generation): (String, i32) = (r.get(0), r.get(1));
     let done: i64 = c

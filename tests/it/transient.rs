@@ -2,17 +2,15 @@
 //! outbox table stays empty. The relay publishes them from the stream and
 //! records them only in its watermark.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::process::RelayConfig;
-use common::*;
 use outbox_relay::config::Mode;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
+use testkit::process::RelayConfig;
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 

@@ -3,17 +3,15 @@
 //! strings, shutdown during a queue outage, memory with large bodies, bad
 //! durations, a panicking task, `status` before `migrate`.
 
-mod common;
-
 use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::process::{relay_bin, RelayProcess};
-use common::*;
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
+use testkit::process::{relay_bin, RelayProcess};
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 const SECRET: &str = "Hunter2Secret";
@@ -349,7 +347,7 @@ async fn unsettled_events_are_bounded_in_bytes() {
 async fn a_panicking_task_stops_the_process() {
     let db = TestDb::new("panic").await;
     let queue = create_queue(&sqs().await, "panic", false, None).await;
-    let cfg = common::process::RelayConfig::new(&db, "cdc", &[("orders", &queue)], "");
+    let cfg = testkit::process::RelayConfig::new(&db, "cdc", &[("orders", &queue)], "");
     let mut relay = cfg.spawn_with(&[("FAILPOINTS", "monitor::tick=panic")]);
     let status = relay.wait_exit(Duration::from_secs(30)).await;
     let _ = relay.child.kill();

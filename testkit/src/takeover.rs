@@ -1,11 +1,11 @@
 //! Kill -9 the leading relay while rows flow; a standby (same config) takes
-//! over. Used by tests/ha.rs (once) and examples/takeover.rs (ten times).
+//! over. Used by tests/it/ha.rs (once) and examples/takeover.rs (ten times).
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::process::{RelayConfig, RelayProcess};
-use super::*;
+use crate::process::{RelayConfig, RelayProcess};
+use crate::*;
 
 async fn active_pid(db: &TestDb) -> Option<i32> {
     db.client()
@@ -14,6 +14,33 @@ async fn active_pid(db: &TestDb) -> Option<i32> {
         .await
         .unwrap()
         .and_then(|r| r.get(0))
+}
+
+/// Wait until another walsender than `leader_pid` reads the slot; panics at `end`.
+async fn standby_reads(db: &TestDb, leader_pid: i32, end: Instant) {
+    loop {
+        if let Some(p) = active_pid(db).await {
+            if p != leader_pid {
+                return;
+            }
+        }
+        assert!(Instant::now() < end, "no standby took over within 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// At-least-once: a kill -9 mid-send duplicates what was in flight, so
+/// receive until `total` distinct rows came (not until `total` messages did),
+/// 120 s at most.
+async fn receive_distinct(sqs: &SqsPublisher, q: &str, total: usize) -> HashSet<String> {
+    let mut unique: HashSet<String> = HashSet::new();
+    let end = Instant::now() + Duration::from_secs(120);
+    while unique.len() < total && Instant::now() < end {
+        unique.extend(
+            receive_all(sqs, q, total - unique.len(), Duration::from_secs(5)).await.into_iter().map(|(b, _)| b),
+        );
+    }
+    unique
 }
 
 /// Takeover times (kill to the slot being read again), one per kill, and
@@ -48,16 +75,7 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
         let leader = relays.remove(0);
         let killed_at = Instant::now();
         leader.kill(); // SIGKILL
-        let end = killed_at + Duration::from_secs(30);
-        loop {
-            if let Some(p) = active_pid(&db).await {
-                if p != leader_pid {
-                    break;
-                }
-            }
-            assert!(Instant::now() < end, "no standby took over within 30 s");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        standby_reads(&db, leader_pid, killed_at + Duration::from_secs(30)).await;
         times.push(killed_at.elapsed());
     }
     // The writer finishes the insert it is in: every row is counted below.
@@ -66,15 +84,7 @@ pub async fn run(kills: usize) -> (Vec<Duration>, usize, usize) {
     let c = db.client().await;
     let total = c.query_one("SELECT count(*) FROM outbox_audit", &[]).await.unwrap().get::<_, i64>(0) as usize;
     wait_for("every row published", Duration::from_secs(120), || async { db.count("status = 'NEW'").await == 0 }).await;
-    // At-least-once: a kill -9 mid-send duplicates what was in flight, so
-    // receive until every distinct row came (not until `total` messages did).
-    let mut unique: HashSet<String> = HashSet::new();
-    let end = Instant::now() + Duration::from_secs(120);
-    while unique.len() < total && Instant::now() < end {
-        unique.extend(
-            receive_all(&sqs, &q, total - unique.len(), Duration::from_secs(5)).await.into_iter().map(|(b, _)| b),
-        );
-    }
+    let unique = receive_distinct(&sqs, &q, total).await;
     for r in relays {
         r.kill();
     }

@@ -4,20 +4,18 @@
 //! replayed or settled row is matched to its own row whatever happened to
 //! ids since; a hung host of several does not block connections.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::cluster::{ClusterDir, Node, StopOnDrop};
-use common::*;
 use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
 use outbox_relay::pipeline::settle::{mark, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
+use testkit::cluster::{ClusterDir, Node, StopOnDrop};
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 
@@ -462,7 +460,7 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 ///
 /// The short run here takes two seeds of 20 steps; a long one:
 /// `OUTBOX_RELAY_INVARIANT_SEEDS=1-50 OUTBOX_RELAY_INVARIANT_STEPS=80 cargo test --release
-/// --features outbox-relay/test-utils --test invariants randomized -- --nocapture`
+/// --features outbox-relay/test-utils --test it invariants::randomized -- --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_workloads_keep_every_invariant() {
     let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
@@ -481,7 +479,7 @@ async fn randomized_workloads_keep_every_invariant() {
 /// A relay that exits at start-up (the server down) is started again, as a
 /// supervisor would. CI runs two seeds of 20 steps; a long run: `OUTBOX_RELAY_INVARIANT_SEEDS=1-8
 /// OUTBOX_RELAY_INVARIANT_STEPS=60 cargo test --release --features
-/// outbox-relay/test-utils --test invariants sigkill -- --nocapture`.
+/// outbox-relay/test-utils --test it invariants::randomized_sigkills -- --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_sigkills_of_the_release_binary_keep_every_invariant() {
     let seeds = std::env::var("OUTBOX_RELAY_INVARIANT_SEEDS").unwrap_or_else(|_| "1-2".into());
@@ -496,10 +494,10 @@ async fn randomized_sigkills_of_the_release_binary_keep_every_invariant() {
 
 mod workload {
     use super::*;
-    use common::process::{RelayConfig, RelayProcess};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use std::time::Instant;
+    use testkit::process::{RelayConfig, RelayProcess};
 
     const QUEUES: [(&str, &str, bool); 3] = [
         ("a", "http://memory.invalid/a", false),
@@ -696,22 +694,49 @@ mod workload {
             relay.keep_running();
         }
         let expect: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
-        let mut got: HashSet<String> = HashSet::new();
-        let end = Instant::now() + Duration::from_secs(180);
-        while Instant::now() < end && !expect.iter().all(|e| got.contains(*e)) {
-            relay.keep_running();
-            for url in [&a, &f] {
-                let round = receive_round(&sqs, url, 0).await.unwrap();
-                got.extend(round.messages.into_iter().map(|(body, _)| body.trim_end_matches('.').to_string()));
-            }
-        }
-        let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
-        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+        all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
         })
         .await;
         let nowhere: Vec<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
+        unknown_destination_dead_count(&db, &nowhere, seed).await;
+        slots_confirmed(&db, std::iter::once(db.slot.as_str()), seed).await;
+        relay.kill();
+        // Each exit is a start-up that found the server down.
+        assert!(relay.exits <= tally.pg_restarts, "seed {seed}: {} exits, {} restarts", relay.exits, tally.pg_restarts);
+        tally.supervised = relay.exits;
+        tally.delivered = expect.len();
+        tally.dead = nowhere.len();
+        tally.transient = committed.iter().filter(|r| r.2).count();
+        tally
+    }
+
+    /// Receive from `urls` (keeping the relay running, 180 s at most) until
+    /// every row of `expect` came; panics naming missing ones.
+    async fn all_received(
+        sqs: &outbox_relay::publish::sqs::SqsPublisher,
+        urls: &[&str],
+        relay: &mut Supervised,
+        expect: &HashSet<&str>,
+        seed: u64,
+    ) {
+        let mut got: HashSet<String> = HashSet::new();
+        let end = Instant::now() + Duration::from_secs(180);
+        while Instant::now() < end && !expect.iter().all(|e| got.contains(*e)) {
+            relay.keep_running();
+            for url in urls {
+                let round = receive_round(sqs, url, 0).await.unwrap();
+                got.extend(round.messages.into_iter().map(|(body, _)| body.trim_end_matches('.').to_string()));
+            }
+        }
+        let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
+        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+    }
+
+    /// Every row of `nowhere` (counted once) is DEAD with the unknown
+    /// destination as its reason.
+    async fn unknown_destination_dead_count(db: &TestDb, nowhere: &[&str], seed: u64) {
         let dead: i64 = db
             .client()
             .await
@@ -724,19 +749,6 @@ mod workload {
             .unwrap()
             .get(0);
         assert_eq!(dead as usize, nowhere.len(), "seed {seed}: rows for an unknown destination DEAD with their reason");
-        let last = db.current_lsn().await;
-        wait_for(&format!("seed {seed}: slot confirmed past the last commit"), Duration::from_secs(60), || async {
-            confirmed(&db, &db.slot).await >= last
-        })
-        .await;
-        relay.kill();
-        // Each exit is a start-up that found the server down.
-        assert!(relay.exits <= tally.pg_restarts, "seed {seed}: {} exits, {} restarts", relay.exits, tally.pg_restarts);
-        tally.supervised = relay.exits;
-        tally.delivered = expect.len();
-        tally.dead = nowhere.len();
-        tally.transient = committed.iter().filter(|r| r.2).count();
-        tally
     }
 
     /// A crash (immediate) or a clean stop (fast) of the server, while the
@@ -779,31 +791,81 @@ mod workload {
         for (_, q, fifo) in QUEUES {
             p.add_queue(q, fifo, 262_144);
         }
-        let mut relays = relays(&db, sharded).await;
-        for i in 0..relays.configs.len() {
-            relays.start(i, &p);
-        }
-        // Transient rows committed before a slot exists are seen by nothing.
-        for cfg in &relays.configs {
-            wait_for("the slot exists", Duration::from_secs(30), || async { confirmed(&db, &cfg.slot).await > 0 })
-                .await;
-        }
+        let mut relays = started_relays(&db, sharded, &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
         let mut dests = vec!["a", "b", "f"];
         if !sharded {
             dests.push("nowhere");
         }
+        let env = InProcess { node: &node, db: &db, p: &p };
         let mut c = db.client().await;
         let mut tally = Tally::default();
         let mut committed = Vec::new();
         for step in 0..steps {
+            let tag = format!("s{seed}t{step}");
+            if let Some(rows) = env.step(&mut rng, &mut relays, &mut c, &mut tally, &tag, &dests).await {
+                committed.extend(rows);
+            }
+            tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
+        }
+        let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
+        let expect_sent: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
+        tally.supervised += env.all_sent(&mut relays, &expect_sent, seed).await;
+        wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
+            db.count("status = 'NEW'").await == 0
+        })
+        .await;
+        unknown_destinations_dead(&db, &expect_dead, seed).await;
+        slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
+        for r in relays.running.iter_mut().filter_map(Option::take) {
+            r.stop().await;
+        }
+        tally.delivered = expect_sent.len();
+        tally.dead = expect_dead.len();
+        tally.transient = committed.iter().filter(|r| r.2).count();
+        tally
+    }
+
+    /// The relays of [`run`], started, each once its slot exists: transient
+    /// rows committed before a slot exists are seen by nothing.
+    async fn started_relays(db: &TestDb, sharded: bool, p: &MemoryPublisher) -> Relays {
+        let mut relays = relays(db, sharded).await;
+        for i in 0..relays.configs.len() {
+            relays.start(i, p);
+        }
+        for cfg in &relays.configs {
+            wait_for("the slot exists", Duration::from_secs(30), || async { confirmed(db, &cfg.slot).await > 0 }).await;
+        }
+        relays
+    }
+
+    /// What [`run`]'s steps act on: its server, database and publisher.
+    struct InProcess<'a> {
+        node: &'a Node,
+        db: &'a TestDb,
+        p: &'a MemoryPublisher,
+    }
+
+    impl InProcess<'_> {
+        /// One random step: a queue outage, a relay aborted and started
+        /// again, an identity reset, a server restart, or (most often) a
+        /// producer transaction, whose committed rows it returns.
+        async fn step(
+            &self,
+            rng: &mut StdRng,
+            relays: &mut Relays,
+            c: &mut tokio_postgres::Client,
+            tally: &mut Tally,
+            tag: &str,
+            dests: &[&str],
+        ) -> Option<Vec<(String, String, bool)>> {
             match rng.random_range(0..13) {
                 0 => {
                     let (_, q, _) = QUEUES[rng.random_range(0..QUEUES.len())];
-                    p.break_queue(q, CallError::transport("connection refused"));
+                    self.p.break_queue(q, CallError::transport("connection refused"));
                     tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_000))).await;
-                    p.fix_queue(q);
+                    self.p.fix_queue(q);
                     tally.outages += 1;
                 }
                 1 => {
@@ -812,53 +874,60 @@ mod workload {
                         r.abort();
                     }
                     tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
-                    relays.start(i, &p);
+                    relays.start(i, self.p);
                     tally.restarts += 1;
                 }
                 2 => {
-                    reset_identity(&c).await;
+                    reset_identity(c).await;
                     tally.resets += 1;
                 }
                 3 => {
-                    c = restart_postgres(&node, &mut rng, &db).await;
+                    *c = restart_postgres(self.node, rng, self.db).await;
                     tally.pg_restarts += 1;
                 }
-                _ => match produce(&mut c, &mut rng, &format!("s{seed}t{step}"), &dests).await {
-                    Some(rows) => committed.extend(rows),
+                _ => match produce(c, rng, tag, dests).await {
+                    Some(rows) => return Some(rows),
                     None => tally.failed_txns += 1,
                 },
             }
-            tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
+            None
         }
-        let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
-        let expect_sent: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
-        let sent = |p: &MemoryPublisher| -> HashSet<String> {
-            QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect()
-        };
-        let end = Instant::now() + Duration::from_secs(120);
-        while Instant::now() < end && !expect_sent.iter().all(|e| sent(&p).contains(*e)) {
-            tally.supervised += relays.supervise(&p, &format!("seed {seed} at the end")).await;
-            tokio::time::sleep(Duration::from_millis(200)).await;
+
+        /// Wait (supervising the relays, 120 s at most) until every row of
+        /// `expect_sent` was sent; panics naming the missing ones and their
+        /// state. Returns how many relays were started again meanwhile.
+        async fn all_sent(&self, relays: &mut Relays, expect_sent: &HashSet<&str>, seed: u64) -> usize {
+            let sent = |p: &MemoryPublisher| -> HashSet<String> {
+                QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect()
+            };
+            let mut supervised = 0;
+            let end = Instant::now() + Duration::from_secs(120);
+            while Instant::now() < end && !expect_sent.iter().all(|e| sent(self.p).contains(*e)) {
+                supervised += relays.supervise(self.p, &format!("seed {seed} at the end")).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let got = sent(self.p);
+            let missing: Vec<&str> = expect_sent.iter().filter(|e| !got.contains(**e)).take(10).copied().collect();
+            if !missing.is_empty() {
+                let rows: Vec<String> = self.db
+                    .client()
+                    .await
+                    .query("SELECT format('%s id=%s %s dest=%s next=%s err=%s', event_id, id, status, destination, next_attempt_at, last_error) FROM outbox WHERE event_id = ANY($1)
+                            UNION ALL SELECT format('slot %s active=%s confirmed=%s restart=%s', slot_name, active, confirmed_flush_lsn, restart_lsn) FROM pg_replication_slots", &[&missing])
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                panic!("seed {seed}: committed rows never delivered, e.g. {missing:?}; in the table: {rows:?}");
+            }
+            supervised
         }
-        let got = sent(&p);
-        let missing: Vec<&str> = expect_sent.iter().filter(|e| !got.contains(**e)).take(10).copied().collect();
-        if !missing.is_empty() {
-            let rows: Vec<String> = db
-                .client()
-                .await
-                .query("SELECT format('%s id=%s %s dest=%s next=%s err=%s', event_id, id, status, destination, next_attempt_at, last_error) FROM outbox WHERE event_id = ANY($1)
-                        UNION ALL SELECT format('slot %s active=%s confirmed=%s restart=%s', slot_name, active, confirmed_flush_lsn, restart_lsn) FROM pg_replication_slots", &[&missing])
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get(0))
-                .collect();
-            panic!("seed {seed}: committed rows never delivered, e.g. {missing:?}; in the table: {rows:?}");
-        }
-        wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
-            db.count("status = 'NEW'").await == 0
-        })
-        .await;
+    }
+
+    /// Every row of `expect_dead` is DEAD with the unknown destination as
+    /// its reason.
+    async fn unknown_destinations_dead(db: &TestDb, expect_dead: &HashSet<&str>, seed: u64) {
         let dead: HashSet<String> = db
             .client()
             .await
@@ -873,18 +942,15 @@ mod workload {
             not_dead.is_empty(),
             "seed {seed}: rows for an unknown destination not DEAD with their reason: {not_dead:?}"
         );
+    }
+
+    /// Every slot of `slots` confirmed past the last commit (60 s at most each).
+    async fn slots_confirmed(db: &TestDb, slots: impl Iterator<Item = &str>, seed: u64) {
         let last = db.current_lsn().await;
-        for cfg in &relays.configs {
-            let what = format!("seed {seed}: slot {} confirmed past the last commit", cfg.slot);
-            wait_for(&what, Duration::from_secs(60), || async { confirmed(&db, &cfg.slot).await >= last }).await;
+        for slot in slots {
+            let what = format!("seed {seed}: slot {slot} confirmed past the last commit");
+            wait_for(&what, Duration::from_secs(60), || async { confirmed(db, slot).await >= last }).await;
         }
-        for r in relays.running.iter_mut().filter_map(Option::take) {
-            r.stop().await;
-        }
-        tally.delivered = expect_sent.len();
-        tally.dead = expect_dead.len();
-        tally.transient = committed.iter().filter(|r| r.2).count();
-        tally
     }
 }
 

@@ -2,20 +2,18 @@
 //! deliveries are harmless, stale generations are fenced, retries only move
 //! visibility, poison ends in the DLQ, a killed worker's job is rescued.
 
-mod common;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use common::jobs::{effects, effects_db, Effect, RunningWorker};
-use common::*;
 use outbox_consumer::memory::MemoryQueue;
 use outbox_consumer::queue::Queue;
 use outbox_consumer::sqs::SqsQueue;
 use outbox_consumer::worker::Worker;
 use outbox_consumer::{enqueue, redrive, Consumer, Disposition, DlqDisposition, Handler, HandlerError, Job, NewJob};
+use testkit::jobs::{effects, effects_db, Effect, RunningWorker};
+use testkit::*;
 use tokio::sync::Notify;
 use tokio_postgres::Transaction;
 
@@ -69,7 +67,7 @@ async fn setup(test: &str) -> TestDb {
 }
 
 fn consumer(db: &TestDb, worker: &str, lease: Duration) -> Consumer {
-    common::jobs::consumer(&db.url, worker, lease)
+    testkit::jobs::consumer(&db.url, worker, lease)
 }
 
 /// The body the relay would send for a job's generation.

@@ -3,11 +3,9 @@
 //! lag stays under `max_retained_wal`, and once the queue is back every row
 //! arrives.
 
-mod common;
-
 use std::time::Duration;
 
-use common::outage::{run, Params};
+use testkit::outage::{run, Params};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deleted_queue_never_holds_the_slot_and_loses_nothing() {

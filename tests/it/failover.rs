@@ -7,18 +7,16 @@
 //! creates one and catches up from the table. Either way every row the new
 //! primary holds is delivered.
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::cluster::*;
-use common::*;
 use outbox_relay::config::{Config, FileConfig, Overrides, PublishedRows};
 use outbox_relay::db;
 use outbox_relay::publish::memory::MemoryPublisher;
+use testkit::cluster::*;
+use testkit::*;
 
 /// The pair's directory, servers stopped and removed when dropped.
 struct Pair {

@@ -4,16 +4,14 @@
 //! The harness's PostgreSQL has ssl=on with a throwaway CA; members of
 //! `scram_users` may only connect over TLS with a SCRAM password.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use outbox_relay::config::{Config, FileConfig, Overrides};
 use outbox_relay::db;
 use outbox_relay::publish::memory::MemoryPublisher;
+use testkit::*;
 
 const Q: &str = "http://memory.invalid/orders";
 

@@ -1,15 +1,14 @@
 //! The relay against the real PostgreSQL and ministack started by the harness.
 //! The suite runs in both modes: CDC (the slot) and polling (the table).
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::process::RelayConfig;
-use common::*;
 use outbox_relay::config::Mode;
+use outbox_relay::publish::sqs::SqsPublisher;
+use testkit::process::RelayConfig;
+use testkit::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cdc_thousands_of_rows_over_several_destinations_arrive_and_bad_rows_go_dead() {
@@ -49,64 +48,14 @@ async fn thousands_of_rows(mode: Mode) {
         insert_rows(&c, &format!("a{round}"), "audit", 300, None).await;
         insert_rows(&c, &format!("b{round}"), "billing", 200, Some(7)).await;
     }
-    // Rows SQS would refuse, among good ones in the same transaction.
-    c.batch_execute(
-        "BEGIN;
-         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nowhere', 'nowhere', 'x');
-         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:char', 'orders', E'bell\\007');
-         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:big', 'audit', repeat('é', 600));
-         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nogroup', 'billing', 'x');
-         INSERT INTO outbox (event_id, destination, body, attributes)
-              VALUES ('bad:attrs', 'orders', 'x', (SELECT jsonb_object_agg('k' || i, 'v') FROM generate_series(1, 11) i));
-         INSERT INTO outbox (event_id, destination, body, attributes) VALUES ('good:attrs', 'orders', 'good:attrs', '{\"kind\": \"x\", \"n\": 5}');
-         INSERT INTO outbox (event_id, destination, body) VALUES ('good:multibyte', 'audit', repeat('é', 500));
-         COMMIT;",
-    )
-    .await
-    .unwrap();
+    insert_refused_among_good(&c).await;
 
     let total_good = 200 + 4 * (500 + 300 + 200) + 2;
     wait_for("every row settled", Duration::from_secs(120), || async { db.count("status = 'NEW'").await == 0 }).await;
     // Published rows are deleted: what is left is DEAD.
     assert_eq!(db.count("status <> 'DEAD'").await, 0, "{total_good} good rows published");
-    let c2 = db.client().await;
-    let dead: HashMap<String, String> = c2
-        .query("SELECT event_id, last_error FROM outbox WHERE status = 'DEAD'", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-    assert_eq!(dead.len(), 5, "{dead:?}");
-    assert!(dead["bad:nowhere"].starts_with("unknown_destination"));
-    assert!(dead["bad:char"].starts_with("invalid_characters"));
-    assert!(dead["bad:big"].starts_with("too_large"));
-    assert!(dead["bad:nogroup"].starts_with("fifo_without_group"));
-    assert!(dead["bad:attrs"].starts_with("invalid_attributes"));
-
-    // Every good row is in its queue.
-    let got_orders = receive_all(&sqs, &orders, 200 + 2000 + 1, Duration::from_secs(60)).await;
-    let ids: HashSet<&str> = got_orders.iter().map(|(b, _)| b.as_str()).collect();
-    assert_eq!(ids.len(), 200 + 2000 + 1);
-    assert!(ids.contains("early:1") && ids.contains("o3:500") && ids.contains("good:attrs"));
-    let got_audit = receive_all(&sqs, &audit, 1201, Duration::from_secs(60)).await;
-    assert_eq!(got_audit.iter().map(|(b, _)| b.as_str()).collect::<HashSet<_>>().len(), 1201);
-    // FIFO: every message, each group in commit order.
-    let got_billing = receive_all(&sqs, &billing, 800, Duration::from_secs(60)).await;
-    assert_eq!(got_billing.len(), 800);
-    let mut per_group: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
-    for (body, group) in &got_billing {
-        let (round, i) = body.trim_start_matches('b').split_once(':').unwrap();
-        per_group
-            .entry(group.clone().expect("group id"))
-            .or_default()
-            .push((round.parse().unwrap(), i.parse().unwrap()));
-    }
-    for (g, seq) in &per_group {
-        let mut sorted = seq.clone();
-        sorted.sort();
-        assert_eq!(seq, &sorted, "group {g} out of commit order");
-    }
+    dead_with_their_reasons(&db).await;
+    every_good_row_in_its_queue(&sqs, &orders, &audit, &billing).await;
 
     let m = relay.metrics.render();
     assert!(m.contains("outbox_relay_events_published_total{destination=\"orders\"} 2201"), "{m}");
@@ -125,6 +74,68 @@ async fn thousands_of_rows(mode: Mode) {
     })
     .await;
     relay.stop().await;
+}
+
+/// Rows SQS would refuse, among good ones in the same transaction.
+async fn insert_refused_among_good(c: &tokio_postgres::Client) {
+    c.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nowhere', 'nowhere', 'x');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:char', 'orders', E'bell\\007');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:big', 'audit', repeat('é', 600));
+         INSERT INTO outbox (event_id, destination, body) VALUES ('bad:nogroup', 'billing', 'x');
+         INSERT INTO outbox (event_id, destination, body, attributes)
+              VALUES ('bad:attrs', 'orders', 'x', (SELECT jsonb_object_agg('k' || i, 'v') FROM generate_series(1, 11) i));
+         INSERT INTO outbox (event_id, destination, body, attributes) VALUES ('good:attrs', 'orders', 'good:attrs', '{\"kind\": \"x\", \"n\": 5}');
+         INSERT INTO outbox (event_id, destination, body) VALUES ('good:multibyte', 'audit', repeat('é', 500));
+         COMMIT;",
+    )
+    .await
+    .unwrap();
+}
+
+/// The five refused rows are DEAD, each with its reason.
+async fn dead_with_their_reasons(db: &TestDb) {
+    let c2 = db.client().await;
+    let dead: HashMap<String, String> = c2
+        .query("SELECT event_id, last_error FROM outbox WHERE status = 'DEAD'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(dead.len(), 5, "{dead:?}");
+    assert!(dead["bad:nowhere"].starts_with("unknown_destination"));
+    assert!(dead["bad:char"].starts_with("invalid_characters"));
+    assert!(dead["bad:big"].starts_with("too_large"));
+    assert!(dead["bad:nogroup"].starts_with("fifo_without_group"));
+    assert!(dead["bad:attrs"].starts_with("invalid_attributes"));
+}
+
+/// Every good row is in its queue; FIFO: every message, each group in
+/// commit order.
+async fn every_good_row_in_its_queue(sqs: &SqsPublisher, orders: &str, audit: &str, billing: &str) {
+    let got_orders = receive_all(sqs, orders, 200 + 2000 + 1, Duration::from_secs(60)).await;
+    let ids: HashSet<&str> = got_orders.iter().map(|(b, _)| b.as_str()).collect();
+    assert_eq!(ids.len(), 200 + 2000 + 1);
+    assert!(ids.contains("early:1") && ids.contains("o3:500") && ids.contains("good:attrs"));
+    let got_audit = receive_all(sqs, audit, 1201, Duration::from_secs(60)).await;
+    assert_eq!(got_audit.iter().map(|(b, _)| b.as_str()).collect::<HashSet<_>>().len(), 1201);
+    let got_billing = receive_all(sqs, billing, 800, Duration::from_secs(60)).await;
+    assert_eq!(got_billing.len(), 800);
+    let mut per_group: HashMap<String, Vec<(usize, usize)>> = HashMap::new();
+    for (body, group) in &got_billing {
+        let (round, i) = body.trim_start_matches('b').split_once(':').unwrap();
+        per_group
+            .entry(group.clone().expect("group id"))
+            .or_default()
+            .push((round.parse().unwrap(), i.parse().unwrap()));
+    }
+    for (g, seq) in &per_group {
+        let mut sorted = seq.clone();
+        sorted.sort();
+        assert_eq!(seq, &sorted, "group {g} out of commit order");
+    }
 }
 
 async fn kill_9_mid_stream(mode: Mode) {

@@ -4,17 +4,15 @@
 //! checkpointed away. The next relay drops the lost slot, creates it again,
 //! counts the reason, and delivers the rows written meanwhile from the table.
 
-mod common;
-
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::cluster::*;
-use common::*;
 use outbox_relay::config::{Config, FileConfig, Overrides};
 use outbox_relay::db;
 use outbox_relay::publish::memory::MemoryPublisher;
+use testkit::cluster::*;
+use testkit::*;
 
 fn relay_config(url: &str, queue: &str) -> Config {
     let keys = [("database_url", url), ("slot", "lost_slot"), ("heartbeat_interval", "200ms")];

@@ -1,16 +1,14 @@
 //! The table path: spooling lanes, polling relays side by side, slot creation
 //! and loss, and the operator commands that act on the table.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use outbox_relay::config::{Mode, PublishedRows};
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
+use testkit::*;
 
 const A: &str = "http://memory.invalid/a";
 const B: &str = "http://memory.invalid/b";

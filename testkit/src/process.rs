@@ -1,19 +1,17 @@
 //! The relay as a separate process: config file, spawn (optionally with fail
-//! points), SIGKILL, SIGTERM. Used by tests/end_to_end.rs, the takeover
-//! measurement and the fault-injection measurement (src/bin/measure.rs).
+//! points), SIGKILL, SIGTERM. Used by tests/it/end_to_end.rs, the takeover
+//! measurement and the fault-injection measurement (src/bin/measure.rs of the
+//! test kit).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use super::*;
+use crate::*;
 
-/// The relay binary: cargo tells tests; other binaries find it beside them
-/// (target/<profile>/) or one level up (examples).
+/// The relay binary, target/<profile>/outbox-relay: beside the binary running
+/// (the measurement) or one level up (tests in deps/, examples in examples/).
 pub fn relay_bin() -> PathBuf {
-    if let Some(p) = option_env!("CARGO_BIN_EXE_outbox-relay") {
-        return p.into();
-    }
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap();
     let beside = dir.join("outbox-relay");
@@ -270,7 +268,7 @@ impl StackGuard {
 impl Drop for StackGuard {
     fn drop(&mut self) {
         if !self.keep {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/dev-stack");
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/dev-stack");
             let _ = Command::new("bash").arg(script).arg("down").stdout(Stdio::null()).stderr(Stdio::null()).status();
         }
     }

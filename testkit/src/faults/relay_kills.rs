@@ -1,0 +1,126 @@
+//! Scenarios 4-6: the relay dies at a fail point (a fresh relay takes
+//! over), or by SIGKILL while several lanes hold batches in flight.
+
+use super::*;
+
+pub(super) async fn relay_fail_point(p: &Params, point: &str) -> Counters {
+    let db = TestDb::new(&point.replace("::", "_")).await;
+    db.audit_inserts().await;
+    let sqs = sqs().await;
+    let (qa, qb) = (create_queue(&sqs, "fa", false, None).await, create_queue(&sqs, "fb", false, None).await);
+    let cfg = RelayConfig::new(&db, "cdc", &[("a", &qa), ("b", &qb)], "");
+    create_slot(&db, &cfg).await;
+    let mut c = Counters { repetitions: p.repetitions as u64, ..Default::default() };
+    let mut marked_at_death = 0u64;
+    let mut unconfirmed_marked = 0u64;
+    let w = db.client().await;
+    for rep in 0..p.repetitions {
+        // Three transactions over two lanes, committed before the relay starts.
+        for t in 0..3 {
+            insert_rows(&w, &format!("r{rep}t{t}a"), "a", 10, None).await;
+            insert_rows(&w, &format!("r{rep}t{t}b"), "b", 10, None).await;
+        }
+        let lsn = db.current_lsn().await;
+        let before = db.confirmed_flush_lsn().await;
+        let skip = rand::rng().random_range(0..3);
+        let actions = if skip == 0 { "return".to_string() } else { format!("{skip}*off->return") };
+        let mut r = cfg.spawn_with(&[("FAILPOINTS", &format!("{point}={actions}"))]);
+        match r.wait_exit(Duration::from_secs(60)).await {
+            Some(s) if died_like_kill_9(&s) => c.killed += 1,
+            other => eprintln!("measure: {point}: relay did not die at the fail point: {other:?}"),
+        }
+        drop(r);
+        let filter = format!("event_id LIKE 'r{rep}t%'");
+        let marked = count_where(
+            &db,
+            &format!("SELECT count(*) FROM outbox_audit a WHERE {filter} AND NOT EXISTS (SELECT 1 FROM outbox o WHERE o.event_id = a.event_id AND o.status = 'NEW')"),
+        )
+        .await as u64;
+        marked_at_death += marked;
+        let confirmed = db.confirmed_flush_lsn().await;
+        if marked > 0 && confirmed < lsn && confirmed >= before {
+            unconfirmed_marked += 1;
+        }
+        let r = cfg.spawn();
+        settled(&db, &filter, lsn, Duration::from_secs(60)).await;
+        let expected = bodies(&db, &filter).await;
+        c.committed += expected.len() as u64;
+        let got = collect(&sqs, &[qa.clone(), qb.clone()], &expected, Duration::from_secs(60)).await;
+        r.terminate(Duration::from_secs(15)).await;
+        tally(&mut c, &expected, &got);
+    }
+    c.dead_rows = db.count("status = 'DEAD'").await as u64;
+    c.extra.insert("rows_marked_when_killed".into(), marked_at_death as f64);
+    c.extra.insert("kills_with_marked_rows_unconfirmed".into(), unconfirmed_marked as f64);
+    c
+}
+
+// ---------------------------------------------------------------------------
+// Scenario 6: SIGKILL while several lanes hold batches in flight.
+
+/// outbox_relay_in_flight_events per destination, from /metrics.
+async fn in_flight(addr: &str) -> Option<HashMap<String, f64>> {
+    let text = scrape(addr).await?;
+    Some(
+        series(&text, "outbox_relay_in_flight_events")
+            .into_iter()
+            .filter_map(|(labels, v)| Some((labels.split("destination=\"").nth(1)?.split('"').next()?.to_string(), v)))
+            .collect(),
+    )
+}
+
+pub(super) async fn relay_killed_mid_batch(p: &Params) -> Counters {
+    let db = TestDb::new("midbatch").await;
+    db.audit_inserts().await;
+    let sqs = sqs().await;
+    let mut queues = Vec::new();
+    for l in ["a", "b", "c", "d"] {
+        queues.push((l, create_queue(&sqs, &format!("m{l}"), false, None).await));
+    }
+    let dests: Vec<(&str, &str)> = queues.iter().map(|(l, q)| (*l, q.as_str())).collect();
+    let urls: Vec<String> = queues.iter().map(|(_, q)| q.clone()).collect();
+    let addr = free_addr();
+    let cfg = RelayConfig::new(&db, "cdc", &dests, &format!("metrics_addr = \"{addr}\""));
+    create_slot(&db, &cfg).await;
+    let mut c = Counters { repetitions: p.repetitions as u64, ..Default::default() };
+    let mut lanes_at_kill = Vec::new();
+    let w = db.client().await;
+    for rep in 0..p.repetitions {
+        for (l, _) in &queues {
+            insert_rows(&w, &format!("r{rep}{l}"), l, 400, None).await;
+        }
+        let lsn = db.current_lsn().await;
+        let filter = format!("event_id LIKE 'r{rep}_:%'");
+        let r = cfg.spawn();
+        // Kill as soon as at least two lanes hold unsettled events.
+        let end = Instant::now() + Duration::from_secs(30);
+        let mut lanes = 0;
+        while Instant::now() < end {
+            if let Some(m) = in_flight(&addr).await {
+                lanes = m.values().filter(|v| **v > 0.0).count();
+                if lanes >= 2 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        r.kill();
+        if lanes >= 2 {
+            c.killed += 1;
+        }
+        lanes_at_kill.push(lanes as f64);
+        let r = cfg.spawn();
+        settled(&db, &filter, lsn, Duration::from_secs(60)).await;
+        let expected = bodies(&db, &filter).await;
+        c.committed += expected.len() as u64;
+        let got = collect(&sqs, &urls, &expected, Duration::from_secs(60)).await;
+        r.terminate(Duration::from_secs(15)).await;
+        tally(&mut c, &expected, &got);
+    }
+    c.dead_rows = db.count("status = 'DEAD'").await as u64;
+    c.extra.insert(
+        "mean_lanes_in_flight_at_kill".into(),
+        round1(lanes_at_kill.iter().sum::<f64>() / lanes_at_kill.len().max(1) as f64),
+    );
+    c
+}
