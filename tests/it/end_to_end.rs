@@ -237,3 +237,54 @@ async fn start_up_refuses_with_a_fix() {
         relay.stop().await;
     }
 }
+
+/// Fair queues: rows with a group key reach a standard queue with it as their
+/// `MessageGroupId`; rows without one arrive without.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standard_queue_gets_group_keys_as_fair_queue_groups() {
+    let db = TestDb::new("fair").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "fair", false, None).await;
+    let relay = start(config(&db, &[("orders", &q)]), Arc::new(sqs.clone()));
+    let c = db.client().await;
+    insert_rows(&c, "grouped", "orders", 30, Some(3)).await;
+    insert_rows(&c, "plain", "orders", 5, None).await;
+    let got: HashMap<String, Option<String>> =
+        receive_all(&sqs, &q, 35, Duration::from_secs(60)).await.into_iter().collect();
+    relay.stop().await;
+    assert_eq!(got.len(), 35);
+    for i in 1..=30 {
+        assert_eq!(got[&format!("grouped:{i}")].as_deref(), Some(format!("g{}", i % 3).as_str()));
+    }
+    assert!((1..=5).all(|i| got[&format!("plain:{i}")].is_none()));
+}
+
+/// `migrate --dry-run` prints what `migrate` would apply, with its SQL, and
+/// applies nothing; after `migrate`, nothing is pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_dry_run_shows_the_sql_and_applies_nothing() {
+    let name = unique("t_dry");
+    let admin = outbox_relay::db::connect(&stack().pg_url).await.unwrap();
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+    let url = format!("{}/{name}", stack().pg_url.rsplit_once('/').unwrap().0);
+    let migrate = |dry: bool| {
+        let mut cmd = std::process::Command::new(testkit::process::relay_bin());
+        cmd.args(["migrate", "--database-url", &url]);
+        if dry {
+            cmd.arg("--dry-run");
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let shown = migrate(true);
+    assert!(shown.contains("-- migration 1: outbox") && shown.contains("CREATE TABLE"), "{shown}");
+    assert!(shown.contains("-- migration 10:"), "{shown}");
+    let c = outbox_relay::db::connect(&url).await.unwrap();
+    let outbox: Option<String> = c.query_one("SELECT to_regclass('outbox')::text", &[]).await.unwrap().get(0);
+    assert_eq!(outbox, None, "--dry-run created nothing");
+    migrate(false);
+    assert!(migrate(true).contains("up to date; nothing would be applied"));
+    drop(c);
+    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).await.unwrap();
+}
