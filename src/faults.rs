@@ -16,6 +16,9 @@ pub const POINTS: &[&str] = &[
     "dual_write::before_send",
     "enqueue::between_inserts",
     "enqueue::after_commit",
+    // Relay: an SQS batch about to be sent; `return(ms)` holds it in flight
+    // that long (the measurement's SIGKILL mid-batch needs a window).
+    "lane::before_send",
     // Relay: an SQS batch accepted, its rows not yet marked.
     "lane::after_send",
     // Relay: rows marked, the slot's LSN not yet confirmed.
@@ -49,6 +52,24 @@ pub fn crash_point(name: &'static str) {
         if hit(name) {
             eprintln!("fail point {name}: exiting with status 137");
             std::process::exit(137);
+        }
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}
+
+/// Hold the caller `ms` milliseconds if the point `name` is configured
+/// `return(ms)`, without blocking a runtime thread (the `fail` crate's own
+/// `sleep` blocks one); nothing without the feature.
+pub async fn delay_point(name: &'static str) {
+    #[cfg(feature = "failpoints")]
+    {
+        fn millis(name: &'static str) -> Option<u64> {
+            fail::fail_point!(name, |v: Option<String>| v.and_then(|s| s.trim().parse().ok()));
+            None
+        }
+        if let Some(ms) = millis(name) {
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
         }
     }
     #[cfg(not(feature = "failpoints"))]

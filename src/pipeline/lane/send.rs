@@ -125,6 +125,7 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     let name = &*ctx.cfg.name;
     ctx.metrics.batch_entries.with_label_values(&[name]).observe(entries.len() as f64);
     ctx.metrics.batch_bytes.with_label_values(&[name]).observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
+    crate::faults::delay_point("lane::before_send").await;
     let started = Instant::now();
     let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());

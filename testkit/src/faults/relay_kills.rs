@@ -58,15 +58,13 @@ pub(super) async fn relay_fail_point(p: &Params, point: &str) -> Counters {
 // ---------------------------------------------------------------------------
 // Scenario 6: SIGKILL while several lanes hold batches in flight.
 
-/// outbox_relay_in_flight_events per destination, from /metrics.
-async fn in_flight(addr: &str) -> Option<HashMap<String, f64>> {
+/// Lanes holding unsettled events, and messages published so far, from
+/// /metrics.
+async fn in_flight(addr: &str) -> Option<(usize, f64)> {
     let text = scrape(addr).await?;
-    Some(
-        series(&text, "outbox_relay_in_flight_events")
-            .into_iter()
-            .filter_map(|(labels, v)| Some((labels.split("destination=\"").nth(1)?.split('"').next()?.to_string(), v)))
-            .collect(),
-    )
+    let lanes = series(&text, "outbox_relay_in_flight_events").iter().filter(|(_, v)| *v > 0.0).count();
+    let published = series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum();
+    Some((lanes, published))
 }
 
 pub(super) async fn relay_killed_mid_batch(p: &Params) -> Counters {
@@ -91,14 +89,19 @@ pub(super) async fn relay_killed_mid_batch(p: &Params) -> Counters {
         }
         let lsn = db.current_lsn().await;
         let filter = format!("event_id LIKE 'r{rep}_:%'");
-        let r = cfg.spawn();
-        // Kill as soon as at least two lanes hold unsettled events.
+        // Each batch held 100 ms before its call: with 40 batches a lane and
+        // 8 in flight, all four lanes hold batches for half a second, so the
+        // kill below lands mid-batch on a loaded machine too (without the
+        // hold, ministack drained the 1,600 rows between two scrapes).
+        let r = cfg.spawn_with(&[("FAILPOINTS", "lane::before_send=return(100)")]);
+        // Kill once some batches were accepted and at least two lanes still
+        // hold unsettled events.
         let end = Instant::now() + Duration::from_secs(30);
         let mut lanes = 0;
         while Instant::now() < end {
-            if let Some(m) = in_flight(&addr).await {
-                lanes = m.values().filter(|v| **v > 0.0).count();
-                if lanes >= 2 {
+            if let Some((held, published)) = in_flight(&addr).await {
+                lanes = held;
+                if lanes >= 2 && published > 0.0 {
                     break;
                 }
             }
