@@ -36,6 +36,8 @@ pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
 pub const STREAM_HELD: &str = "outbox_relay_stream_held";
 pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
+pub const OFFLOADED_OBJECTS_TOTAL: &str = "outbox_relay_offloaded_objects_total";
+pub const OFFLOADED_BYTES_TOTAL: &str = "outbox_relay_offloaded_bytes_total";
 
 pub struct Metrics {
     pub registry: Registry,
@@ -68,6 +70,9 @@ pub struct Metrics {
     pub slot_recreated: IntCounterVec,
     pub slot_active: IntGauge,
     pub retention_deleted: IntCounter,
+    /// Bodies written to S3 (the message carries a pointer), per destination.
+    pub offloaded_objects: IntCounterVec,
+    pub offloaded_bytes: IntCounterVec,
     /// 1 while the server holds the stream back (rows go by the table).
     pub stream_held: IntGauge,
     /// What holds the stream back (or keeps sessions from streaming), named.
@@ -109,6 +114,8 @@ impl Metrics {
             slot_recreated: IntCounterVec::new(Opts::new(SLOT_RECREATED_TOTAL, "Times the replication slot was found dropped or invalidated and created again (with a catch-up from the table), by reason"), &["reason"]).unwrap(),
             slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
+            offloaded_objects: IntCounterVec::new(Opts::new(OFFLOADED_OBJECTS_TOTAL, "Bodies over the threshold written to S3 (their messages carry the extended client's pointer)"), &["destination"]).unwrap(),
+            offloaded_bytes: IntCounterVec::new(Opts::new(OFFLOADED_BYTES_TOTAL, "Bytes of the bodies written to S3"), &["destination"]).unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
@@ -154,6 +161,8 @@ impl Metrics {
             Box::new(self.slot_recreated.clone()),
             Box::new(self.slot_active.clone()),
             Box::new(self.retention_deleted.clone()),
+            Box::new(self.offloaded_objects.clone()),
+            Box::new(self.offloaded_bytes.clone()),
             Box::new(self.stream_held.clone()),
         ]
     }

@@ -155,6 +155,27 @@ pub const SQS_ENDPOINT_URL: Key =
     key("sqs.endpoint_url", Kind::Text, None, "an SQS-compatible endpoint; unset for AWS");
 pub const SQS_ASSUME_ROLE_ARN: Key =
     key("sqs.assume_role_arn", Kind::Text, None, "an IAM role to assume (STS) on top of the credential chain");
+pub const S3_BUCKET: Key = key(
+    "s3.bucket",
+    Kind::Text,
+    None,
+    "bodies over the threshold go through this bucket (SQS Extended Client format); unset: they are DEAD",
+);
+pub const S3_KEY_PREFIX: Key = key("s3.key_prefix", Kind::Text, None, "prepended to every object's key");
+pub const S3_ENDPOINT_URL: Key =
+    key("s3.endpoint_url", Kind::Text, None, "an S3-compatible endpoint (path-style addressing); unset for AWS");
+pub const S3_THRESHOLD: Key = key(
+    "s3.threshold",
+    Kind::Text,
+    Some("queue"),
+    "queue (over the queue's MaximumMessageSize) | always | a size such as 64KB",
+);
+pub const S3_MAX_BODY_BYTES: Key = key(
+    "s3.max_body_bytes",
+    Kind::Size { min: 1 << 20, max: 2 << 30 },
+    Some("32MB"),
+    "a body over this is DEAD (too_large) even through S3; counts in max_unsettled_bytes",
+);
 
 /// Every key, in the order of the reference in docs/configuration.md.
 pub const KEYS: &[Key] = &[
@@ -185,6 +206,11 @@ pub const KEYS: &[Key] = &[
     SQS_REGION,
     SQS_ENDPOINT_URL,
     SQS_ASSUME_ROLE_ARN,
+    S3_BUCKET,
+    S3_KEY_PREFIX,
+    S3_ENDPOINT_URL,
+    S3_THRESHOLD,
+    S3_MAX_BODY_BYTES,
 ];
 
 /// The key of that name.

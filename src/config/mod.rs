@@ -88,6 +88,8 @@ pub enum ConfigError {
 pub struct FileConfig {
     values: BTreeMap<String, String>,
     pub destinations: BTreeMap<String, String>,
+    /// `[s3.buckets]`: a destination's own bucket, `bucket` or `bucket/prefix`.
+    pub s3_buckets: BTreeMap<String, String>,
 }
 
 impl FileConfig {
@@ -103,9 +105,19 @@ impl FileConfig {
                         file.destinations.insert(name, url.to_string());
                     }
                 }
-                ("sqs", toml::Value::Table(t)) => {
+                ("sqs" | "s3", toml::Value::Table(t)) => {
                     for (inner, v) in t {
-                        file.set_value(&format!("sqs.{inner}"), v)?;
+                        match (k.as_str(), inner.as_str(), v) {
+                            ("s3", "buckets", toml::Value::Table(b)) => {
+                                for (name, bucket) in b {
+                                    let bucket = bucket.as_str().ok_or(format!(
+                                        "s3.buckets.{name} must be a string (a bucket, or bucket/prefix)"
+                                    ))?;
+                                    file.s3_buckets.insert(name, bucket.to_string());
+                                }
+                            }
+                            (_, _, v) => file.set_value(&format!("{k}.{inner}"), v)?,
+                        }
                     }
                 }
                 (_, v) => file.set_value(&k, v)?,
@@ -175,6 +187,8 @@ pub struct Config {
     pub sqs_assume_role_arn: Option<String>,
     /// Lane name → queue URL.
     pub destinations: BTreeMap<String, String>,
+    /// Bodies through S3; `None`: no bucket configured.
+    pub s3: Option<S3Config>,
     /// How often a transactional logical message is written so the slot moves
     /// even when this database is quiet.
     pub heartbeat_interval: Duration,
@@ -298,10 +312,16 @@ impl Config {
                 file.destinations.insert(name.to_ascii_lowercase(), v.clone());
             }
         }
+        for (k, v) in env {
+            if let Some(name) = k.strip_prefix("OUTBOX_RELAY_S3_BUCKETS_") {
+                file.s3_buckets.insert(name.to_ascii_lowercase(), v.clone());
+            }
+        }
         check_destinations(&file.destinations)?;
         let src = Sources { cli: o.by_key(), env, file: &file };
         let mut config = Config::connections(&src)?;
         config.tune(&src)?;
+        config.s3 = S3Config::resolve(&src, &file)?;
         config.destinations = file.destinations;
         Ok(config)
     }
@@ -374,6 +394,92 @@ impl Config {
         self.takeover_timeout = d(&keys::TAKEOVER_TIMEOUT)?;
         self.readiness_stall = d(&keys::READINESS_STALL)?;
         Ok(())
+    }
+}
+
+/// Where and when bodies go through S3 (`[s3]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3Config {
+    /// The default bucket; `None` when only `[s3.buckets]` names some.
+    pub bucket: Option<String>,
+    pub key_prefix: String,
+    pub endpoint_url: Option<String>,
+    pub threshold: crate::publish::offload::Threshold,
+    pub max_body_bytes: u64,
+    /// Per destination: (bucket, key prefix).
+    pub buckets: BTreeMap<String, (String, String)>,
+}
+
+impl S3Config {
+    /// `None` when no bucket is configured at all.
+    fn resolve(src: &Sources, file: &FileConfig) -> Result<Option<S3Config>, ConfigError> {
+        let bucket = src.get(&keys::S3_BUCKET).string();
+        if bucket.is_none() && file.s3_buckets.is_empty() {
+            return Ok(None);
+        }
+        let key_prefix = src.get(&keys::S3_KEY_PREFIX).string().unwrap_or_default();
+        let mut buckets = BTreeMap::new();
+        for (dest, spec) in &file.s3_buckets {
+            if !file.destinations.contains_key(dest) {
+                return Err(ConfigError::Invalid(format!(
+                    "s3.buckets.{dest}: no destination {dest:?} in [destinations]"
+                )));
+            }
+            let (b, prefix) = spec.split_once('/').map_or((spec.as_str(), ""), |(b, p)| (b, p));
+            check_bucket(&format!("s3.buckets.{dest}"), b)?;
+            buckets.insert(dest.clone(), (b.to_string(), prefix.to_string()));
+        }
+        if let Some(b) = &bucket {
+            check_bucket("s3.bucket", b)?;
+        }
+        Ok(Some(S3Config {
+            bucket,
+            key_prefix,
+            endpoint_url: src.get(&keys::S3_ENDPOINT_URL).string(),
+            threshold: threshold(&src.get(&keys::S3_THRESHOLD).string().unwrap_or_default())?,
+            max_body_bytes: src.get(&keys::S3_MAX_BODY_BYTES).size()?,
+            buckets,
+        }))
+    }
+
+    /// The (bucket, key prefix) of `destination`, if its bodies may go through S3.
+    pub fn target(&self, destination: &str) -> Option<(&str, &str)> {
+        match self.buckets.get(destination) {
+            Some((b, p)) => Some((b, p)),
+            None => self.bucket.as_deref().map(|b| (b, self.key_prefix.as_str())),
+        }
+    }
+}
+
+/// S3's bucket naming rule, checked before any call: 3 to 63 of lower-case
+/// letters, digits, `.` and `-`, starting and ending with a letter or digit.
+fn check_bucket(key: &str, b: &str) -> Result<(), ConfigError> {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let ok = (3..=63).contains(&b.len())
+        && b.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-')
+        && edge(b.chars().next())
+        && edge(b.chars().last());
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(format!(
+            "{key} = {b:?} is not an S3 bucket name (3 to 63 lower-case letters, digits, '.' and '-')"
+        )))
+    }
+}
+
+/// `s3.threshold`: `queue`, `always`, or a size.
+fn threshold(s: &str) -> Result<crate::publish::offload::Threshold, ConfigError> {
+    use crate::publish::offload::Threshold;
+    match s.to_ascii_lowercase().as_str() {
+        "queue" => Ok(Threshold::QueueLimit),
+        "always" => Ok(Threshold::Always),
+        other => match bytes("s3.threshold", other) {
+            Ok(n) => Ok(Threshold::Bytes(n as usize)),
+            Err(_) => {
+                Err(ConfigError::Invalid(format!("s3.threshold = {s:?} is not queue, always or a size such as 64KB")))
+            }
+        },
     }
 }
 
@@ -506,6 +612,31 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         let o = Overrides { slot: Some("from_cli".into()), mode: Some(Mode::Cdc), ..Default::default() };
         let c = Config::resolve(file(BASE), &env, &o).unwrap();
         assert_eq!((c.slot.as_str(), c.mode), ("from_cli", Mode::Cdc));
+    }
+
+    #[test]
+    fn s3_bodies_globally_and_per_destination() {
+        let env = BTreeMap::new();
+        let resolve = |t: &str| Config::resolve(file(&format!("{BASE}\n{t}")), &env, &Overrides::default());
+        assert_eq!(resolve("").unwrap().s3, None, "no bucket: no S3");
+        let c = resolve("[s3]\nbucket = \"bodies\"\nkey_prefix = \"outbox/\"\nthreshold = \"64KB\"").unwrap();
+        let s3 = c.s3.unwrap();
+        assert_eq!(s3.target("orders"), Some(("bodies", "outbox/")));
+        assert_eq!(s3.threshold, crate::publish::offload::Threshold::Bytes(64 << 10));
+        assert_eq!(s3.max_body_bytes, 32 << 20);
+        let c = resolve("[s3]\nthreshold = \"always\"\n[s3.buckets]\norders = \"own-bucket/p/\"").unwrap();
+        let s3 = c.s3.unwrap();
+        assert_eq!(s3.target("orders"), Some(("own-bucket", "p/")));
+        assert_eq!(s3.target("other"), None, "no default bucket: only the named destination");
+        let env_bucket: BTreeMap<String, String> =
+            [("OUTBOX_RELAY_S3_BUCKETS_ORDERS".to_string(), "env-bucket".to_string())].into();
+        let c = Config::resolve(file(BASE), &env_bucket, &Overrides::default()).unwrap();
+        assert_eq!(c.s3.unwrap().target("orders"), Some(("env-bucket", "")));
+        let err = |t: &str| resolve(t).unwrap_err().to_string();
+        assert!(err("[s3]\nbucket = \"Bad_Bucket\"").contains("is not an S3 bucket name"));
+        assert!(err("[s3]\nbucket = \"b12\"\nthreshold = \"big\"").contains("not queue, always or a size"));
+        assert!(err("[s3.buckets]\nnope = \"b12\"").contains("no destination \"nope\""));
+        assert!(err("[s3]\nbucket = \"b12\"\nmax_body_bytes = \"4GB\"").contains("out of range"));
     }
 
     #[test]

@@ -94,6 +94,7 @@ mod tests {
             ordered: true,
             trace_header: None,
             dedup_id: None,
+            offload: None,
         }
     }
 

@@ -57,6 +57,9 @@ impl Budget {
 pub struct Memory {
     pub max_events: usize,
     pub max_bytes: u64,
+    /// The largest body an event may carry: 1 MiB (SQS's largest message),
+    /// or `s3.max_body_bytes` when bodies may go through S3.
+    pub max_event_bytes: u64,
 }
 
 impl Memory {
@@ -72,10 +75,13 @@ impl Memory {
     }
 
     /// Events from the replication client's buffer sized so that, at the
-    /// largest SQS message (1 MiB), the buffer holds no more than the byte
-    /// budget: between 16 and 1,024 events.
+    /// largest event ([`Memory::max_event_bytes`]), the buffer holds no more
+    /// than the byte budget: between 1 and 1,024 events (16 at least when
+    /// events are at most 1 MiB).
     pub fn replication_buffer_events(&self) -> usize {
-        (self.max_bytes >> 20).clamp(16, 1_024) as usize
+        let largest = self.max_event_bytes.max(1 << 20);
+        let floor = if largest > 1 << 20 { 1 } else { 16 };
+        (self.max_bytes / largest).clamp(floor, 1_024) as usize
     }
 }
 
@@ -97,8 +103,13 @@ mod tests {
         assert_eq!(b.available_events(), 99);
         drop(big);
         assert_eq!(b.available_bytes(), 1_000);
-        let events = |max_bytes| Memory { max_events: 1, max_bytes }.replication_buffer_events();
+        let events =
+            |max_bytes| Memory { max_events: 1, max_bytes, max_event_bytes: 1 << 20 }.replication_buffer_events();
         assert_eq!(events(64 << 20), 64);
         assert_eq!(events(1 << 20), 16);
+        // 32 MiB bodies through S3: two fit the 64 MiB budget.
+        let s3 = |max_bytes| Memory { max_events: 1, max_bytes, max_event_bytes: 32 << 20 }.replication_buffer_events();
+        assert_eq!(s3(64 << 20), 2);
+        assert_eq!(s3(16 << 20), 1);
     }
 }

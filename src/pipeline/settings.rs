@@ -41,7 +41,11 @@ impl Settings {
                 stall_timeout: config.lane_stall_timeout,
             },
             marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
-            memory: Memory { max_events: config.max_unsettled_events, max_bytes: config.max_unsettled_bytes },
+            memory: Memory {
+                max_events: config.max_unsettled_events,
+                max_bytes: config.max_unsettled_bytes,
+                max_event_bytes: config.s3.as_ref().map_or(1 << 20, |s3| s3.max_body_bytes),
+            },
         }
     }
 }

@@ -8,6 +8,7 @@ use sha2::{Digest, Sha256};
 
 use crate::event::OutboxEvent;
 use crate::policy::dead::{DeadCode, DeadReason};
+use crate::publish::offload::{Offload, OffloadTarget, SIZE_ATTRIBUTE};
 
 /// What SQS needs to know about a queue to batch for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,12 +21,15 @@ pub struct QueueInfo {
     /// (SQS fair queues: one busy tenant does not delay the others); from
     /// the `fair_queues` setting, on unless configured off.
     pub fair: bool,
+    /// Bodies over the threshold go through S3 (none: they are DEAD,
+    /// `too_large`).
+    pub offload: Option<Arc<OffloadTarget>>,
 }
 
 impl QueueInfo {
-    /// A queue as SQS describes it, fair-queue groups on.
+    /// A queue as SQS describes it, fair-queue groups on, no S3.
     pub fn new(url: impl Into<String>, fifo: bool, max_message_size: usize) -> QueueInfo {
-        QueueInfo { url: url.into(), fifo, max_message_size, fair: true }
+        QueueInfo { url: url.into(), fifo, max_message_size, fair: true, offload: None }
     }
 }
 
@@ -55,9 +59,16 @@ pub struct Entry {
     pub trace_header: Option<String>,
     /// FIFO only: `MessageDeduplicationId`.
     pub dedup_id: Option<String>,
+    /// The body goes through S3: the message carries this pointer.
+    pub offload: Option<Arc<Offload>>,
 }
 
 impl Entry {
+    /// What the message's body is: the row's body, or the S3 pointer.
+    pub fn message_body(&self) -> &str {
+        self.offload.as_ref().map_or(self.event.body.as_str(), |o| o.pointer.as_str())
+    }
+
     /// The group whose order this entry keeps: FIFO queues only.
     pub fn ordering_group(&self) -> Option<&str> {
         self.group_id.as_deref().filter(|_| self.ordered)
@@ -239,22 +250,33 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
     if event.body.is_empty() {
         return Err(DeadReason::new(DeadCode::EmptyBody, "SQS refuses an empty message body"));
     }
-    if let Some((i, c)) = first_invalid_char(&event.body) {
+    let mut attributes = match &event.attributes {
+        Some(json) => parse_attributes(json)?,
+        None => Vec::new(),
+    };
+    let attributes_size =
+        |a: &[Attribute]| a.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
+    let mut size = event.body.len() + attributes_size(&attributes);
+    let offload = match &queue.offload {
+        Some(t) if t.threshold.offloads(size, queue.max_message_size) => Some(offload(&event, t, &mut attributes)?),
+        _ => None,
+    };
+    if let Some(o) = &offload {
+        size = o.pointer.len() + attributes_size(&attributes);
+    } else if let Some((i, c)) = first_invalid_char(&event.body) {
         return Err(DeadReason::new(
             DeadCode::InvalidCharacters,
             format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
         ));
     }
-    let attributes = match &event.attributes {
-        Some(json) => parse_attributes(json)?,
-        None => Vec::new(),
-    };
-    let size =
-        event.body.len() + attributes.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
     if size > queue.max_message_size {
+        let through = if queue.offload.is_some() { " (its S3 pointer and attributes)" } else { "" };
         return Err(DeadReason::new(
             DeadCode::TooLarge,
-            format!("message is {size} bytes with its attributes; the queue allows {}", queue.max_message_size),
+            format!(
+                "message{through} is {size} bytes with its attributes; the queue allows {}",
+                queue.max_message_size
+            ),
         ));
     }
     let (group_id, dedup) = if queue.fifo {
@@ -280,7 +302,36 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         (event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None)
     };
     let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
-    Ok(Entry { ordered: queue.fifo, trace_header, event, attributes, size, group_id, dedup_id: dedup })
+    Ok(Entry { ordered: queue.fifo, trace_header, event, attributes, size, group_id, dedup_id: dedup, offload })
+}
+
+/// The body of `event` through S3 under `target`: its object (key chosen
+/// now, written by the send stage) and the `ExtendedPayloadSize` attribute,
+/// or DEAD when the body is over the target's maximum or the attribute has
+/// no room.
+fn offload(
+    event: &OutboxEvent,
+    target: &Arc<OffloadTarget>,
+    attrs: &mut Vec<Attribute>,
+) -> Result<Arc<Offload>, DeadReason> {
+    if event.body.len() > target.max_body {
+        return Err(DeadReason::new(
+            DeadCode::TooLarge,
+            format!("body is {} bytes; s3.max_body_bytes allows {}", event.body.len(), target.max_body),
+        ));
+    }
+    if attrs.len() >= MAX_ATTRIBUTES || attrs.iter().any(|a| a.name == SIZE_ATTRIBUTE) {
+        return Err(DeadReason::new(
+            DeadCode::InvalidAttributes,
+            format!("a body through S3 needs the {SIZE_ATTRIBUTE} attribute: at most {} attributes of the row's own, none of that name", MAX_ATTRIBUTES - 1),
+        ));
+    }
+    attrs.push(Attribute {
+        name: SIZE_ATTRIBUTE.into(),
+        data_type: "Number".into(),
+        value: event.body.len().to_string(),
+    });
+    Ok(Arc::new(Offload::new(target)))
 }
 
 #[cfg(test)]
@@ -425,6 +476,68 @@ mod tests {
         assert_eq!(entry.dedup_id.as_deref(), Some("e:1:0"));
         e.group_key = Some("has space".into());
         assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, DeadCode::InvalidGroupKey);
+    }
+
+    fn through_s3(threshold: crate::publish::offload::Threshold, max_body: usize) -> QueueInfo {
+        use crate::publish::offload::{MemoryStore, OffloadTarget};
+        let target = OffloadTarget {
+            store: Arc::new(MemoryStore::default()),
+            bucket: "bodies".into(),
+            key_prefix: "outbox/".into(),
+            threshold,
+            max_body,
+        };
+        QueueInfo { offload: Some(Arc::new(target)), ..q(false, 1000) }
+    }
+
+    #[test]
+    fn a_body_over_the_limit_goes_through_s3_as_the_extended_client_points() {
+        use crate::publish::offload::Threshold;
+        let queue = through_s3(Threshold::QueueLimit, 10_000);
+        let small = prepare(ev(1, &"x".repeat(1000)), &queue).unwrap();
+        assert!(small.offload.is_none(), "at the limit: sent as it is");
+        assert_eq!(small.message_body().len(), 1000);
+        let big = prepare(ev(2, &"\u{7}".repeat(1001)), &queue).unwrap();
+        let o = big.offload.as_ref().expect("over the limit: through S3");
+        assert!(o.key.starts_with("outbox/") && o.key.len() == "outbox/".len() + 36, "{}", o.key);
+        let pointer: serde_json::Value = serde_json::from_str(big.message_body()).unwrap();
+        assert_eq!(pointer[0], "software.amazon.payloadoffloading.PayloadS3Pointer");
+        assert_eq!(
+            (pointer[1]["s3BucketName"].as_str(), pointer[1]["s3Key"].as_str()),
+            (Some("bodies"), Some(&*o.key))
+        );
+        let size = big.attributes.iter().find(|a| a.name == "ExtendedPayloadSize").unwrap();
+        assert_eq!((size.data_type.as_str(), size.value.as_str()), ("Number", "1001"));
+        assert_eq!(
+            big.size,
+            big.message_body().len() + "ExtendedPayloadSize".len() + 6 + 4,
+            "the pointer counts, not the body"
+        );
+        assert!(!o.is_written(), "written by the send stage, not here");
+        // Characters SQS refuses are fine in S3; over s3.max_body_bytes is DEAD.
+        let dead = prepare(ev(3, &"x".repeat(10_001)), &queue).unwrap_err();
+        assert_eq!(dead.code, DeadCode::TooLarge);
+        assert!(dead.detail.contains("s3.max_body_bytes"), "{dead:?}");
+        // Without S3 the same row is DEAD, as before.
+        assert_eq!(prepare(ev(2, &"x".repeat(1001)), &q(false, 1000)).unwrap_err().code, DeadCode::TooLarge);
+    }
+
+    #[test]
+    fn always_offloads_and_the_size_attribute_needs_room() {
+        use crate::publish::offload::Threshold;
+        let queue = through_s3(Threshold::Always, 10_000);
+        assert!(prepare(ev(1, "tiny"), &queue).unwrap().offload.is_some());
+        let mut e = (*ev(2, "tiny")).clone();
+        e.attributes =
+            Some(format!("{{{}}}", (0..10).map(|i| format!("\"a{i}\": \"v\"")).collect::<Vec<_>>().join(",")));
+        let dead = prepare(Arc::new(e.clone()), &queue).unwrap_err();
+        assert_eq!(dead.code, DeadCode::InvalidAttributes);
+        assert!(dead.detail.contains("ExtendedPayloadSize"), "{dead:?}");
+        e.attributes = Some(r#"{"ExtendedPayloadSize": 3}"#.into());
+        assert_eq!(prepare(Arc::new(e), &queue).unwrap_err().code, DeadCode::InvalidAttributes);
+        let by_size = through_s3(Threshold::Bytes(100), 10_000);
+        assert!(prepare(ev(3, &"x".repeat(100)), &by_size).unwrap().offload.is_none());
+        assert!(prepare(ev(4, &"x".repeat(101)), &by_size).unwrap().offload.is_some());
     }
 
     #[test]

@@ -146,7 +146,7 @@ impl Publisher for MemoryPublisher {
             inner.sent.entry(queue_url.to_string()).or_default().push(Sent {
                 outbox_id: e.event.id,
                 event_id: e.event.event_id.clone(),
-                body: e.event.body.clone(),
+                body: e.message_body().to_string(),
                 group_id: e.group_id.clone(),
                 dedup_id: e.dedup_id.clone(),
                 trace_header: e.trace_header.clone(),

@@ -3,9 +3,11 @@
 //! [`crate::policy::retry`] is the only place that retries); [`memory::MemoryPublisher`]
 //! keeps messages in memory and injects faults, for tests.
 
+pub mod aws;
 pub mod entry;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
+pub mod offload;
 pub mod sqs;
 
 use async_trait::async_trait;

@@ -1,7 +1,6 @@
 //! Amazon SQS through aws-sdk-sqs.
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
@@ -32,40 +31,7 @@ impl SqsPublisher {
     /// As [`new`](Self::new); with `role_arn`, assume that role through STS
     /// with the chain's credentials (refreshed before they expire).
     pub async fn with_role(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> Self {
-        let region = aws_config::Region::new(region.to_string());
-        let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
-            .region(region.clone())
-            .retry_config(aws_config::retry::RetryConfig::disabled())
-            .timeout_config(
-                aws_config::timeout::TimeoutConfig::builder()
-                    .operation_attempt_timeout(Duration::from_secs(20))
-                    .connect_timeout(Duration::from_secs(5))
-                    .build(),
-            );
-        if let Some(arn) = role_arn {
-            let base = aws_config::defaults(aws_config::BehaviorVersion::latest()).region(region).load().await;
-            let provider = aws_config::sts::AssumeRoleProvider::builder(arn)
-                .session_name("outbox-relay")
-                .configure(&base)
-                .build()
-                .await;
-            loader = loader.credentials_provider(provider);
-        }
-        if let Some(url) = endpoint_url {
-            loader = loader.endpoint_url(url);
-            let no_credentials =
-                std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none();
-            if role_arn.is_none() && no_credentials {
-                loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                    "local",
-                    "local",
-                    None,
-                    None,
-                    "outbox-relay-local-endpoint",
-                ));
-            }
-        }
-        Self { client: aws_sdk_sqs::Client::new(&loader.load().await) }
+        Self { client: aws_sdk_sqs::Client::new(&super::aws::sdk_config(region, endpoint_url, role_arn).await) }
     }
 
     pub fn client(&self) -> &aws_sdk_sqs::Client {
@@ -116,7 +82,7 @@ impl Publisher for SqsPublisher {
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let mut req = self.client.send_message_batch().queue_url(queue_url);
         for (i, e) in entries.iter().enumerate() {
-            let mut b = SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(e.event.body.clone());
+            let mut b = SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(e.message_body());
             for a in &e.attributes {
                 let v = MessageAttributeValue::builder()
                     .data_type(a.data_type.clone())

@@ -1,12 +1,14 @@
 //! Start-up: the checks, each within its deadline, and the mode they allow.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, Mode};
+use crate::config::{Config, Mode, S3Config};
 use crate::db;
 use crate::metrics::Metrics;
 use crate::policy::retry::{classify_start_up, StartUpFailure};
+use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
 
 use super::http;
@@ -55,9 +57,13 @@ pub(crate) async fn start_up_until_done(
     stop: &mut watch::Receiver<bool>,
 ) -> Result<Option<Started>, RelayError> {
     let mut reconnect = crate::policy::retry::Reconnect::default();
+    let store = match &config.s3 {
+        Some(s3) => Some(offload_store(config, s3).await?),
+        None => None,
+    };
     loop {
         let attempt = tokio::select! {
-            r = start_up(config, db, publisher, metrics) => r,
+            r = start_up(config, db, publisher, store.as_ref(), metrics) => r,
             _ = stop.wait_for(|s| *s) => return Ok(None),
         };
         match attempt {
@@ -82,6 +88,7 @@ async fn start_up(
     config: &Config,
     db: &db::Db,
     publisher: &dyn Publisher,
+    store: Option<&Arc<dyn ObjectStore>>,
     metrics: &Metrics,
 ) -> Result<Started, NotStarted> {
     let sql = db.connect().await.map_err(|e| not_started(e, false))?;
@@ -101,6 +108,7 @@ async fn start_up(
             ))
         })?;
         info.fair = config.fair_queues;
+        info.offload = offload_target(config, name, store);
         tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
         queues.insert(name.clone(), info);
     }
@@ -132,6 +140,39 @@ async fn start_up(
         retention = None;
     }
     Ok(Started { mode, sharded, queues, listener, retention })
+}
+
+/// The S3 client, once each configured bucket answered `HeadBucket`.
+async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectStore>, RelayError> {
+    let store =
+        S3Store::new(&config.sqs_region, s3.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
+    let buckets: BTreeSet<&str> = config.destinations.keys().filter_map(|d| s3.target(d)).map(|(b, _)| b).collect();
+    for bucket in buckets {
+        store.check_bucket(bucket).await.map_err(|e| {
+            RelayError::Startup(format!(
+                "s3: bucket {bucket:?} did not answer HeadBucket ({e}); create it or fix s3.bucket / [s3.buckets], s3.endpoint_url and the credentials (the relay needs s3:PutObject on it)"
+            ))
+        })?;
+        tracing::info!(bucket, "S3 bucket ready for bodies over the threshold");
+    }
+    Ok(Arc::new(store))
+}
+
+/// `destination`'s S3 settings, if its bodies may go through S3.
+fn offload_target(
+    config: &Config,
+    destination: &str,
+    store: Option<&Arc<dyn ObjectStore>>,
+) -> Option<Arc<OffloadTarget>> {
+    let s3 = config.s3.as_ref()?;
+    let (bucket, key_prefix) = s3.target(destination)?;
+    Some(Arc::new(OffloadTarget {
+        store: Arc::clone(store?),
+        bucket: bucket.to_string(),
+        key_prefix: key_prefix.to_string(),
+        threshold: s3.threshold,
+        max_body: s3.max_body_bytes as usize,
+    }))
 }
 
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes

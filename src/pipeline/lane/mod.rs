@@ -540,6 +540,59 @@ mod tests {
         assert_eq!(next_deadline(now, linger, Some(now - ms(300)), None), None, "due now: no wait");
     }
 
+    /// Bodies through S3: the object is written before its message is sent;
+    /// while S3 is down the call fails as a whole (nothing sent, nothing
+    /// DEAD, retried), and once it is back the message carries the pointer
+    /// to the object written, written once.
+    #[tokio::test]
+    async fn an_s3_outage_fails_the_call_and_no_pointer_dangles() {
+        use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
+        use std::sync::atomic::Ordering;
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        let store = Arc::new(MemoryStore::default());
+        store.down.store(true, Ordering::Release);
+        let target = Arc::new(OffloadTarget {
+            store: Arc::clone(&store) as _,
+            bucket: "bodies".into(),
+            key_prefix: String::new(),
+            threshold: Threshold::QueueLimit,
+            max_body: 32 << 20,
+        });
+        let queue = QueueInfo { offload: Some(Arc::clone(&target)), ..QueueInfo::new(Q, false, 1000) };
+        let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
+        cfg.queue = queue.clone();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        let big = "b".repeat(5000);
+        let ev = OutboxEvent::for_test(1, "orders", &big);
+        tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)).await.unwrap();
+        tx.send(item(2)).await.unwrap();
+        let s3_failures = || metrics.sqs_entry_failures.with_label_values(&["orders", "S3.ServiceUnavailable"]).get();
+        until("three calls failed on S3", || s3_failures() >= 3).await;
+        assert!(p.sent(Q).iter().all(|m| !m.body.contains("PayloadS3Pointer")), "no pointer without its object");
+        assert!(settle_rx.try_recv().map_or(true, |s| matches!(s.outcome, Outcome::Published)), "nothing DEAD");
+        store.down.store(false, Ordering::Release);
+        let mut outcomes = Vec::new();
+        while outcomes.len() < 2 {
+            outcomes.push(settle_rx.recv().await.unwrap().outcome);
+        }
+        assert!(outcomes.iter().all(|o| matches!(o, Outcome::Published)), "{outcomes:?}");
+        let sent = p.sent(Q);
+        let pointer = sent.iter().find(|m| m.outbox_id == 1).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&pointer.body).unwrap();
+        let key = v[1]["s3Key"].as_str().unwrap();
+        assert_eq!(store.get("bodies", key).as_deref(), Some(big.as_bytes()), "the pointer's object holds the body");
+        assert_eq!(store.len(), 1, "written once");
+        assert!(pointer.attributes.iter().any(|(n, t, v)| n == "ExtendedPayloadSize" && t == "Number" && v == "5000"));
+        assert_eq!(metrics.offloaded_objects.with_label_values(&["orders"]).get(), 1);
+        assert_eq!(metrics.offloaded_bytes.with_label_values(&["orders"]).get(), 5000);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
     /// A closing lane (its session is stopping) does not keep retrying a
     /// failing queue: it ends at once, its entries unsettled.
     #[tokio::test]

@@ -117,6 +117,26 @@ pub(super) async fn send_until_settled(
     deferred_groups
 }
 
+/// Write the objects of the entries whose bodies go through S3 and are not
+/// written yet, counted per destination.
+async fn offload_objects(ctx: &Ctx, entries: &[Entry]) -> Result<(), CallError> {
+    let unwritten: Vec<&Entry> =
+        entries.iter().filter(|e| e.offload.as_ref().is_some_and(|o| !o.is_written())).collect();
+    if unwritten.is_empty() {
+        return Ok(());
+    }
+    let result = crate::publish::offload::write_objects(entries).await;
+    let written: Vec<usize> = unwritten
+        .iter()
+        .filter(|e| e.offload.as_ref().is_some_and(|o| o.is_written()))
+        .map(|e| e.event.body.len())
+        .collect();
+    let name = &*ctx.cfg.name;
+    ctx.metrics.offloaded_objects.with_label_values(&[name]).inc_by(written.len() as u64);
+    ctx.metrics.offloaded_bytes.with_label_values(&[name]).inc_by(written.iter().sum::<usize>() as u64);
+    result
+}
+
 /// One call, measured, and its result reconciled. A call in flight finishes
 /// even if the lane starts spooling meanwhile (the SQS client's timeouts bound
 /// it): what it published stays published.
@@ -127,7 +147,11 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     ctx.metrics.batch_bytes.with_label_values(&[name]).observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
     crate::faults::delay_point("lane::before_send").await;
     let started = Instant::now();
-    let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await;
+    // Bodies through S3 first: no message points at an object not written.
+    let result = match offload_objects(ctx, &entries).await {
+        Ok(()) => ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await,
+        Err(e) => Err(e),
+    };
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
     match &result {
         Ok(results) => {
