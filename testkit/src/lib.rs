@@ -23,6 +23,7 @@ pub mod faults;
 pub mod jobs;
 pub mod outage;
 pub mod process;
+pub mod proxy;
 pub mod takeover;
 
 pub struct Stack {

@@ -11,6 +11,7 @@ mod ha;
 mod hardening;
 mod invariants;
 mod pipeline;
+mod s3;
 mod slot_invalidation;
 mod table_path;
 mod tls;
