@@ -20,7 +20,6 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::entry::Entry;
 use super::CallError;
 use crate::event::OutboxEvent;
 
@@ -146,14 +145,19 @@ impl AsRef<[u8]> for BodyOf {
     }
 }
 
-/// Write the objects of `entries` not written yet, side by side. Any
-/// failure fails them all as one call: the caller sends none of the
-/// messages (the written objects stay written and are not written again).
-pub async fn write_objects(entries: &[Entry]) -> Result<(), CallError> {
+/// Write the objects of `bodies` (each offload with the event whose body it
+/// stores) not written yet, side by side. Any failure fails them all as one
+/// call: the caller sends none of the messages (the written objects stay
+/// written and are not written again).
+pub async fn write_objects<'a>(
+    bodies: impl IntoIterator<Item = (&'a Arc<Offload>, &'a Arc<OutboxEvent>)>,
+) -> Result<(), CallError> {
     let mut writes = tokio::task::JoinSet::new();
-    for e in entries {
-        let Some(o) = e.offload.as_ref().filter(|o| !o.is_written()) else { continue };
-        let (o, body) = (Arc::clone(o), Bytes::from_owner(BodyOf(Arc::clone(&e.event))));
+    for (o, event) in bodies {
+        if o.is_written() {
+            continue;
+        }
+        let (o, body) = (Arc::clone(o), Bytes::from_owner(BodyOf(Arc::clone(event))));
         writes.spawn(async move {
             o.target.store.put(&o.target.bucket, &o.key, body).await?;
             o.written.store(true, Ordering::Release);

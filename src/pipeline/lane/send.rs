@@ -125,7 +125,8 @@ async fn offload_objects(ctx: &Ctx, entries: &[Entry]) -> Result<(), CallError> 
     if unwritten.is_empty() {
         return Ok(());
     }
-    let result = crate::publish::offload::write_objects(entries).await;
+    let bodies = unwritten.iter().filter_map(|e| e.offload.as_ref().map(|o| (o, &e.event)));
+    let result = crate::publish::offload::write_objects(bodies).await;
     let written: Vec<usize> = unwritten
         .iter()
         .filter(|e| e.offload.as_ref().is_some_and(|o| o.is_written()))
