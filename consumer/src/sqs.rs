@@ -13,11 +13,82 @@ use crate::queue::{visibility_secs as secs, Queue, QueueError, ReceivedMessage};
 pub struct SqsQueue {
     client: aws_sdk_sqs::Client,
     url: String,
+    /// Reads the bodies the relay put in S3.
+    #[cfg(feature = "s3")]
+    s3: Option<aws_sdk_s3::Client>,
 }
 
 impl SqsQueue {
     pub fn new(client: aws_sdk_sqs::Client, url: impl Into<String>) -> Self {
-        Self { client, url: url.into() }
+        Self {
+            client,
+            url: url.into(),
+            #[cfg(feature = "s3")]
+            s3: None,
+        }
+    }
+
+    /// Bodies over the queue's limit, which the relay wrote to S3 (the SQS
+    /// Extended Client's pointer and `ExtendedPayloadSize`), are read from
+    /// S3 with `s3` before the message is judged. The object is never
+    /// deleted here: a duplicate delivery may still point at it (a bucket
+    /// lifecycle rule removes it).
+    #[cfg(feature = "s3")]
+    pub fn with_s3(mut self, s3: aws_sdk_s3::Client) -> Self {
+        self.s3 = Some(s3);
+        self
+    }
+}
+
+/// The message attributes that mark a body in S3: the extended clients'
+/// current name and their legacy one.
+pub const S3_SIZE_ATTRIBUTES: [&str; 2] = ["ExtendedPayloadSize", "SQSLargePayloadSize"];
+
+/// The (bucket, key) of an extended client's pointer body
+/// (`["software.amazon.payloadoffloading.PayloadS3Pointer",{"s3BucketName":…,"s3Key":…}]`).
+pub fn s3_pointer(body: &str) -> Option<(String, String)> {
+    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+    let [class, p] = v.as_array()?.as_slice() else { return None };
+    if !class.as_str()?.ends_with("PayloadS3Pointer") {
+        return None;
+    }
+    Some((p.get("s3BucketName")?.as_str()?.to_string(), p.get("s3Key")?.as_str()?.to_string()))
+}
+
+impl SqsQueue {
+    /// A message whose body is in S3 with its body read from there; `None`
+    /// when the read failed (the message is left to come back after its
+    /// visibility timeout, and to the DLQ if it never can be read). Without
+    /// an S3 client the pointer is handed on as the body (it is no job, so
+    /// it is neither run nor deleted: SQS's redrive moves it to the DLQ).
+    async fn resolved(&self, mut m: ReceivedMessage, in_s3: bool) -> Option<ReceivedMessage> {
+        let Some((bucket, key)) = s3_pointer(&m.body).filter(|_| in_s3) else { return Some(m) };
+        #[cfg(feature = "s3")]
+        if let Some(s3) = &self.s3 {
+            let read = async {
+                let obj = s3
+                    .get_object()
+                    .bucket(&bucket)
+                    .key(&key)
+                    .send()
+                    .await
+                    .map_err(|e| aws_sdk_s3::error::DisplayErrorContext(e).to_string())?;
+                let bytes = obj.body.collect().await.map_err(|e| e.to_string())?.into_bytes();
+                String::from_utf8(bytes.to_vec()).map_err(|e| e.to_string())
+            };
+            return match read.await {
+                Ok(body) => {
+                    m.body = body;
+                    Some(m)
+                }
+                Err(e) => {
+                    tracing::warn!(bucket, key, error = %e, "a message's body in S3 could not be read; it comes back after its visibility timeout");
+                    None
+                }
+            };
+        }
+        tracing::warn!(bucket, key, "a message's body is in S3 and this queue has no S3 client (SqsQueue::with_s3)");
+        Some(m)
     }
 }
 
@@ -35,14 +106,15 @@ impl Queue for SqsQueue {
             .max_number_of_messages(max.clamp(1, 10))
             .wait_time_seconds(wait.as_secs().min(20) as i32)
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .set_message_attribute_names(Some(S3_SIZE_ATTRIBUTES.map(String::from).to_vec()))
             .send()
             .await
             .map_err(|e| err(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
-        Ok(out
-            .messages
-            .unwrap_or_default()
-            .into_iter()
-            .map(|m| ReceivedMessage {
+        let mut received = Vec::new();
+        for m in out.messages.unwrap_or_default() {
+            let in_s3 =
+                m.message_attributes.as_ref().is_some_and(|a| S3_SIZE_ATTRIBUTES.iter().any(|n| a.contains_key(*n)));
+            let message = ReceivedMessage {
                 receive_count: m
                     .attributes
                     .as_ref()
@@ -51,8 +123,13 @@ impl Queue for SqsQueue {
                     .unwrap_or(1),
                 body: m.body.unwrap_or_default(),
                 receipt: m.receipt_handle.unwrap_or_default(),
-            })
-            .collect())
+            };
+            match self.resolved(message, in_s3).await {
+                Some(m) => received.push(m),
+                None => continue,
+            }
+        }
+        Ok(received)
     }
 
     async fn delete(&self, receipt: &str) -> Result<(), QueueError> {
@@ -147,4 +224,20 @@ fn failed_ids<'a>(failed: impl Iterator<Item = (&'a str, Option<&'a str>)>) -> R
         out.push(i);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::s3_pointer;
+
+    #[test]
+    fn the_extended_clients_pointer_is_read_and_nothing_else() {
+        let p = r#"["software.amazon.payloadoffloading.PayloadS3Pointer",{"s3BucketName":"b","s3Key":"outbox/k"}]"#;
+        assert_eq!(s3_pointer(p), Some(("b".into(), "outbox/k".into())));
+        let other_class = r#"["com.example.Pointer",{"s3BucketName":"b","s3Key":"k"}]"#;
+        assert_eq!(s3_pointer(other_class), None);
+        for other in [r#"{"job_id": "x"}"#, "not json", "[]", r#"["x.PayloadS3Pointer", {"s3Key": "k"}]"#] {
+            assert_eq!(s3_pointer(other), None, "{other}");
+        }
+    }
 }

@@ -19,6 +19,7 @@ import threading
 import time
 
 import boto3
+import botocore.config
 import psycopg
 
 RUNNING = True
@@ -32,6 +33,28 @@ def handle(cur, job_id, kind, payload, attempt, generation, args):
         "INSERT INTO business_effects (job_id, generation, attempt) VALUES (%s, %s, %s)",
         (job_id, generation, attempt),
     )
+
+
+SIZE_ATTRIBUTES = ["ExtendedPayloadSize", "SQSLargePayloadSize"]
+POINTER_CLASS = "software.amazon.payloadoffloading.PayloadS3Pointer"
+
+
+def resolve(s3, msg):
+    """The message's body; one the relay put in S3 (the SQS Extended Client's
+    pointer and ExtendedPayloadSize attribute) is read from there. The object
+    is not deleted: a duplicate delivery may still point at it (a bucket
+    lifecycle rule removes it). Raises if it cannot be read: the message then
+    comes back after its visibility timeout."""
+    body = msg["Body"]
+    if not set(SIZE_ATTRIBUTES) & set(msg.get("MessageAttributes", {})):
+        return body
+    try:
+        cls, ptr = json.loads(body)
+    except ValueError:
+        return body
+    if cls != POINTER_CLASS:
+        return body
+    return s3().get_object(Bucket=ptr["s3BucketName"], Key=ptr["s3Key"])["Body"].read().decode()
 
 
 def parse(body):
@@ -137,12 +160,29 @@ def main():
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     sqs = boto3.client("sqs", endpoint_url=args.endpoint_url, region_name=args.region)
+    s3_client = []
+
+    def s3():
+        if not s3_client:
+            path_style = botocore.config.Config(s3={"addressing_style": "path"}) if args.endpoint_url else None
+            s3_client.append(boto3.client("s3", endpoint_url=args.endpoint_url, region_name=args.region, config=path_style))
+        return s3_client[0]
+
     conn = psycopg.connect(args.database_url, autocommit=True)
     print("ready", flush=True)
     while RUNNING:
         msgs = sqs.receive_message(
-            QueueUrl=args.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=args.wait
+            QueueUrl=args.queue_url, MaxNumberOfMessages=10, WaitTimeSeconds=args.wait,
+            MessageAttributeNames=SIZE_ATTRIBUTES,
         ).get("Messages", [])
+        readable = []
+        for m in msgs:
+            try:
+                m["Body"] = resolve(s3, m)
+                readable.append(m)
+            except Exception as e:  # left to come back after its visibility timeout
+                print(f"body in S3 not readable: {e}", file=sys.stderr, flush=True)
+        msgs = readable
         # Unparseable messages and kinds this worker does not run are left
         # alone: SQS's redrive policy moves them to the DLQ.
         asked = [(m, parse(m["Body"])) for m in msgs]

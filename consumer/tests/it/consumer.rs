@@ -475,3 +475,57 @@ async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
     assert_eq!((status.as_str(), attempts, reason.as_deref()), ("DEAD", 2, Some("CANCELLED")));
     assert_eq!(effects(&db, "true").await, 0, "the cancelled job never ran to completion");
 }
+
+/// Records each job's payload `blob` length, then writes its effect.
+struct BlobSize(Arc<std::sync::Mutex<Vec<usize>>>);
+
+#[async_trait]
+impl Handler for BlobSize {
+    async fn handle(&self, job: &Job, tx: &Transaction<'_>) -> Result<(), HandlerError> {
+        self.0.lock().unwrap().push(job.payload["blob"].as_str().map_or(0, str::len));
+        Effect.handle(job, tx).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_over_the_queues_limit_goes_through_s3_and_the_worker_reads_it_back() {
+    use outbox_relay::config::S3Config;
+    let db = setup("s3_job").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "s3jobs", false, Some(1024)).await;
+    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    let s3 = aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build());
+    let bucket = unique("jobbodies").replace('_', "-").to_ascii_lowercase();
+    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let mut cfg = config(&db, &[("jobs", &q)]);
+    cfg.s3 = Some(S3Config {
+        bucket: Some(bucket),
+        key_prefix: String::new(),
+        endpoint_url: Some(stack().sqs_url.clone()),
+        threshold: outbox_relay::publish::offload::Threshold::QueueLimit,
+        max_body_bytes: 32 << 20,
+        buckets: Default::default(),
+    });
+    let relay = start(cfg, Arc::new(sqs.clone()));
+    let c = db.client().await;
+    let small = serde_json::json!({"blob": "s".repeat(10)});
+    let big = serde_json::json!({"blob": "b".repeat(300_000)});
+    for p in [&small, &big] {
+        enqueue(&c, &NewJob { kind: "effect", payload: p, destination: "jobs", group_key: None, job_id: None })
+            .await
+            .unwrap();
+    }
+    wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(5)).handle("effect", BlobSize(Arc::clone(&sizes))));
+    let queue = SqsQueue::new(sqs.client().clone(), &q).with_s3(s3);
+    let worker = RunningWorker::start(Worker::new(cons, Arc::new(queue), 4), Duration::from_secs(1));
+    let metrics = Arc::clone(&worker.metrics);
+    wait_for("both jobs run", Duration::from_secs(60), || async { metrics.count("succeeded") >= 2 }).await;
+    worker.stop().await;
+    let mut seen = sizes.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![10, 300_000], "the handler saw the whole payload of the job that went through S3");
+    assert_eq!(effects(&db, "true").await, 2);
+    relay.stop().await;
+}

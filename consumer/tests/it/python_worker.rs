@@ -143,3 +143,38 @@ async fn a_python_worker_gets_the_same_guarantees_through_the_sql_protocol() {
     );
     relay.stop().await;
 }
+
+/// A job over the queue's limit goes through S3; the Python worker reads its
+/// body back from there (the extended client's pointer) and runs it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_worker_reads_a_job_whose_body_went_through_s3() {
+    use outbox_relay::config::S3Config;
+    let db = effects_db("py_s3").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "py-s3", false, Some(1024)).await;
+    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    let s3 = aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build());
+    let bucket = unique("pybodies").replace('_', "-").to_ascii_lowercase();
+    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let mut cfg = config(&db, &[("jobs", &q)]);
+    cfg.s3 = Some(S3Config {
+        bucket: Some(bucket),
+        key_prefix: "py/".into(),
+        endpoint_url: Some(stack().sqs_url.clone()),
+        threshold: outbox_relay::publish::offload::Threshold::QueueLimit,
+        max_body_bytes: 32 << 20,
+        buckets: Default::default(),
+    });
+    let relay = start(cfg, Arc::new(sqs.clone()));
+    let c = db.client().await;
+    c.execute("SELECT outbox_enqueue_job('effect', jsonb_build_object('blob', repeat('b', 200000)), 'jobs')", &[])
+        .await
+        .unwrap();
+    c.execute("SELECT outbox_enqueue_job('effect', jsonb_build_object('n', 1), 'jobs')", &[]).await.unwrap();
+    wait_for("the jobs' events published", Duration::from_secs(60), || async { db.count("true").await == 0 }).await;
+    let _worker = python_worker(&db, &q, "py1", "0");
+    wait_for("both jobs run once", Duration::from_secs(60), || async { effects(&db, "true").await == 2 }).await;
+    let succeeded: i64 = c.query_one("SELECT count(*) FROM jobs WHERE status = 'SUCCEEDED'", &[]).await.unwrap().get(0);
+    assert_eq!(succeeded, 2);
+    relay.stop().await;
+}
