@@ -23,12 +23,49 @@ pub struct OutboxEvent {
     /// Deleted by the transaction that inserted it (seen in the stream): it
     /// has no row to settle, only the watermark records it.
     pub transient: bool,
+    /// The `deliver_at` column: when the message may be delivered.
+    pub deliver_at: DeliverAt,
+}
+
+/// A row's `deliver_at`, as read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeliverAt {
+    /// NULL: deliver at once.
+    #[default]
+    Unset,
+    /// Microseconds since the Unix epoch ([`DeliverAt::NEVER`]: `infinity`).
+    At(i64),
+    /// The stream gave a text the relay cannot read as a time (the
+    /// server's `DateStyle` is not ISO).
+    Unreadable,
+}
+
+impl DeliverAt {
+    /// `'infinity'` (and any time past year 287,000): never due.
+    pub const NEVER: i64 = 9_000_000_000_000_000_000;
+
+    /// A time in microseconds, clamped so that `infinity` is [`Self::NEVER`].
+    pub fn at(us: i64) -> DeliverAt {
+        DeliverAt::At(us.clamp(-Self::NEVER, Self::NEVER))
+    }
+
+    /// The microseconds, for writing the row back (`None`: NULL).
+    pub fn micros(self) -> Option<i64> {
+        match self {
+            DeliverAt::At(us) => Some(us),
+            DeliverAt::Unset | DeliverAt::Unreadable => None,
+        }
+    }
 }
 
 /// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
 /// order (the creation time stands in for the commit time).
-pub const OUTBOX_COLUMNS: &str =
-    "id, event_id, destination, body, group_key, attributes::text, (extract(epoch FROM created_at) * 1000000)::bigint";
+/// `deliver_at` is clamped to [`DeliverAt::NEVER`] (`infinity` included;
+/// `greatest` and `least` skip NULLs, hence the `CASE`).
+pub const OUTBOX_COLUMNS: &str = "id, event_id, destination, body, group_key, attributes::text,
+    (extract(epoch FROM created_at) * 1000000)::bigint,
+    CASE WHEN deliver_at IS NOT NULL
+         THEN (greatest(least(extract(epoch FROM deliver_at), 9000000000000), -9000000000000) * 1000000)::bigint END";
 
 impl OutboxEvent {
     /// A row selected with [`OUTBOX_COLUMNS`] first.
@@ -44,6 +81,7 @@ impl OutboxEvent {
             xid: None,
             commit_lsn: None,
             transient: false,
+            deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
         }
     }
 
@@ -73,6 +111,7 @@ impl OutboxEvent {
             xid: None,
             commit_lsn: None,
             transient: false,
+            deliver_at: DeliverAt::Unset,
         }
     }
 }

@@ -38,6 +38,10 @@ pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
 pub const OFFLOADED_OBJECTS_TOTAL: &str = "outbox_relay_offloaded_objects_total";
 pub const OFFLOADED_BYTES_TOTAL: &str = "outbox_relay_offloaded_bytes_total";
+pub const EVENTS_DELAYED_TOTAL: &str = "outbox_relay_events_delayed_total";
+pub const EVENTS_HELD_TOTAL: &str = "outbox_relay_events_held_total";
+pub const HELD_EVENTS: &str = "outbox_relay_held_events";
+pub const HELD_NEXT_DUE_SECONDS: &str = "outbox_relay_held_next_due_seconds";
 
 pub struct Metrics {
     pub registry: Registry,
@@ -73,6 +77,14 @@ pub struct Metrics {
     /// Bodies written to S3 (the message carries a pointer), per destination.
     pub offloaded_objects: IntCounterVec,
     pub offloaded_bytes: IntCounterVec,
+    /// Messages sent with `DelaySeconds`, per destination.
+    pub events_delayed: IntCounterVec,
+    /// Rows held in the table until their `deliver_at`, per destination.
+    pub events_held: IntCounterVec,
+    /// Rows held in the table and not due yet (every 10 s).
+    pub held_events: IntGaugeVec,
+    /// Seconds until the earliest held row is due.
+    pub held_next_due_seconds: prometheus::GaugeVec,
     /// 1 while the server holds the stream back (rows go by the table).
     pub stream_held: IntGauge,
     /// What holds the stream back (or keeps sessions from streaming), named.
@@ -116,6 +128,10 @@ impl Metrics {
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
             offloaded_objects: IntCounterVec::new(Opts::new(OFFLOADED_OBJECTS_TOTAL, "Bodies over the threshold written to S3 (their messages carry the extended client's pointer)"), &["destination"]).unwrap(),
             offloaded_bytes: IntCounterVec::new(Opts::new(OFFLOADED_BYTES_TOTAL, "Bytes of the bodies written to S3"), &["destination"]).unwrap(),
+            events_delayed: IntCounterVec::new(Opts::new(EVENTS_DELAYED_TOTAL, "Messages sent with DelaySeconds (deliver_at due within 15 minutes, standard queues)"), &["destination"]).unwrap(),
+            events_held: IntCounterVec::new(Opts::new(EVENTS_HELD_TOTAL, "Rows held in the outbox table until their deliver_at (due later than SQS can delay, or on a FIFO queue)"), &["destination"]).unwrap(),
+            held_events: IntGaugeVec::new(Opts::new(HELD_EVENTS, "NEW rows whose deliver_at is still ahead, per destination (counted up to 1,000,000, every 10 s)"), &["destination"]).unwrap(),
+            held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
@@ -163,6 +179,10 @@ impl Metrics {
             Box::new(self.retention_deleted.clone()),
             Box::new(self.offloaded_objects.clone()),
             Box::new(self.offloaded_bytes.clone()),
+            Box::new(self.events_delayed.clone()),
+            Box::new(self.events_held.clone()),
+            Box::new(self.held_events.clone()),
+            Box::new(self.held_next_due_seconds.clone()),
             Box::new(self.stream_held.clone()),
         ]
     }

@@ -61,7 +61,7 @@ impl SqsQueue {
     /// visibility timeout, and to the DLQ if it never can be read). Without
     /// an S3 client the pointer is handed on as the body (it is no job, so
     /// it is neither run nor deleted: SQS's redrive moves it to the DLQ).
-    async fn resolved(&self, mut m: ReceivedMessage, in_s3: bool) -> Option<ReceivedMessage> {
+    async fn resolved(&self, m: ReceivedMessage, in_s3: bool) -> Option<ReceivedMessage> {
         let Some((bucket, key)) = s3_pointer(&m.body).filter(|_| in_s3) else { return Some(m) };
         #[cfg(feature = "s3")]
         if let Some(s3) = &self.s3 {
@@ -77,10 +77,7 @@ impl SqsQueue {
                 String::from_utf8(bytes.to_vec()).map_err(|e| e.to_string())
             };
             return match read.await {
-                Ok(body) => {
-                    m.body = body;
-                    Some(m)
-                }
+                Ok(body) => Some(ReceivedMessage { body, ..m }),
                 Err(e) => {
                     tracing::warn!(bucket, key, error = %e, "a message's body in S3 could not be read; it comes back after its visibility timeout");
                     None

@@ -19,6 +19,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (8, "publish updates", include_str!("../../migrations/0008_publish_updates.sql")),
     (9, "durable slot hand-off", include_str!("../../migrations/0009_handoffs.sql")),
     (10, "runs list the table path's event ids", include_str!("../../migrations/0010_runs_event_ids.sql")),
+    (11, "delayed delivery", include_str!("../../migrations/0011_deliver_at.sql")),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent

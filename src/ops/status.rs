@@ -60,8 +60,14 @@ pub struct DestinationStatus {
     /// NEW rows handed to the table path (spooled, retried later, redriven).
     pub spooled: i64,
     pub dead: i64,
-    /// Age of the oldest NEW row (spooled or not).
+    /// Age of the oldest NEW row (spooled or not), held rows aside.
     pub oldest_new_age_seconds: Option<f64>,
+    /// NEW rows held until a `deliver_at` still ahead (not counted above).
+    #[serde(default)]
+    pub held: i64,
+    /// Seconds until the earliest held row is due.
+    #[serde(default)]
+    pub next_due_in_seconds: Option<f64>,
 }
 
 pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, tokio_postgres::Error> {
@@ -105,17 +111,18 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         (Mode::Polling, _) | (Mode::Auto, Some(_)) => Mode::Polling,
         _ => Mode::Cdc,
     };
-    let rows = client
-        .query(
-            "SELECT destination,
-                    count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NULL),
-                    count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NOT NULL),
-                    count(*) FILTER (WHERE status = 'DEAD'),
-                    extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'NEW'))::float8
-               FROM outbox WHERE status IN ('NEW', 'DEAD') GROUP BY destination ORDER BY destination",
-            &[],
-        )
-        .await?;
+    let held = crate::policy::delay::HELD_SQL;
+    let sql = format!(
+        "SELECT destination,
+                count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NULL AND NOT {held}),
+                count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NOT NULL AND NOT {held}),
+                count(*) FILTER (WHERE status = 'DEAD'),
+                extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'NEW' AND NOT {held}))::float8,
+                count(*) FILTER (WHERE {held}),
+                extract(epoch FROM min(deliver_at) FILTER (WHERE {held}) - now())::float8
+           FROM outbox WHERE status IN ('NEW', 'DEAD') GROUP BY destination ORDER BY destination"
+    );
+    let rows = client.query(&sql, &[]).await?;
     let mut destinations: Vec<DestinationStatus> = rows
         .iter()
         .map(|r| DestinationStatus {
@@ -125,6 +132,8 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
             spooled: r.get(2),
             dead: r.get(3),
             oldest_new_age_seconds: r.get(4),
+            held: r.get(5),
+            next_due_in_seconds: r.get(6),
         })
         .collect();
     for name in config.destinations.keys() {
@@ -136,6 +145,8 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
                 spooled: 0,
                 dead: 0,
                 oldest_new_age_seconds: None,
+                held: 0,
+                next_due_in_seconds: None,
             });
         }
     }
@@ -187,15 +198,21 @@ pub fn format_status(s: &Status) -> String {
         out += &format!("CDC unavailable: {why}\n");
     }
     out += &format_slot(&s.slot);
-    out += &format!("{:<24} {:>10} {:>10} {:>10} {:>14}\n", "destination", "NEW", "spooled", "DEAD", "oldest NEW (s)");
+    out += &format!(
+        "{:<24} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}\n",
+        "destination", "NEW", "spooled", "DEAD", "oldest NEW (s)", "held", "next due (s)"
+    );
+    let secs = |v: Option<f64>| v.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into());
     for d in &s.destinations {
         out += &format!(
-            "{:<24} {:>10} {:>10} {:>10} {:>14}{}\n",
+            "{:<24} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}{}\n",
             d.destination,
             d.new,
             d.spooled,
             d.dead,
-            d.oldest_new_age_seconds.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into()),
+            secs(d.oldest_new_age_seconds),
+            d.held,
+            secs(d.next_due_in_seconds),
             if d.configured { "" } else { "  (not configured)" }
         );
     }

@@ -95,6 +95,7 @@ mod tests {
             trace_header: None,
             dedup_id: None,
             offload: None,
+            delay_seconds: None,
         }
     }
 

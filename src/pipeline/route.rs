@@ -16,6 +16,7 @@ use crate::pipeline::lane::{Flow, LaneItem, LaneState};
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
+use crate::policy::delay::Timing;
 use crate::publish::entry::{prepare, Entry, QueueInfo};
 
 /// The metric label of events whose destination is not configured.
@@ -36,15 +37,57 @@ impl From<tokio_postgres::Error> for RouteError {
     }
 }
 
-/// The verdict on one event: its metric label, and its entry or why it is DEAD.
-pub fn judge<'a>(
-    queues: &BTreeMap<String, QueueInfo>,
-    ev: &'a Arc<OutboxEvent>,
-) -> (&'a str, Result<Entry, DeadReason>) {
-    match queues.get(&ev.destination) {
-        None => (UNKNOWN_DESTINATION_LABEL, Err(DeadReason::unknown_destination(&ev.destination))),
-        Some(q) => (ev.destination.as_str(), prepare(Arc::clone(ev), q)),
+/// What becomes of one event now.
+#[derive(Debug)]
+pub enum Judged {
+    /// Into its lane, to be sent.
+    Send(Entry),
+    /// Not due yet and not deliverable with `DelaySeconds`: into the table
+    /// until it is ([`crate::policy::delay`]).
+    Hold,
+    Dead(DeadReason),
+}
+
+impl Judged {
+    /// The settlement of an event that is not sent now (`None`: send it).
+    pub fn unsent(self) -> Result<Entry, Outcome> {
+        match self {
+            Judged::Send(entry) => Ok(entry),
+            Judged::Hold => Err(Outcome::Deferred(HELD.into(), Due::Held)),
+            Judged::Dead(reason) => Err(Outcome::Dead(reason)),
+        }
     }
+}
+
+/// The `last_error` of a row held until its `deliver_at`.
+pub const HELD: &str = "held: deliver_at is later than SQS can delay this message";
+
+/// The one rule for an event bound for `queue`, judged at `now_us`
+/// (microseconds since the Unix epoch): validated and timed, held, or DEAD.
+pub fn judge_for(queue: &QueueInfo, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged {
+    let timing = match crate::policy::delay::timing(ev.deliver_at, now_us, queue.fifo) {
+        Ok(t) => t,
+        Err(reason) => return Judged::Dead(reason),
+    };
+    match (timing, prepare(Arc::clone(ev), queue)) {
+        (_, Err(reason)) => Judged::Dead(reason),
+        (Timing::Hold, Ok(_)) => Judged::Hold,
+        (Timing::Now, Ok(entry)) => Judged::Send(entry),
+        (Timing::Delay(s), Ok(entry)) => Judged::Send(Entry { delay_seconds: Some(s), ..entry }),
+    }
+}
+
+/// The verdict on one event: its metric label, and what becomes of it.
+pub fn judge<'a>(queues: &BTreeMap<String, QueueInfo>, ev: &'a Arc<OutboxEvent>, now_us: i64) -> (&'a str, Judged) {
+    match queues.get(&ev.destination) {
+        None => (UNKNOWN_DESTINATION_LABEL, Judged::Dead(DeadReason::unknown_destination(&ev.destination))),
+        Some(q) => (ev.destination.as_str(), judge_for(q, ev, now_us)),
+    }
+}
+
+/// The relay's clock, microseconds since the Unix epoch.
+pub fn now_us() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
 }
 
 /// Of replayed events, those settled by an earlier run: the row (same id
@@ -179,9 +222,9 @@ impl Router<'_> {
             self.watermark.lock().unwrap().add(seq, 1);
         }
         let ev = Arc::new(ev);
-        let (label, prepared) = judge(self.queues, &ev);
+        let (label, judged) = judge(self.queues, &ev, now_us());
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
-        let (outcome, unmarked) = match prepared {
+        let (outcome, unmarked) = match judged.unsent() {
             Ok(_) if self.states[&ev.destination].flow() == Flow::Spooling => {
                 // A spooling lane's new events go straight to the table.
                 let state = &self.states[&ev.destination];
@@ -192,7 +235,7 @@ impl Router<'_> {
                 let item = LaneItem::new(entry, seq, Some(permit)).ending_chunk(chunk_end);
                 return tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
             }
-            Err(reason) => (Outcome::Dead(reason), None),
+            Err(outcome) => (outcome, None),
         };
         let destination = Arc::from(label);
         let settlement = Settlement::new(ev, seq, destination, outcome).holding(Some(permit), unmarked);

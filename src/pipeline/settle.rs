@@ -41,6 +41,10 @@ pub enum Due {
     /// It was never tried (its lane spools because it is behind, or it
     /// follows an earlier entry of its group): at once.
     Now,
+    /// Its `deliver_at` is later than SQS can delay it: at once as far as
+    /// `next_attempt_at` goes, and the table path claims it when its
+    /// `deliver_at` allows ([`crate::policy::delay`]).
+    Held,
 }
 
 impl Due {
@@ -48,7 +52,7 @@ impl Due {
     fn code(self) -> i16 {
         match self {
             Due::Backoff => 1,
-            Due::Now => 2,
+            Due::Now | Due::Held => 2,
         }
     }
 }
@@ -192,18 +196,21 @@ fn restore_sql(own_id: bool) -> String {
     };
     format!(
         "INSERT INTO outbox ({id_col}event_id, destination, body, group_key, attributes, created_at,
-                             status, attempts, next_attempt_at, last_error)
+                             status, attempts, next_attempt_at, last_error, deliver_at)
          {overriding}
          SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
                 to_timestamp(u.created_us / 1e6), u.status, CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
-                CASE u.defer WHEN 1 THEN now() + make_interval(secs => {}) WHEN 2 THEN now() END, u.err
+                CASE u.defer WHEN 1 THEN now() + make_interval(secs => {}) WHEN 2 THEN now() END, u.err,
+                CASE WHEN u.deliver_us >= {never} THEN 'infinity'::timestamptz
+                     ELSE to_timestamp(u.deliver_us / 1e6) END
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
-                       $8::text[], $9::int2[], $10::text[])
-                AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err)
+                       $8::text[], $9::int2[], $10::text[], $13::float8[])
+                AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err, deliver_us)
          {unless}
          ON CONFLICT DO NOTHING
          RETURNING event_id",
-        crate::policy::retry::backoff_sql("0", "$11", "$12")
+        crate::policy::retry::backoff_sql("0", "$11", "$12"),
+        never = crate::event::DeliverAt::NEVER,
     )
 }
 
@@ -474,7 +481,7 @@ async fn restore_with<C: GenericClient>(
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut groups, mut attrs, mut created, mut statuses) =
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut defer, mut errors) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut defer, mut errors, mut deliver) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     for s in batch {
         let ev = &s.event;
         let (status, err, d) = columns(&s.outcome);
@@ -488,12 +495,16 @@ async fn restore_with<C: GenericClient>(
         statuses.push(status);
         defer.push(d);
         errors.push(err);
+        deliver.push(ev.deliver_at.micros().map(|us| us as f64));
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
     let rows = client
         .query(
             sql,
-            &[&ids, &event_ids, &dests, &bodies, &groups, &attrs, &created, &statuses, &defer, &errors, &base, &max],
+            &[
+                &ids, &event_ids, &dests, &bodies, &groups, &attrs, &created, &statuses, &defer, &errors, &base, &max,
+                &deliver,
+            ],
         )
         .await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
@@ -512,6 +523,9 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
             Outcome::Dead(r) => {
                 tracing::warn!(id = s.id(), destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
+            }
+            Outcome::Deferred(_, Due::Held) => {
+                metrics.events_held.with_label_values(&[&s.destination]).inc();
             }
             Outcome::Deferred(e, _) => {
                 tracing::debug!(id = s.id(), destination = %s.destination, error = %e, "outbox row deferred to the table");

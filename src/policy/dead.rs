@@ -21,10 +21,12 @@ pub enum DeadCode {
     /// SQS refused the entry as the sender's fault (not throttling, not an
     /// operator-action code).
     SqsRejected,
+    /// `deliver_at` is `infinity` (never due) or unreadable.
+    InvalidDeliverAt,
 }
 
 impl DeadCode {
-    pub const ALL: [DeadCode; 8] = [
+    pub const ALL: [DeadCode; 9] = [
         DeadCode::UnknownDestination,
         DeadCode::EmptyBody,
         DeadCode::InvalidCharacters,
@@ -33,6 +35,7 @@ impl DeadCode {
         DeadCode::FifoWithoutGroup,
         DeadCode::InvalidGroupKey,
         DeadCode::SqsRejected,
+        DeadCode::InvalidDeliverAt,
     ];
 
     /// The code as stored and labelled.
@@ -46,6 +49,7 @@ impl DeadCode {
             DeadCode::FifoWithoutGroup => "fifo_without_group",
             DeadCode::InvalidGroupKey => "invalid_group_key",
             DeadCode::SqsRejected => "sqs_rejected",
+            DeadCode::InvalidDeliverAt => "invalid_deliver_at",
         }
     }
 }

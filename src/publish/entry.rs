@@ -61,6 +61,8 @@ pub struct Entry {
     pub dedup_id: Option<String>,
     /// The body goes through S3: the message carries this pointer.
     pub offload: Option<Arc<Offload>>,
+    /// `DelaySeconds` (standard queues: [`crate::policy::delay`]).
+    pub delay_seconds: Option<u32>,
 }
 
 impl Entry {
@@ -302,7 +304,17 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         (event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None)
     };
     let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
-    Ok(Entry { ordered: queue.fifo, trace_header, event, attributes, size, group_id, dedup_id: dedup, offload })
+    Ok(Entry {
+        ordered: queue.fifo,
+        trace_header,
+        event,
+        attributes,
+        size,
+        group_id,
+        dedup_id: dedup,
+        offload,
+        delay_seconds: None,
+    })
 }
 
 /// The body of `event` through S3 under `target`: its object (key chosen

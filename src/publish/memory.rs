@@ -31,6 +31,7 @@ pub struct Sent {
     pub attributes: Vec<(String, String, String)>,
     /// The `AWSTraceHeader` system attribute.
     pub trace_header: Option<String>,
+    pub delay_seconds: Option<u32>,
 }
 
 #[derive(Default)]
@@ -150,6 +151,7 @@ impl Publisher for MemoryPublisher {
                 group_id: e.group_id.clone(),
                 dedup_id: e.dedup_id.clone(),
                 trace_header: e.trace_header.clone(),
+                delay_seconds: e.delay_seconds,
                 attributes: e
                     .attributes
                     .iter()

@@ -97,6 +97,9 @@ impl Publisher for SqsPublisher {
             if let Some(d) = &e.dedup_id {
                 b = b.message_deduplication_id(d.clone());
             }
+            if let Some(d) = e.delay_seconds {
+                b = b.delay_seconds(d as i32);
+            }
             if let Some(t) = &e.trace_header {
                 let v = MessageSystemAttributeValue::builder()
                     .data_type("String")

@@ -168,24 +168,35 @@ async fn slot_lag(
     Ok(())
 }
 
-/// NEW rows and the oldest one's age per configured destination: a capped
-/// count and one index probe each, not a scan per scrape.
+/// NEW rows and the oldest one's age per configured destination, and the
+/// rows held until a later `deliver_at` (not backlog: they wait by design)
+/// with the time to the earliest: capped counts and index probes, not a
+/// scan per scrape.
 pub(crate) async fn backlog(
     c: &tokio_postgres::Client,
     config: &Config,
     metrics: &Metrics,
 ) -> Result<(), tokio_postgres::Error> {
+    let sql = backlog_sql();
     for d in config.destinations.keys() {
-        let r = c
-            .query_one(
-                "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' LIMIT 1000000) n),
-                        coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox
-                                   WHERE destination = $1 AND status = 'NEW' ORDER BY id LIMIT 1), 0)",
-                &[d],
-            )
-            .await?;
+        let r = c.query_one(&sql, &[d]).await?;
         metrics.backlog_events.with_label_values(&[d]).set(r.get(0));
         metrics.oldest_unpublished_seconds.with_label_values(&[d]).set(r.get::<_, f64>(1).max(0.0));
+        metrics.held_events.with_label_values(&[d]).set(r.get(2));
+        metrics.held_next_due_seconds.with_label_values(&[d]).set(r.get::<_, f64>(3).max(0.0));
     }
     Ok(())
+}
+
+fn backlog_sql() -> String {
+    let held = crate::policy::delay::HELD_SQL;
+    format!(
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' AND NOT {held}
+                                        LIMIT 1000000) n),
+                coalesce((SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox
+                           WHERE destination = $1 AND status = 'NEW' AND NOT {held} ORDER BY id LIMIT 1), 0),
+                (SELECT count(*) FROM (SELECT 1 FROM outbox WHERE destination = $1 AND {held} LIMIT 1000000) h),
+                coalesce((SELECT extract(epoch FROM min(deliver_at) - now())::float8 FROM outbox
+                           WHERE destination = $1 AND {held}), 0)"
+    )
 }

@@ -29,12 +29,12 @@ use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::send_claimed;
 use crate::pipeline::lane::{Flow, LaneItem, LaneState};
-use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
+use crate::pipeline::route::{judge_for, UNKNOWN_DESTINATION_LABEL};
 use crate::pipeline::settings::Settings;
-use crate::pipeline::settle::{mark, record, Outcome, Settlement};
+use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
-use crate::publish::entry::{prepare, QueueInfo};
+use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
@@ -199,15 +199,15 @@ async fn sleep_or_stop(d: Duration, stop: &mut watch::Receiver<bool>) -> bool {
     slept || *stop.borrow()
 }
 
-/// No NEW row of this destination waits in the table (due or not).
+/// No NEW row of this destination waits in the table (due or not), rows
+/// held until a later `deliver_at` aside: they keep no order with the stream.
 pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio_postgres::Error> {
-    let row = c
-        .query_opt(
-            "SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' AND next_attempt_at IS NOT NULL LIMIT 1",
-            &[&destination],
-        )
-        .await?;
-    Ok(row.is_none())
+    let sql = format!(
+        "SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' AND next_attempt_at IS NOT NULL
+            AND NOT {} LIMIT 1",
+        crate::policy::delay::HELD_SQL
+    );
+    Ok(c.query_opt(&sql, &[&destination]).await?.is_none())
 }
 
 /// The claim locks rows and reads their sizes, not their bodies; the bodies
@@ -219,6 +219,9 @@ fn claim_sql(source: Claims, fifo: bool) -> String {
            FROM outbox
           WHERE destination = $1 AND status = 'NEW'",
     );
+    // Rows held until a later deliver_at are not claimed, nor hold a group.
+    sql += " AND ";
+    sql += &crate::policy::delay::claimable_sql(fifo);
     if source == Claims::Spool {
         sql += " AND next_attempt_at IS NOT NULL";
     }
@@ -231,9 +234,12 @@ fn claim_sql(source: Claims, fifo: bool) -> String {
     sql
 }
 
-/// The full rows of the chosen ids, in id order.
+/// The full rows of the chosen ids, in id order, and the database's clock
+/// (microseconds), which the claim judged `deliver_at` by.
 fn fetch_sql() -> String {
-    format!("SELECT {OUTBOX_COLUMNS} FROM outbox WHERE id = ANY($1) ORDER BY id")
+    format!(
+        "SELECT {OUTBOX_COLUMNS}, (extract(epoch FROM now()) * 1000000)::bigint FROM outbox WHERE id = ANY($1) ORDER BY id"
+    )
 }
 
 /// Of the locked rows (id, size, due, group) in id order: the due ones to
@@ -289,9 +295,9 @@ pub async fn claim_round(
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
     for r in &rows {
         let ev = Arc::new(OutboxEvent::from_row(r));
-        match prepare(Arc::clone(&ev), &cfg.queue) {
+        match judge_for(&cfg.queue, &ev, r.get(8)).unsent() {
             Ok(entry) => items.push(LaneItem::new(entry, None, None)),
-            Err(reason) => settled.push(Settlement::new(ev, None, Arc::clone(&cfg.name), Outcome::Dead(reason))),
+            Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(&cfg.name), outcome)),
         }
     }
     round.handled = items.len() + settled.len();
@@ -300,6 +306,8 @@ pub async fn claim_round(
         match s.outcome {
             Outcome::Published => round.published += 1,
             Outcome::Dead(_) => round.dead += 1,
+            // Held again (the clocks disagree by a moment): not a send.
+            Outcome::Deferred(_, Due::Held) => round.handled -= 1,
             Outcome::Deferred(..) => round.deferred += 1,
         }
     }

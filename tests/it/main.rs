@@ -5,6 +5,7 @@
 //! `cargo test --release --test it -- end_to_end:: tls::`.
 
 mod degraded;
+mod delay;
 mod end_to_end;
 mod failover;
 mod ha;

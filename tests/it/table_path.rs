@@ -400,6 +400,7 @@ fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::O
         xid: Some(xid),
         commit_lsn: Some(replication::Lsn(1)),
         transient: false,
+        deliver_at: Default::default(),
     })
 }
 

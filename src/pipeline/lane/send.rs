@@ -180,7 +180,12 @@ fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> Vec<
     let mut retry = Vec::new();
     for (item, v) in verdicts {
         match v {
-            Verdict::Published => settle(ctx, item, Outcome::Published),
+            Verdict::Published => {
+                if item.entry.delay_seconds.is_some() {
+                    ctx.metrics.events_delayed.with_label_values(&[&ctx.cfg.name]).inc();
+                }
+                settle(ctx, item, Outcome::Published)
+            }
             Verdict::Dead(reason) => settle(ctx, item, Outcome::Dead(reason)),
             Verdict::Retry(err) => {
                 tracing::debug!(id = item.entry.event.id, error = %err, "entry failed, will retry");

@@ -2,7 +2,7 @@
 
 use replication::{Lsn, Relation, Tuple, TupleValue};
 
-use crate::event::OutboxEvent;
+use crate::event::{DeliverAt, OutboxEvent};
 
 use super::*;
 
@@ -62,7 +62,60 @@ pub(crate) fn row_from_tuple(
         xid,
         commit_lsn: Some(commit_lsn),
         transient: false,
+        // Optional: a table migrated before `deliver_at` existed has none.
+        deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
     })
+}
+
+/// A `deliver_at` value as pgoutput sends it (text, the server's
+/// `DateStyle`; ISO: `2026-12-04 19:04:25.5+01`, `infinity`, `-infinity`).
+pub(crate) fn deliver_at(text: &str) -> DeliverAt {
+    match text {
+        "infinity" => DeliverAt::At(DeliverAt::NEVER),
+        "-infinity" => DeliverAt::At(-DeliverAt::NEVER),
+        _ => parse_iso_timestamptz(text).map_or(DeliverAt::Unreadable, DeliverAt::at),
+    }
+}
+
+/// Microseconds since the Unix epoch of an ISO `timestamptz` text:
+/// `YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]]`, with ` BC` after it for
+/// years before 1 AD.
+pub(crate) fn parse_iso_timestamptz(s: &str) -> Option<i64> {
+    let (s, bc) = s.strip_suffix(" BC").map_or((s, false), |r| (r, true));
+    let (date, rest) = s.split_once(' ')?;
+    let zone_at = rest.rfind(['+', '-'])?;
+    let (time, zone) = rest.split_at(zone_at);
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
+    let year = if bc { 1 - year } else { year };
+    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
+    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (h, m, sec) = (t.next()??, t.next()??, t.next()??);
+    let in_range = (0..=300_000).contains(&year.abs()) && (1..=12).contains(&month) && (1..=31).contains(&day);
+    if !in_range || !(0..=24).contains(&h) || !(0..=59).contains(&m) || !(0..=60).contains(&sec) || frac.len() > 6 {
+        return None;
+    }
+    let micros = if frac.is_empty() { 0 } else { frac.parse::<i64>().ok()? * 10i64.pow(6 - frac.len() as u32) };
+    let sign = if zone.starts_with('-') { -1 } else { 1 };
+    let mut z = zone[1..].splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (zh, zm, zs) = (z.next()??, z.next().unwrap_or(Some(0))?, z.next().unwrap_or(Some(0))?);
+    if !(0..=24).contains(&zh) || !(0..=59).contains(&zm) || !(0..=59).contains(&zs) {
+        return None;
+    }
+    let zone_s = zh * 3600 + zm * 60 + zs;
+    let secs = days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + sec - sign * zone_s;
+    secs.checked_mul(1_000_000)?.checked_add(micros)
+}
+
+/// Days from 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
 }
 
 /// A row its own transaction updated after inserting it: the new tuple's
@@ -97,6 +150,9 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
     if let Some(v) = col("attributes")? {
         ev.attributes = v;
     }
+    if let Some(v) = col("deliver_at")? {
+        ev.deliver_at = v.as_deref().map_or(DeliverAt::Unset, deliver_at);
+    }
     Ok(ev)
 }
 
@@ -118,7 +174,57 @@ pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [Outbox
             ev.body = table.body;
             ev.group_key = table.group_key;
             ev.attributes = table.attributes;
+            ev.deliver_at = table.deliver_at;
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn iso_times_as_pgoutput_sends_them() {
+        // Expected values from Python's datetime.
+        assert_eq!(parse_iso_timestamptz("1970-01-01 00:00:00+00"), Some(0));
+        assert_eq!(parse_iso_timestamptz("2026-12-04 19:04:25.123456+00"), Some(1_796_411_065_123_456));
+        assert_eq!(parse_iso_timestamptz("2000-02-29 12:00:00-05:30"), Some(951_845_400_000_000));
+        assert_eq!(parse_iso_timestamptz("0001-01-01 00:00:00+00"), Some(-62_135_596_800_000_000));
+        assert_eq!(parse_iso_timestamptz("0001-01-01 00:00:00+00 BC"), Some(-62_167_219_200_000_000));
+        assert_eq!(parse_iso_timestamptz("9999-12-31 23:59:59.5+14"), Some(253_402_250_399_500_000));
+        assert_eq!(parse_iso_timestamptz("2026-12-04 19:04:25.1+00"), Some(1_796_411_065_100_000));
+        assert_eq!(deliver_at("infinity"), DeliverAt::At(DeliverAt::NEVER));
+        assert_eq!(deliver_at("-infinity"), DeliverAt::At(-DeliverAt::NEVER));
+        // Not ISO (DateStyle Postgres, SQL, German): unreadable, never a guess.
+        for s in ["Fri Dec 04 19:04:25 2026 UTC", "12/04/2026 19:04:25 UTC", "04.12.2026 19:04:25 UTC", ""] {
+            assert_eq!(deliver_at(s), DeliverAt::Unreadable, "{s}");
+        }
+    }
+
+    proptest! {
+        /// A zone offset moves the instant by exactly that much, and the
+        /// fraction adds its microseconds.
+        #[test]
+        fn offsets_and_fractions_add_up(
+            y in 1i64..9999, mo in 1i64..=12, d in 1i64..=28, h in 0i64..24, mi in 0i64..60, s in 0i64..60,
+            us in 0i64..1_000_000, zh in 0i64..15, zm in 0i64..60, west: bool,
+        ) {
+            let base = format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}");
+            let utc = parse_iso_timestamptz(&format!("{base}+00")).unwrap();
+            let sign = if west { '-' } else { '+' };
+            let zoned = parse_iso_timestamptz(&format!("{base}.{us:06}{sign}{zh:02}:{zm:02}")).unwrap();
+            let offset = (zh * 3600 + zm * 60) * 1_000_000 * if west { -1 } else { 1 };
+            prop_assert_eq!(zoned, utc + us - offset);
+            let next_day = parse_iso_timestamptz(&format!("{y:04}-{mo:02}-{:02} {h:02}:{mi:02}:{s:02}+00", d + 1)).unwrap();
+            prop_assert_eq!(next_day - utc, 86_400_000_000);
+        }
+
+        /// Any text: a time or unreadable, never a panic.
+        #[test]
+        fn any_text_is_read_or_refused(s in ".{0,40}") {
+            let _ = deliver_at(&s);
+        }
+    }
 }

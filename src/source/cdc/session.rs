@@ -281,6 +281,9 @@ pub(crate) fn replication_config(
     .with_wakeup_interval(Duration::from_secs(5))
     .with_buffer_size(memory.replication_buffer_events())
     .with_application_name(format!("outbox-relay:{}", cfg.slot))
+    // pgoutput sends values as text in the walsender's DateStyle: ISO is
+    // what the decoder reads (`deliver_at`), whatever the server's default.
+    .with_options("-c datestyle=ISO,MDY")
 }
 
 pub(crate) async fn current_wal_lsn(sql: &Client) -> Result<Lsn, CdcError> {
