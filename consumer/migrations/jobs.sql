@@ -40,10 +40,12 @@ $$;
 -- Enqueue a job and its outbox event in the caller's transaction. Both
 -- inserts are ON CONFLICT DO NOTHING: enqueueing identical work again is a
 -- no-op. The same job_id with a different kind or payload is an error.
--- Returns the job_id.
+-- Returns the job_id. p_traceparent (a W3C traceparent) goes with the
+-- message as its `traceparent` attribute (the relay also sends it as
+-- AWSTraceHeader), so the consumer continues the producer's trace.
 CREATE OR REPLACE FUNCTION outbox_enqueue_job(
     p_kind text, p_payload jsonb, p_destination text,
-    p_group_key text DEFAULT NULL, p_job_id text DEFAULT NULL
+    p_group_key text DEFAULT NULL, p_job_id text DEFAULT NULL, p_traceparent text DEFAULT NULL
 ) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -67,8 +69,9 @@ BEGIN
         END IF;
         RETURN v_job_id;
     END IF;
-    INSERT INTO outbox (event_id, destination, body, group_key)
-    VALUES (p_kind || ':' || v_job_id || ':0', p_destination, outbox_job_message(v_job_id, p_kind, 0), p_group_key)
+    INSERT INTO outbox (event_id, destination, body, group_key, attributes)
+    VALUES (p_kind || ':' || v_job_id || ':0', p_destination, outbox_job_message(v_job_id, p_kind, 0), p_group_key,
+            CASE WHEN p_traceparent IS NOT NULL THEN jsonb_build_object('traceparent', p_traceparent) END)
     ON CONFLICT (event_id) DO NOTHING;
     RETURN v_job_id;
 END

@@ -31,9 +31,21 @@ pub const JOBS_SQL: &str = include_str!("../migrations/jobs.sql");
 /// `outbox_renew_job_lease`, `outbox_dlq_job`): migration 6.
 pub const PROTOCOL_SQL: &str = include_str!("../migrations/protocol.sql");
 
+/// `outbox_enqueue_job` takes the producer's trace context: the five-argument
+/// function is replaced by the six-argument one (its sixth has a default,
+/// so every call made before works unchanged), and the rest of the jobs
+/// migration, idempotent, runs again: migration 12.
+pub const TRACE_SQL: &str = concat!(
+    "DROP FUNCTION IF EXISTS outbox_enqueue_job(text, jsonb, text, text, text);\n",
+    include_str!("../migrations/jobs.sql")
+);
+
 /// The consumer's migrations, as `outbox-relay migrate` also applies them.
-pub const MIGRATIONS: &[(i32, &str, &str)] =
-    &[(JOBS_MIGRATION, "jobs", JOBS_SQL), (PROTOCOL_MIGRATION, "job protocol", PROTOCOL_SQL)];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (JOBS_MIGRATION, "jobs", JOBS_SQL),
+    (PROTOCOL_MIGRATION, "job protocol", PROTOCOL_SQL),
+    (TRACE_MIGRATION, "job trace context", TRACE_SQL),
+];
 
 /// Create or update the jobs table and the protocol's functions
 /// (idempotent), under the same advisory lock and record as `outbox-relay
@@ -80,6 +92,8 @@ pub async fn apply_migrations(
 pub const JOBS_MIGRATION: i32 = 4;
 /// The protocol functions' version.
 pub const PROTOCOL_MIGRATION: i32 = 6;
+/// `outbox_enqueue_job` with the trace context's version.
+pub const TRACE_MIGRATION: i32 = 12;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,6 +104,7 @@ use async_trait::async_trait;
 use futures::FutureExt;
 use tokio::sync::watch;
 use tokio_postgres::{GenericClient, Transaction};
+use tracing::Instrument;
 
 use queue::{Queue, ReceivedMessage, MAX_VISIBILITY};
 
@@ -118,6 +133,9 @@ pub struct NewJob<'a> {
     pub group_key: Option<&'a str>,
     /// Your own idempotency key; by default the hash of kind and payload.
     pub job_id: Option<&'a str>,
+    /// The producer's W3C `traceparent`: the job's handler runs with it
+    /// ([`Job::traceparent`]) and in a span that names it.
+    pub traceparent: Option<&'a str>,
 }
 
 /// Enqueue a job with its outbox event in `client`'s transaction. Identical
@@ -126,8 +144,8 @@ pub struct NewJob<'a> {
 pub async fn enqueue<C: GenericClient>(client: &C, job: &NewJob<'_>) -> Result<String, tokio_postgres::Error> {
     let row = client
         .query_one(
-            "SELECT outbox_enqueue_job($1, $2, $3, $4, $5)",
-            &[&job.kind, &job.payload, &job.destination, &job.group_key, &job.job_id],
+            "SELECT outbox_enqueue_job($1, $2, $3, $4, $5, $6)",
+            &[&job.kind, &job.payload, &job.destination, &job.group_key, &job.job_id, &job.traceparent],
         )
         .await?;
     Ok(row.get(0))
@@ -190,6 +208,10 @@ pub struct Job {
     /// True once the job's cancellation was requested, or its lease was lost:
     /// stop early; whatever the handler returns is then fenced or discarded.
     pub cancelled: watch::Receiver<bool>,
+    /// The producer's W3C `traceparent`, from the message's attribute (or
+    /// rebuilt from its `AWSTraceHeader`): a handler's spans continue the
+    /// producer's trace from it.
+    pub traceparent: Option<String>,
 }
 
 /// How a handler failed.
@@ -525,11 +547,19 @@ impl Consumer {
             attempt: c.attempt,
             generation: m.generation,
             cancelled: cancel_rx,
+            traceparent: msg.traceparent.clone(),
         };
+        let span = tracing::info_span!(
+            "outbox_job",
+            job_id = %job.job_id,
+            kind = %job.kind,
+            attempt = job.attempt,
+            traceparent = job.traceparent.as_deref().unwrap_or(""),
+        );
         let mut conn = self.conn().await?;
         self.trip(1);
         let tx = conn.transaction().await?;
-        let work = std::panic::AssertUnwindSafe(c.handler.handle(&job, &tx)).catch_unwind();
+        let work = std::panic::AssertUnwindSafe(c.handler.handle(&job, &tx).instrument(span)).catch_unwind();
         let heartbeat = self.heartbeat(queue, msg, m, c.attempt, cancel_tx);
         tokio::pin!(heartbeat);
         let result = tokio::select! {

@@ -103,6 +103,7 @@ impl MemoryQueue {
                 body: m.body.clone(),
                 receipt: m.receipt.clone(),
                 receive_count: m.receive_count,
+                traceparent: None,
             });
         }
         i.deliveries += out.len() as u64;

@@ -22,6 +22,8 @@ pub struct ReceivedMessage {
     pub receipt: String,
     /// `ApproximateReceiveCount`: 1 on the first delivery.
     pub receive_count: u32,
+    /// The producer's W3C `traceparent` ([`crate::Job::traceparent`]).
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]

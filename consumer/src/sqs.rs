@@ -89,6 +89,40 @@ impl SqsQueue {
     }
 }
 
+/// The message attributes a receive asks for: the S3 pointer's size and the
+/// trace context.
+fn received_attributes() -> Vec<String> {
+    S3_SIZE_ATTRIBUTES.iter().chain(&[TRACEPARENT]).map(|s| s.to_string()).collect()
+}
+
+/// The W3C trace-context attribute the relay carries.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// The producer's trace context: the `traceparent` attribute, or the
+/// `AWSTraceHeader` system attribute turned back into one.
+fn traceparent_of(m: &aws_sdk_sqs::types::Message) -> Option<String> {
+    let attr = m.message_attributes.as_ref().and_then(|a| a.get(TRACEPARENT)).and_then(|v| v.string_value.clone());
+    attr.or_else(|| {
+        let header = m.attributes.as_ref()?.get(&MessageSystemAttributeName::AwsTraceHeader)?;
+        traceparent_from_xray(header)
+    })
+}
+
+/// An X-Ray trace header (`Root=1-<8 hex>-<24 hex>;Parent=<16 hex>;Sampled=<0|1>`)
+/// as a W3C `traceparent`; `None` without a root and a parent.
+pub fn traceparent_from_xray(header: &str) -> Option<String> {
+    let field = |name: &str| header.split(';').find_map(|kv| kv.trim().strip_prefix(name)?.strip_prefix('='));
+    let root: Vec<&str> = field("Root")?.split('-').collect();
+    let parent = field("Parent")?;
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let ["1", epoch, unique] = root[..] else { return None };
+    if !hex(epoch, 8) || !hex(unique, 24) || !hex(parent, 16) {
+        return None;
+    }
+    let sampled = if field("Sampled") == Some("1") { "01" } else { "00" };
+    Some(format!("00-{epoch}{unique}-{parent}-{sampled}").to_ascii_lowercase())
+}
+
 fn err<E: std::fmt::Display>(e: E) -> QueueError {
     QueueError(e.to_string())
 }
@@ -103,7 +137,8 @@ impl Queue for SqsQueue {
             .max_number_of_messages(max.clamp(1, 10))
             .wait_time_seconds(wait.as_secs().min(20) as i32)
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-            .set_message_attribute_names(Some(S3_SIZE_ATTRIBUTES.map(String::from).to_vec()))
+            .message_system_attribute_names(MessageSystemAttributeName::AwsTraceHeader)
+            .set_message_attribute_names(Some(received_attributes()))
             .send()
             .await
             .map_err(|e| err(aws_sdk_sqs::error::DisplayErrorContext(e)))?;
@@ -118,6 +153,7 @@ impl Queue for SqsQueue {
                     .and_then(|a| a.get(&MessageSystemAttributeName::ApproximateReceiveCount))
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(1),
+                traceparent: traceparent_of(&m),
                 body: m.body.unwrap_or_default(),
                 receipt: m.receipt_handle.unwrap_or_default(),
             };
@@ -225,7 +261,25 @@ fn failed_ids<'a>(failed: impl Iterator<Item = (&'a str, Option<&'a str>)>) -> R
 
 #[cfg(test)]
 mod tests {
-    use super::s3_pointer;
+    use super::{s3_pointer, traceparent_from_xray};
+
+    #[test]
+    fn an_xray_header_turns_back_into_the_producers_traceparent() {
+        let header = "Root=1-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7;Sampled=1";
+        assert_eq!(
+            traceparent_from_xray(header).as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        );
+        let unsampled = "Root=1-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7;Sampled=0";
+        assert!(traceparent_from_xray(unsampled).unwrap().ends_with("-00"));
+        for bad in [
+            "",
+            "Root=1-4bf92f35-77b34da6a3ce929d0e0e4736",
+            "Root=2-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7",
+        ] {
+            assert_eq!(traceparent_from_xray(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn the_extended_clients_pointer_is_read_and_nothing_else() {

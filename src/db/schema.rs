@@ -20,6 +20,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (9, "durable slot hand-off", include_str!("../../migrations/0009_handoffs.sql")),
     (10, "runs list the table path's event ids", include_str!("../../migrations/0010_runs_event_ids.sql")),
     (11, "delayed delivery", include_str!("../../migrations/0011_deliver_at.sql")),
+    // `outbox_enqueue_job` takes the producer's trace context (the consumer's crate).
+    (outbox_consumer::TRACE_MIGRATION, "job trace context", outbox_consumer::TRACE_SQL),
 ];
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent

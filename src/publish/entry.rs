@@ -459,7 +459,10 @@ mod tests {
         #[test]
         fn every_valid_traceparent_maps(trace in "[0-9a-f]{31}[1-9a-f]", parent in "[1-9a-f][0-9a-f]{15}", flags in 0u8..=255) {
             let h = xray_trace_header(&format!("00-{trace}-{parent}-{flags:02x}")).unwrap();
-            proptest::prop_assert_eq!(h, format!("Root=1-{}-{};Parent={parent};Sampled={}", &trace[..8], &trace[8..], flags & 1));
+            proptest::prop_assert_eq!(&h, &format!("Root=1-{}-{};Parent={parent};Sampled={}", &trace[..8], &trace[8..], flags & 1));
+            // The consumer library reads the producer's trace back from it.
+            let back = outbox_consumer::sqs::traceparent_from_xray(&h).unwrap();
+            proptest::prop_assert_eq!(back, format!("00-{trace}-{parent}-0{}", flags & 1));
         }
     }
 

@@ -288,3 +288,37 @@ async fn migrate_dry_run_shows_the_sql_and_applies_nothing() {
     drop(c);
     admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).await.unwrap();
 }
+
+/// A database migrated before migrations 11 and 12 is brought up to date:
+/// `deliver_at` appears, `outbox_enqueue_job` takes the trace context, and
+/// a call written for the five-argument function works unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_schema_is_migrated_and_old_enqueue_calls_still_work() {
+    let name = unique("t_upgrade");
+    let admin = outbox_relay::db::connect(&stack().pg_url).await.unwrap();
+    admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+    let url = format!("{}/{name}", stack().pg_url.rsplit_once('/').unwrap().0);
+    let mut c = outbox_relay::db::connect(&url).await.unwrap();
+    let before: Vec<_> = outbox_relay::db::schema::MIGRATIONS.iter().copied().filter(|m| m.0 <= 10).collect();
+    outbox_consumer::apply_migrations(&mut c, &before).await.unwrap();
+    let overloads = "SELECT count(*) FROM pg_proc WHERE proname = 'outbox_enqueue_job'";
+    c.batch_execute("SELECT outbox_enqueue_job('old', '{\"n\": 1}', 'jobs')").await.unwrap();
+    let applied = outbox_relay::db::schema::migrate(&mut c).await.unwrap();
+    assert_eq!(applied, vec![11, 12]);
+    assert_eq!(c.query_one(overloads, &[]).await.unwrap().get::<_, i64>(0), 1, "one outbox_enqueue_job");
+    c.batch_execute(
+        "SELECT outbox_enqueue_job('old', '{\"n\": 2}', 'jobs');
+         SELECT outbox_enqueue_job('new', '{\"n\": 3}', 'jobs', NULL, NULL, '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01');
+         INSERT INTO outbox (event_id, destination, body, deliver_at) VALUES ('later', 'jobs', 'x', now() + interval '1 h');",
+    )
+    .await
+    .unwrap();
+    let rows = c
+        .query("SELECT attributes->>'traceparent' FROM outbox WHERE event_id LIKE '%:0' ORDER BY id", &[])
+        .await
+        .unwrap();
+    let traces: Vec<Option<String>> = rows.iter().map(|r| r.get(0)).collect();
+    assert_eq!(traces, [None, None, Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string())]);
+    drop(c);
+    admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).await.unwrap();
+}

@@ -102,7 +102,14 @@ async fn enqueue_is_idempotent_and_refuses_a_different_payload_under_the_same_id
     let mut c = db.client().await;
     let payload = serde_json::json!({"order": 42, "items": [1, 2]});
     let tx = c.transaction().await.unwrap();
-    let job = NewJob { kind: "ship", payload: &payload, destination: "jobs", group_key: None, job_id: None };
+    let job = NewJob {
+        kind: "ship",
+        payload: &payload,
+        destination: "jobs",
+        group_key: None,
+        job_id: None,
+        traceparent: None,
+    };
     let id = enqueue(&tx, &job).await.unwrap();
     tx.commit().await.unwrap();
     // Same work, keys in another order: same id, no second row or event.
@@ -114,17 +121,26 @@ async fn enqueue_is_idempotent_and_refuses_a_different_payload_under_the_same_id
     assert_eq!(db.count(&format!("event_id = 'ship:{id}:0'")).await, 1);
     // An explicit id reused for other work is an error.
     let other = serde_json::json!({"order": 43});
-    let mine =
-        NewJob { kind: "ship", payload: &payload, destination: "jobs", group_key: None, job_id: Some("order-42") };
+    let mine = NewJob {
+        kind: "ship",
+        payload: &payload,
+        destination: "jobs",
+        group_key: None,
+        job_id: Some("order-42"),
+        traceparent: None,
+    };
     enqueue(&c, &mine).await.unwrap();
     let err = enqueue(&c, &NewJob { payload: &other, ..mine.clone() }).await.unwrap_err();
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{err}");
     // The job and its event commit together or not at all.
     let tx = c.transaction().await.unwrap();
     let p = serde_json::json!({"order": 44});
-    enqueue(&tx, &NewJob { kind: "ship", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    enqueue(
+        &tx,
+        &NewJob { kind: "ship", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     tx.rollback().await.unwrap();
     assert_eq!(db.count("true").await, 2);
     let n: i64 = c.query_one("SELECT count(*) FROM jobs", &[]).await.unwrap().get(0);
@@ -149,9 +165,12 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
 
     // Sequentially: the second delivery finds the job terminal.
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..2 {
         sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
@@ -164,9 +183,12 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
 
     // Concurrently: 8 copies processed at once.
     let p = serde_json::json!({"n": 2});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..8 {
         sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
@@ -213,9 +235,19 @@ async fn hundred_jobs_each_delivered_twice_through_the_relay_and_a_worker() {
     for n in 0..100 {
         let p = serde_json::json!({"n": n});
         ids.push(
-            enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-                .await
-                .unwrap(),
+            enqueue(
+                &c,
+                &NewJob {
+                    kind: "effect",
+                    payload: &p,
+                    destination: "jobs",
+                    group_key: None,
+                    job_id: None,
+                    traceparent: None,
+                },
+            )
+            .await
+            .unwrap(),
         );
     }
     wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
@@ -266,9 +298,12 @@ async fn a_stale_generation_cannot_close_a_redriven_job() {
             .handle("effect", Gated { gate: Arc::clone(&gate), started: Arc::clone(&started) }),
     );
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let gen0 = body(&db, &id, 0).await;
     queue.send(&gen0);
     let m0 = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
@@ -310,9 +345,12 @@ async fn an_early_retry_only_changes_visibility() {
     cons.config.retry_max = Duration::from_secs(60);
     let queue = MemoryQueue::new(Duration::from_secs(30));
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let b = body(&db, &id, 0).await;
     queue.send(&b);
     let m = queue.receive(1, Duration::ZERO).await.unwrap().remove(0);
@@ -365,9 +403,12 @@ async fn a_poison_message_ends_in_the_dlq_and_its_job_dead() {
         .unwrap();
     let c = db.client().await;
     let p = serde_json::json!({"poison": true});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
     sqs.client().send_message().queue_url(&q).message_body("not a job message").send().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
@@ -411,9 +452,12 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     sqs.client().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "2").send().await.unwrap();
     let c = db.client().await;
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
 
     // Worker 1 claims and hangs; then it is killed (its task and connections go).
@@ -451,9 +495,12 @@ async fn a_cancellation_requested_while_claimed_survives_a_rescue() {
     let c = db.client().await;
     let queue = MemoryQueue::new(Duration::from_secs(30));
     let p = serde_json::json!({"n": 1});
-    let id = enqueue(&c, &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "effect", payload: &p, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let b = body(&db, &id, 0).await;
     // A worker claims and dies mid-handler.
     queue.send(&b);
@@ -511,9 +558,19 @@ async fn a_job_over_the_queues_limit_goes_through_s3_and_the_worker_reads_it_bac
     let small = serde_json::json!({"blob": "s".repeat(10)});
     let big = serde_json::json!({"blob": "b".repeat(300_000)});
     for p in [&small, &big] {
-        enqueue(&c, &NewJob { kind: "effect", payload: p, destination: "jobs", group_key: None, job_id: None })
-            .await
-            .unwrap();
+        enqueue(
+            &c,
+            &NewJob {
+                kind: "effect",
+                payload: p,
+                destination: "jobs",
+                group_key: None,
+                job_id: None,
+                traceparent: None,
+            },
+        )
+        .await
+        .unwrap();
     }
     wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -527,5 +584,52 @@ async fn a_job_over_the_queues_limit_goes_through_s3_and_the_worker_reads_it_bac
     seen.sort();
     assert_eq!(seen, vec![10, 300_000], "the handler saw the whole payload of the job that went through S3");
     assert_eq!(effects(&db, "true").await, 2);
+    relay.stop().await;
+}
+
+/// Records each job's trace context, then writes its effect.
+struct Traced(Arc<std::sync::Mutex<Vec<Option<String>>>>);
+
+#[async_trait]
+impl Handler for Traced {
+    async fn handle(&self, job: &Job, tx: &Transaction<'_>) -> Result<(), HandlerError> {
+        self.0.lock().unwrap().push(job.traceparent.clone());
+        Effect.handle(job, tx).await
+    }
+}
+
+/// The producer's trace goes with its job: `enqueue`'s traceparent is the
+/// message's attribute (and its AWSTraceHeader), and the handler gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producers_trace_context_reaches_the_handler() {
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let db = setup("trace_job").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "tracejobs", false, None).await;
+    let relay = start(config(&db, &[("jobs", &q)]), Arc::new(sqs.clone()));
+    let c = db.client().await;
+    for (n, tp) in [(1, Some(TP)), (2, None)] {
+        let payload = serde_json::json!({ "n": n });
+        let job = NewJob {
+            kind: "effect",
+            payload: &payload,
+            destination: "jobs",
+            group_key: None,
+            job_id: None,
+            traceparent: tp,
+        };
+        enqueue(&c, &job).await.unwrap();
+    }
+    wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(5)).handle("effect", Traced(Arc::clone(&seen))));
+    let queue = SqsQueue::new(sqs.client().clone(), &q);
+    let worker = RunningWorker::start(Worker::new(cons, Arc::new(queue), 4), Duration::from_secs(1));
+    let metrics = Arc::clone(&worker.metrics);
+    wait_for("both jobs run", Duration::from_secs(60), || async { metrics.count("succeeded") >= 2 }).await;
+    worker.stop().await;
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(seen, vec![None, Some(TP.to_string())]);
     relay.stop().await;
 }

@@ -78,9 +78,12 @@ async fn run_case(w: &World, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let c = w.db.client().await;
     let case = w.n.fetch_add(1, Ordering::Relaxed);
     let payload = serde_json::json!({"case": case});
-    let id = enqueue(&c, &NewJob { kind: "k", payload: &payload, destination: "jobs", group_key: None, job_id: None })
-        .await
-        .unwrap();
+    let id = enqueue(
+        &c,
+        &NewJob { kind: "k", payload: &payload, destination: "jobs", group_key: None, job_id: None, traceparent: None },
+    )
+    .await
+    .unwrap();
     let queue = MemoryQueue::new(Duration::from_secs(3600));
     let mut worker_no = 0;
     for op in ops {

@@ -58,8 +58,18 @@ async fn child_after_commit(url: &str, tag: &str) -> anyhow::Result<()> {
     let mut c = outbox_relay::db::connect(url).await?;
     let tx = c.transaction().await?;
     let payload = serde_json::json!({ "tag": tag });
-    enqueue(&tx, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None })
-        .await?;
+    enqueue(
+        &tx,
+        &NewJob {
+            kind: "effect",
+            payload: &payload,
+            destination: "jobs",
+            group_key: None,
+            job_id: None,
+            traceparent: None,
+        },
+    )
+    .await?;
     tx.commit().await?;
     crash_point("enqueue::after_commit");
     Ok(())

@@ -39,9 +39,19 @@ pub(super) async fn consumer_duplicate_delivery(p: &Params) -> Counters {
     let w = db.client().await;
     for i in 0..n {
         let payload = serde_json::json!({ "dup": i });
-        enqueue(&w, &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None })
-            .await
-            .unwrap();
+        enqueue(
+            &w,
+            &NewJob {
+                kind: "effect",
+                payload: &payload,
+                destination: "jobs",
+                group_key: None,
+                job_id: None,
+                traceparent: None,
+            },
+        )
+        .await
+        .unwrap();
     }
     let lsn = db.current_lsn().await;
     settled(&db, "true", lsn, Duration::from_secs(120)).await;
@@ -95,7 +105,14 @@ pub(super) async fn consumer_killed_mid_handler(p: &Params) -> Counters {
         let payload = serde_json::json!({ "killed": rep });
         let id = enqueue(
             &w,
-            &NewJob { kind: "effect", payload: &payload, destination: "jobs", group_key: None, job_id: None },
+            &NewJob {
+                kind: "effect",
+                payload: &payload,
+                destination: "jobs",
+                group_key: None,
+                job_id: None,
+                traceparent: None,
+            },
         )
         .await
         .unwrap();
