@@ -60,6 +60,9 @@ struct Args {
     /// Run only the large-body memory comparison.
     #[arg(long)]
     large_bodies_only: bool,
+    /// Run only the drain of 2 MiB bodies through S3 beside a raw client.
+    #[arg(long)]
+    s3_only: bool,
     /// Run only the decode comparison (pg_recvlogical, transient and
     /// persistent rows, settlement WAL), with this many rows.
     #[arg(long)]
@@ -1037,6 +1040,168 @@ async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -
 }
 
 // ---------------------------------------------------------------------------
+// 7. Bodies through S3: the relay beside a raw client doing PutObject and
+// SendMessageBatch (the extended client's pointer) at the same concurrency.
+
+#[derive(Clone, serde::Serialize)]
+struct S3Bodies {
+    rows: usize,
+    body_bytes: usize,
+    /// Bodies in flight at once: the relay's `max_unsettled_bytes` over the
+    /// body size, and the raw client's batches of 10 in flight to match.
+    bodies_in_flight: usize,
+    relay_msgs_per_s: f64,
+    raw_msgs_per_s: f64,
+    relay_vs_raw: f64,
+    relay_peak_rss_mb: f64,
+}
+
+async fn s3_client() -> aws_sdk_s3::Client {
+    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build())
+}
+
+/// `n` rows of `body` bytes, committed before the relay starts, drained to
+/// one standard queue through S3 (`threshold = "always"`), timed from its
+/// first published message; then the raw client sends as many through S3
+/// with `in_flight / 10` batches at once.
+async fn s3_bodies(sqs: &SqsPublisher, n: usize, body: usize) -> S3Bodies {
+    let budget: usize = 64 << 20;
+    let in_flight = (budget / body).max(10) / 10 * 10;
+    let s3 = s3_client().await;
+    let bucket = unique("benchbodies").replace('_', "-").to_ascii_lowercase();
+    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let db = TestDb::new("bench_s3").await;
+    create_slot(&db, &db.slot).await;
+    let queues = create_queues(sqs, 1).await;
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
+    for i in 0..n {
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body) VALUES ('s3:' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
+            &[&(i as i32), &queues[0].0, &(body as i32)],
+        )
+        .await
+        .unwrap();
+    }
+    let addr = free_addr();
+    let extra = format!(
+        "metrics_addr = \"{addr}\"\nmax_unsettled_bytes = \"{budget}\"\nlane_stall_timeout = \"1h\"\n\
+         [s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\nthreshold = \"always\"",
+        stack().sqs_url
+    );
+    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &extra);
+    let t = Instant::now();
+    let relay = cfg.spawn();
+    let (mut rss, mut first) = (0, None);
+    // From the first message published (start-up aside, as the raw client
+    // has none) to the last.
+    loop {
+        if let Some(text) = scrape(&addr).await {
+            let published: f64 = series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum();
+            if published >= 1.0 && first.is_none() {
+                first = Some((Instant::now(), published));
+            }
+            if published >= n as f64 {
+                break;
+            }
+        }
+        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+        assert!(t.elapsed() < Duration::from_secs(1800), "bodies through S3: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (t0, at_first) = first.expect("published");
+    let relay_rate = (n as f64 - at_first) / t0.elapsed().as_secs_f64();
+    rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+    relay.terminate(Duration::from_secs(15)).await;
+    let raw_rate = raw_s3(sqs, &s3, &bucket, &queues[0].1, n, body, in_flight / 10).await;
+    delete_queues(sqs, &queues).await;
+    S3Bodies {
+        rows: n,
+        body_bytes: body,
+        bodies_in_flight: in_flight,
+        relay_msgs_per_s: r2(relay_rate),
+        raw_msgs_per_s: r2(raw_rate),
+        relay_vs_raw: r2(relay_rate / raw_rate),
+        relay_peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+    }
+}
+
+/// The raw client: `concurrency` workers, each writing 10 objects at once
+/// and then sending their 10 pointers in one `SendMessageBatch`.
+async fn raw_s3(
+    sqs: &SqsPublisher,
+    s3: &aws_sdk_s3::Client,
+    bucket: &str,
+    url: &str,
+    n: usize,
+    body: usize,
+    concurrency: usize,
+) -> f64 {
+    let payload = bytes::Bytes::from(vec![b'r'; body]);
+    let next = Arc::new(AtomicU64::new(0));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency.max(1) {
+        let (sqs, s3, next, url, bucket, payload) =
+            (sqs.clone(), s3.clone(), Arc::clone(&next), url.to_string(), bucket.to_string(), payload.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let start = next.fetch_add(10, Ordering::Relaxed) as usize;
+                if start >= n {
+                    break;
+                }
+                let keys: Vec<String> = (start..(start + 10).min(n)).map(|i| format!("raw/{i}")).collect();
+                let mut puts = tokio::task::JoinSet::new();
+                for k in &keys {
+                    puts.spawn(s3.put_object().bucket(&bucket).key(k).body(payload.clone().into()).send());
+                }
+                while let Some(r) = puts.join_next().await {
+                    r.unwrap().unwrap();
+                }
+                let size = aws_sdk_sqs::types::MessageAttributeValue::builder()
+                    .data_type("Number")
+                    .string_value(body.to_string())
+                    .build()
+                    .unwrap();
+                let req = keys.iter().enumerate().fold(sqs.client().send_message_batch().queue_url(&url), |req, (j, k)| {
+                    let pointer = json!(["software.amazon.payloadoffloading.PayloadS3Pointer", {"s3BucketName": bucket, "s3Key": k}]);
+                    req.entries(
+                        aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                            .id(j.to_string())
+                            .message_body(pointer.to_string())
+                            .message_attributes("ExtendedPayloadSize", size.clone())
+                            .build()
+                            .unwrap(),
+                    )
+                });
+                req.send().await.unwrap();
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+fn print_s3(s: &S3Bodies) {
+    println!("| bodies through S3 | rows | body bytes | bodies in flight | relay msg/s | raw msg/s | relay / raw | relay peak RSS MB |");
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| | {} | {} | {} | {} | {} | {} | {} |",
+        s.rows,
+        s.body_bytes,
+        s.bodies_in_flight,
+        s.relay_msgs_per_s,
+        s.raw_msgs_per_s,
+        s.relay_vs_raw,
+        s.relay_peak_rss_mb
+    );
+    println!();
+}
+
+// ---------------------------------------------------------------------------
 
 fn machine() -> serde_json::Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
@@ -1072,6 +1237,7 @@ struct Results {
     lat: Vec<Latency>,
     drains: Vec<Drain>,
     down: LaneDown,
+    s3: S3Bodies,
 }
 
 /// The ratios and latencies the targets are about.
@@ -1237,7 +1403,9 @@ async fn measure_all(
     eprintln!("bench: lane down done ({:.0} s)", started.elapsed().as_secs_f64());
     drains.extend(scaling_drains(a, sqs, backlog).await);
     eprintln!("bench: scaling done ({:.0} s)", started.elapsed().as_secs_f64());
-    Results { large, dec, sqsc, far, far3, lat, drains, down }
+    let s3 = s3_bodies(sqs, if a.quick { 60 } else { 200 }, 2 << 20).await;
+    eprintln!("bench: bodies through S3 done ({:.0} s)", started.elapsed().as_secs_f64());
+    Results { large, dec, sqsc, far, far3, lat, drains, down, s3 }
 }
 
 fn print_ceilings(a: &Args, r: &Results, x: &Ratios) {
@@ -1318,6 +1486,7 @@ fn print_results(a: &Args, r: &Results, x: &Ratios) {
     print_latency(&r.lat);
     print_drains(r);
     print_large(&r.large);
+    print_s3(&r.s3);
 }
 
 fn decode_json(dec: &Decode) -> serde_json::Value {
@@ -1403,6 +1572,7 @@ fn summary(a: &Args, r: &Results, x: &Ratios, started: Instant) -> serde_json::V
         "drains": r.drains,
         "lane_down": r.down,
         "large_bodies": r.large,
+        "s3_bodies": r.s3,
         "targets_met": targets_met(r, x),
     })
 }
@@ -1422,6 +1592,13 @@ async fn main() {
     }
     if let Some(n) = a.decode_only {
         print_decode_only(&decode_ceiling(&a, n).await);
+        drop(stack_guard);
+        return;
+    }
+    if a.s3_only {
+        let s3 = s3_bodies(&sqs, if a.quick { 60 } else { 200 }, 2 << 20).await;
+        print_s3(&s3);
+        println!("{}", serde_json::to_string_pretty(&json!({ "s3_bodies": s3 })).unwrap());
         drop(stack_guard);
         return;
     }
