@@ -28,6 +28,7 @@ pub mod policy;
 pub mod publish;
 pub mod runtime;
 pub mod source;
+pub mod telemetry;
 
 pub use config::Config;
 pub use runtime::run;

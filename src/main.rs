@@ -155,19 +155,32 @@ enum LogFormat {
     Json,
 }
 
-fn init_logging(format: LogFormat) {
+/// The log on stderr and, when the environment names an OTLP collector,
+/// the relay's spans exported to it ([`outbox_relay::telemetry`]).
+fn init_logging(format: LogFormat) -> Result<Option<outbox_relay::telemetry::Telemetry>, String> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // pgwire-replication logs each failed connection at ERROR itself;
         // the relay reports those (once per host) with what it does next.
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,pgwire_replication=off"));
     // Colour only for a terminal: logs in a file or a pipe stay plain text.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    if format == LogFormat::Json {
-        b.json().init();
-    } else {
-        b.init();
-    }
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
+    let fmt = if format == LogFormat::Json { fmt.json().boxed() } else { fmt.boxed() };
+    let exported = outbox_relay::telemetry::Telemetry::from_env()?;
+    let (telemetry, spans) = match exported {
+        Some((t, tracer)) => {
+            // Only the relay's own spans, not its libraries'.
+            let only_relay =
+                tracing_subscriber::filter::Targets::new().with_target("outbox_relay", tracing::Level::INFO);
+            (Some(t), Some(tracing_opentelemetry::layer().with_tracer(tracer).with_filter(only_relay)))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry().with(fmt.with_filter(filter)).with(spans).init();
+    Ok(telemetry)
 }
 
 /// A panic anywhere, a background task's included, ends the process: a relay
@@ -188,7 +201,13 @@ fn main() -> ExitCode {
         return if outbox_relay::faults::ENABLED { ExitCode::SUCCESS } else { ExitCode::FAILURE };
     }
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    let telemetry = match init_logging(cli.log_format) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            return ExitCode::from(2);
+        }
+    };
     exit_on_panic();
     if let Err(e) = outbox_relay::faults::configure_from_env() {
         eprintln!("outbox-relay: {e}");
@@ -216,6 +235,10 @@ fn main() -> ExitCode {
             _ = shutdown_signal() => Ok(false),
         }
     });
+    drop(runtime);
+    if let Some(t) = telemetry {
+        t.shutdown();
+    }
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
 use tokio_postgres::Client;
+use tracing::Instrument;
 
 use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
@@ -196,11 +197,23 @@ impl Router<'_> {
         sql: &Client,
         seq: TxnSeq,
         replayed: bool,
-        mut events: Vec<OutboxEvent>,
+        events: Vec<OutboxEvent>,
     ) -> Result<(), RouteError> {
         if events.is_empty() {
             return Ok(());
         }
+        let span = tracing::info_span!("outbox_relay.route", events = events.len(), replayed);
+        self.dispatch_chunk(sql, seq, replayed, events).instrument(span).await
+    }
+
+    /// [`Self::dispatch`] of a chunk that is not empty.
+    async fn dispatch_chunk(
+        &mut self,
+        sql: &Client,
+        seq: TxnSeq,
+        replayed: bool,
+        mut events: Vec<OutboxEvent>,
+    ) -> Result<(), RouteError> {
         if replayed {
             let done = replayed_settled(sql, &events).await?;
             if !done.is_empty() {

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 use tokio_postgres::GenericClient;
+use tracing::Instrument;
 
 use crate::config::PublishedRows;
 use crate::event::OutboxEvent;
@@ -555,7 +556,8 @@ pub async fn run_settler(
                 Err(_) => break,
             }
         }
-        mark(&client, &batch, marking).await?;
+        let span = tracing::info_span!("outbox_relay.settle", rows = batch.len());
+        mark(&client, &batch, marking).instrument(span).await?;
         {
             let mut wm = watermark.lock().unwrap();
             for s in &batch {

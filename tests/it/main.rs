@@ -15,6 +15,7 @@ mod pipeline;
 mod s3;
 mod slot_invalidation;
 mod table_path;
+mod telemetry;
 mod tls;
 // Fail points in the relay: `--features outbox-relay/failpoints`.
 #[cfg(feature = "failpoints")]

@@ -6,12 +6,13 @@
 use std::time::Instant;
 
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy};
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
-use crate::publish::entry::Entry;
+use crate::publish::entry::{Entry, TRACEPARENT};
 use crate::publish::{CallError, EntryResult};
 
 /// What becomes of one entry after a call.
@@ -148,11 +149,17 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     ctx.metrics.batch_bytes.with_label_values(&[name]).observe(entries.iter().map(|e| e.size).sum::<usize>() as f64);
     crate::faults::delay_point("lane::before_send").await;
     let started = Instant::now();
+    let span = tracing::info_span!("outbox_relay.send", destination = name, entries = entries.len(), attempt);
+    for tp in entries.iter().filter_map(|e| e.attributes.iter().find(|a| a.name == TRACEPARENT)) {
+        crate::telemetry::link_producer(&span, &tp.value);
+    }
     // Bodies through S3 first: no message points at an object not written.
-    let result = match offload_objects(ctx, &entries).await {
-        Ok(()) => ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await,
-        Err(e) => Err(e),
-    };
+    let result = async {
+        offload_objects(ctx, &entries).await?;
+        ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await
+    }
+    .instrument(span)
+    .await;
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
     match &result {
         Ok(results) => {
