@@ -41,12 +41,21 @@ pub enum DeliverAt {
 }
 
 impl DeliverAt {
-    /// `'infinity'` (and any time past year 287,000): never due.
-    pub const NEVER: i64 = 9_000_000_000_000_000_000;
+    /// `'infinity'`: never due. No time PostgreSQL can store reaches it
+    /// (its last ones pass `i64` microseconds since 1970 and are read as
+    /// [`Self::LATEST`]).
+    pub const NEVER: i64 = i64::MAX;
+    /// The latest time the relay tells apart (about year 287,000): later
+    /// ones are read as this, still a time, held until then.
+    pub const LATEST: i64 = 9_000_000_000_000_000_000;
 
-    /// A time in microseconds, clamped so that `infinity` is [`Self::NEVER`].
+    /// A time in microseconds: [`Self::NEVER`] (either sign) stays what it
+    /// is, any other time is clamped to [`Self::LATEST`].
     pub fn at(us: i64) -> DeliverAt {
-        DeliverAt::At(us.clamp(-Self::NEVER, Self::NEVER))
+        if us == Self::NEVER || us == -Self::NEVER {
+            return DeliverAt::At(us);
+        }
+        DeliverAt::At(us.clamp(-Self::LATEST, Self::LATEST))
     }
 
     /// The microseconds, for writing the row back (`None`: NULL).
@@ -60,11 +69,13 @@ impl DeliverAt {
 
 /// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
 /// order (the creation time stands in for the commit time).
-/// `deliver_at` is clamped to [`DeliverAt::NEVER`] (`infinity` included;
-/// `greatest` and `least` skip NULLs, hence the `CASE`).
+/// `deliver_at` as [`DeliverAt::at`] reads it: `±infinity` as
+/// `±`[`DeliverAt::NEVER`], other times clamped to [`DeliverAt::LATEST`].
 pub const OUTBOX_COLUMNS: &str = "id, event_id, destination, body, group_key, attributes::text,
     (extract(epoch FROM created_at) * 1000000)::bigint,
-    CASE WHEN deliver_at IS NOT NULL
+    CASE WHEN deliver_at = 'infinity' THEN 9223372036854775807
+         WHEN deliver_at = '-infinity' THEN -9223372036854775807
+         WHEN deliver_at IS NOT NULL
          THEN (greatest(least(extract(epoch FROM deliver_at), 9000000000000), -9000000000000) * 1000000)::bigint END";
 
 impl OutboxEvent {

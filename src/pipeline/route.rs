@@ -44,8 +44,8 @@ pub enum Judged {
     /// Into its lane, to be sent.
     Send(Entry),
     /// Not due yet and not deliverable with `DelaySeconds`: into the table
-    /// until it is ([`crate::policy::delay`]).
-    Hold,
+    /// until it is ([`crate::policy::delay`]); the text says why.
+    Hold(&'static str),
     Dead(DeadReason),
 }
 
@@ -54,14 +54,16 @@ impl Judged {
     pub fn unsent(self) -> Result<Entry, Outcome> {
         match self {
             Judged::Send(entry) => Ok(entry),
-            Judged::Hold => Err(Outcome::Deferred(HELD.into(), Due::Held)),
+            Judged::Hold(why) => Err(Outcome::Deferred(why.into(), Due::Held)),
             Judged::Dead(reason) => Err(Outcome::Dead(reason)),
         }
     }
 }
 
-/// The `last_error` of a row held until its `deliver_at`.
-pub const HELD: &str = "held: deliver_at is later than SQS can delay this message";
+/// The `last_error` of a row held until its `deliver_at`: on a FIFO queue,
+/// and on a standard one.
+pub const HELD_FIFO: &str = "held until deliver_at: a FIFO queue takes no per-message delay";
+pub const HELD_LATER: &str = "held until deliver_at: more than the 15 minutes SQS can delay a message";
 
 /// The one rule for an event bound for `queue`, judged at `now_us`
 /// (microseconds since the Unix epoch): validated and timed, held, or DEAD.
@@ -72,7 +74,7 @@ pub fn judge_for(queue: &QueueInfo, ev: &Arc<OutboxEvent>, now_us: i64) -> Judge
     };
     match (timing, prepare(Arc::clone(ev), queue)) {
         (_, Err(reason)) => Judged::Dead(reason),
-        (Timing::Hold, Ok(_)) => Judged::Hold,
+        (Timing::Hold, Ok(_)) => Judged::Hold(if queue.fifo { HELD_FIFO } else { HELD_LATER }),
         (Timing::Now, Ok(entry)) => Judged::Send(entry),
         (Timing::Delay(s), Ok(entry)) => Judged::Send(Entry { delay_seconds: Some(s), ..entry }),
     }

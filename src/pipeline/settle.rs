@@ -202,10 +202,11 @@ fn restore_sql(own_id: bool) -> String {
          SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
                 to_timestamp(u.created_us / 1e6), u.status, CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
                 CASE u.defer WHEN 1 THEN now() + make_interval(secs => {}) WHEN 2 THEN now() END, u.err,
-                CASE WHEN u.deliver_us >= {never} THEN 'infinity'::timestamptz
+                CASE WHEN u.deliver_us = {never} THEN 'infinity'::timestamptz
+                     WHEN u.deliver_us = -{never} THEN '-infinity'::timestamptz
                      ELSE to_timestamp(u.deliver_us / 1e6) END
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
-                       $8::text[], $9::int2[], $10::text[], $13::float8[])
+                       $8::text[], $9::int2[], $10::text[], $13::bigint[])
                 AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err, deliver_us)
          {unless}
          ON CONFLICT DO NOTHING
@@ -466,7 +467,17 @@ async fn restore_rows<C: GenericClient>(
         batch.iter().copied().filter(|s| !written.contains(s.event.event_id.as_str())).collect();
     let mut n = written.len() as u64;
     if !rest.is_empty() {
-        n += restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?.len() as u64;
+        let again = restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?;
+        n += again.len() as u64;
+        let skipped: Vec<&str> = rest.iter().map(|s| s.key()).filter(|k| !again.contains(*k)).take(5).collect();
+        if !skipped.is_empty() {
+            tracing::warn!(
+                rows = rest.len() - again.len(),
+                event_ids = ?skipped,
+                "rows gone from the table not written back: their event_id is in the table already (a replay's \
+                 earlier write-back, or another row under the same idempotency key, whose message stands for it)"
+            );
+        }
     }
     Ok(n)
 }
@@ -496,7 +507,7 @@ async fn restore_with<C: GenericClient>(
         statuses.push(status);
         defer.push(d);
         errors.push(err);
-        deliver.push(ev.deliver_at.micros().map(|us| us as f64));
+        deliver.push(ev.deliver_at.micros());
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
     let rows = client

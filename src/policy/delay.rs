@@ -41,7 +41,7 @@ pub fn timing(deliver_at: DeliverAt, now_us: i64, fifo: bool) -> Result<Timing, 
                 "deliver_at is not an ISO timestamptz the relay reads (the stream is asked for DateStyle ISO)",
             ))
         }
-        DeliverAt::At(us) if us >= DeliverAt::NEVER => {
+        DeliverAt::At(DeliverAt::NEVER) => {
             return Err(DeadReason::new(DeadCode::InvalidDeliverAt, "deliver_at is infinity: never due"))
         }
         DeliverAt::At(us) => us,
@@ -89,6 +89,8 @@ mod tests {
         assert_eq!(t(now + 1, true), Timing::Hold, "FIFO queues take no per-message delay");
         let never = timing(DeliverAt::at(i64::MAX), now, false).unwrap_err();
         assert_eq!(never.code, DeadCode::InvalidDeliverAt);
+        assert_eq!(t(DeliverAt::LATEST, false), Timing::Hold, "far is not never");
+        assert_eq!(t(i64::MAX - 1, true), Timing::Hold);
         assert_eq!(timing(DeliverAt::Unreadable, now, false).unwrap_err().code, DeadCode::InvalidDeliverAt);
     }
 

@@ -118,7 +118,8 @@ async fn a_fifo_queue_holds_the_delayed_row_and_its_group_goes_on() {
     c.batch_execute(
         "INSERT INTO outbox (event_id, destination, body, group_key, deliver_at) VALUES
              ('a', 'laterf', 'a', 'g', NULL), ('b', 'laterf', 'b', 'g', now() + interval '3 s'),
-             ('c', 'laterf', 'c', 'g', now() - interval '1 s')",
+             ('c', 'laterf', 'c', 'g', now() - interval '1 s'),
+             ('far', 'laterf', 'far', 'g', '294276-12-31 23:59:59+00')",
     )
     .await
     .unwrap();
@@ -129,8 +130,13 @@ async fn a_fifo_queue_holds_the_delayed_row_and_its_group_goes_on() {
     assert_eq!(bodies(&second), ["b"]);
     assert!(written.elapsed() >= Duration::from_secs(3), "b came after {:?}", written.elapsed());
     let m = relay.metrics.render();
-    assert_eq!(gauge(&m, "outbox_relay_events_held_total{destination=\"laterf\"}"), Some(1.0), "{m}");
-    wait_for("the table empty", Duration::from_secs(30), || async { db.count("true").await == 0 }).await;
+    assert_eq!(gauge(&m, "outbox_relay_events_held_total{destination=\"laterf\"}"), Some(2.0), "{m}");
+    wait_for("the table empty but the row of year 294276", Duration::from_secs(30), || async {
+        db.count("true").await == 1
+    })
+    .await;
+    let far = "event_id = 'far' AND status = 'NEW' AND next_attempt_at IS NOT NULL AND last_error LIKE 'held until deliver_at: a FIFO%'";
+    assert_eq!(db.count(far).await, 1, "the last time PostgreSQL stores is far, not never");
     relay.stop().await;
 }
 
@@ -151,7 +157,7 @@ async fn polling_mode_delays_holds_and_refuses_never() {
     c.batch_execute(
         "INSERT INTO outbox (event_id, destination, body, group_key, deliver_at) VALUES
              ('p5', 'std', 'p5', NULL, now() + interval '5 s'), ('p2h', 'std', 'p2h', NULL, now() + interval '2 h'),
-             ('never', 'std', 'never', NULL, 'infinity'),
+             ('never', 'std', 'never', NULL, 'infinity'), ('far', 'std', 'far', NULL, '290000-01-01 00:00:00+00'),
              ('fa', 'f', 'fa', 'g', NULL), ('fb', 'f', 'fb', 'g', now() + interval '2 h'), ('fc', 'f', 'fc', 'g', NULL)",
     )
     .await
@@ -178,6 +184,7 @@ async fn polling_mode_delays_holds_and_refuses_never() {
     assert_eq!(p.sent(STD)[1].body, "p2h");
     assert_eq!(p.sent(STD)[1].delay_seconds, None);
     assert_eq!(p.sent(FIFO)[2].body, "fb");
+    assert_eq!(db.count("event_id = 'far' AND status = 'NEW'").await, 1, "year 290000 is held, not DEAD");
     relay.stop().await;
 }
 

@@ -104,7 +104,9 @@ pub(crate) fn parse_iso_timestamptz(s: &str) -> Option<i64> {
     }
     let zone_s = zh * 3600 + zm * 60 + zs;
     let secs = days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + sec - sign * zone_s;
-    secs.checked_mul(1_000_000)?.checked_add(micros)
+    // PostgreSQL's last years pass i64 microseconds: [`DeliverAt::at`]
+    // clamps what saturates here to its latest time, never to `infinity`.
+    Some(secs.saturating_mul(1_000_000).saturating_add(micros).clamp(-DeliverAt::LATEST, DeliverAt::LATEST))
 }
 
 /// Days from 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
@@ -195,6 +197,11 @@ mod tests {
         assert_eq!(parse_iso_timestamptz("0001-01-01 00:00:00+00 BC"), Some(-62_167_219_200_000_000));
         assert_eq!(parse_iso_timestamptz("9999-12-31 23:59:59.5+14"), Some(253_402_250_399_500_000));
         assert_eq!(parse_iso_timestamptz("2026-12-04 19:04:25.1+00"), Some(1_796_411_065_100_000));
+        // The last years PostgreSQL stores: far, not never.
+        for s in ["290000-01-01 00:00:00+00", "294276-12-31 23:59:59+00", "280000-01-01 00:00:00+00"] {
+            let DeliverAt::At(us) = deliver_at(s) else { panic!("{s}") };
+            assert!(us > 8_000_000_000_000_000_000 && us <= DeliverAt::LATEST, "{s}: {us}");
+        }
         assert_eq!(deliver_at("infinity"), DeliverAt::At(DeliverAt::NEVER));
         assert_eq!(deliver_at("-infinity"), DeliverAt::At(-DeliverAt::NEVER));
         // Not ISO (DateStyle Postgres, SQL, German): unreadable, never a guess.
