@@ -571,15 +571,15 @@ mod tests {
         tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)).await.unwrap();
         tx.send(item(2)).await.unwrap();
         let s3_failures = || metrics.sqs_entry_failures.with_label_values(&["orders", "S3.ServiceUnavailable"]).get();
-        until("three calls failed on S3", || s3_failures() >= 3).await;
+        // The small entry does not wait for the big one's object.
+        let first = settle_rx.recv().await.unwrap();
+        assert_eq!((first.id(), matches!(first.outcome, Outcome::Published)), (2, true));
+        until("three sends failed on S3", || s3_failures() >= 3).await;
         assert!(p.sent(Q).iter().all(|m| !m.body.contains("PayloadS3Pointer")), "no pointer without its object");
-        assert!(settle_rx.try_recv().map_or(true, |s| matches!(s.outcome, Outcome::Published)), "nothing DEAD");
+        assert!(settle_rx.try_recv().is_err(), "nothing settled (nothing DEAD) while S3 is down");
         store.down.store(false, Ordering::Release);
-        let mut outcomes = Vec::new();
-        while outcomes.len() < 2 {
-            outcomes.push(settle_rx.recv().await.unwrap().outcome);
-        }
-        assert!(outcomes.iter().all(|o| matches!(o, Outcome::Published)), "{outcomes:?}");
+        let second = settle_rx.recv().await.unwrap();
+        assert_eq!((second.id(), matches!(second.outcome, Outcome::Published)), (1, true));
         let sent = p.sent(Q);
         let pointer = sent.iter().find(|m| m.outbox_id == 1).unwrap();
         let v: serde_json::Value = serde_json::from_str(&pointer.body).unwrap();
@@ -589,6 +589,47 @@ mod tests {
         assert!(pointer.attributes.iter().any(|(n, t, v)| n == "ExtendedPayloadSize" && t == "Number" && v == "5000"));
         assert_eq!(metrics.offloaded_objects.with_label_values(&["orders"]).get(), 1);
         assert_eq!(metrics.offloaded_bytes.with_label_values(&["orders"]).get(), 5000);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// FIFO: an object that cannot be written holds back its own group's
+    /// entries of the batch, in order, and no other group's.
+    #[tokio::test]
+    async fn an_s3_failure_holds_back_only_its_fifo_group() {
+        use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
+        use std::sync::atomic::Ordering;
+        const F: &str = "http://memory.invalid/orders.fifo";
+        let p = MemoryPublisher::new();
+        p.add_queue(F, true, 1 << 20);
+        let store = Arc::new(MemoryStore::default());
+        store.down.store(true, Ordering::Release);
+        let target = Arc::new(OffloadTarget {
+            store: Arc::clone(&store) as _,
+            bucket: "bodies".into(),
+            key_prefix: String::new(),
+            threshold: Threshold::QueueLimit,
+            max_body: 32 << 20,
+        });
+        let queue = QueueInfo { offload: Some(target), ..QueueInfo::new(F, true, 1000) };
+        let mut cfg = streaming_lane(2, Duration::from_millis(20), Duration::from_millis(20));
+        cfg.queue = queue.clone();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        for (id, group, body) in [(1, "a", "b".repeat(5000)), (2, "a", "small".into()), (3, "b", "small".into())] {
+            let mut ev = OutboxEvent::for_test(id, "orders", &body);
+            ev.group_key = Some(group.into());
+            tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)).await.unwrap();
+        }
+        let first = settle_rx.recv().await.unwrap();
+        assert_eq!(first.id(), 3, "the other group goes on");
+        assert!(settle_rx.try_recv().is_err(), "group a waits for its object");
+        store.down.store(false, Ordering::Release);
+        let (a1, a2) = (settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap());
+        assert!(matches!((&a1.outcome, &a2.outcome), (Outcome::Published, Outcome::Published)));
+        let order: Vec<i64> = p.sent(F).iter().map(|m| m.outbox_id).collect();
+        assert_eq!(order, [3, 1, 2], "group a in order, after its object");
         drop(tx);
         lane.await.unwrap();
     }

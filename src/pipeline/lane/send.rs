@@ -139,6 +139,28 @@ async fn offload_objects(ctx: &Ctx, entries: &[Entry]) -> Result<(), CallError> 
     result
 }
 
+/// Bodies through S3 first: no message points at an object not written.
+/// When some objects could not be written, the other entries are sent
+/// without them (on a FIFO queue, but for the entries of the same groups,
+/// which keep their order) and those entries fail with the S3 error, to be
+/// retried: one bad write does not hold the rest of the batch back.
+async fn send_with_objects(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    let Err(s3) = offload_objects(ctx, entries).await else {
+        return ctx.publisher.send_batch(&ctx.cfg.queue.url, entries).await;
+    };
+    let unwritten = |e: &Entry| e.offload.as_ref().is_some_and(|o| !o.is_written());
+    let held_groups: Vec<&str> = entries.iter().filter(|e| unwritten(e)).filter_map(Entry::ordering_group).collect();
+    let blocked: Vec<bool> =
+        entries.iter().map(|e| unwritten(e) || e.ordering_group().is_some_and(|g| held_groups.contains(&g))).collect();
+    let go: Vec<Entry> = entries.iter().zip(&blocked).filter(|(_, b)| !**b).map(|(e, _)| e.clone()).collect();
+    if go.is_empty() {
+        return Err(s3);
+    }
+    let mut sent = ctx.publisher.send_batch(&ctx.cfg.queue.url, &go).await?.into_iter();
+    let failed = || EntryResult::Failed { code: s3.code.clone(), sender_fault: false, message: s3.message.clone() };
+    Ok(blocked.iter().map(|b| if *b { failed() } else { sent.next().unwrap_or_else(failed) }).collect())
+}
+
 /// One call, measured, and its result reconciled. A call in flight finishes
 /// even if the lane starts spooling meanwhile (the SQS client's timeouts bound
 /// it): what it published stays published.
@@ -153,13 +175,7 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     for tp in entries.iter().filter_map(|e| e.attributes.iter().find(|a| a.name == TRACEPARENT)) {
         crate::telemetry::link_producer(&span, &tp.value);
     }
-    // Bodies through S3 first: no message points at an object not written.
-    let result = async {
-        offload_objects(ctx, &entries).await?;
-        ctx.publisher.send_batch(&ctx.cfg.queue.url, &entries).await
-    }
-    .instrument(span)
-    .await;
+    let result = send_with_objects(ctx, &entries).instrument(span).await;
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
     match &result {
         Ok(results) => {
