@@ -13,6 +13,8 @@ use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState,
 use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use crate::publish::entry::Traceparent;
+
 /// The exporter, kept to flush what is batched at exit.
 pub struct Telemetry {
     provider: SdkTracerProvider,
@@ -56,12 +58,9 @@ impl Telemetry {
 
 /// A W3C `traceparent` as a remote span context; `None` when it is not one.
 pub fn remote_context(traceparent: &str) -> Option<SpanContext> {
-    let parts: Vec<&str> = traceparent.trim().split('-').collect();
-    let [_, trace, parent, flags, ..] = parts[..] else { return None };
-    let (trace, parent) = (TraceId::from_hex(trace).ok()?, SpanId::from_hex(parent).ok()?);
-    let flags = u8::from_str_radix(flags, 16).ok()?;
-    let cx = SpanContext::new(trace, parent, TraceFlags::new(flags), true, TraceState::default());
-    cx.is_valid().then_some(cx)
+    let tp = Traceparent::parse(traceparent)?;
+    let (trace, parent) = (TraceId::from_hex(tp.trace).ok()?, SpanId::from_hex(tp.parent).ok()?);
+    Some(SpanContext::new(trace, parent, TraceFlags::new(tp.flags), true, TraceState::default()))
 }
 
 /// Link `span` to the producer's trace named by `traceparent`.

@@ -13,7 +13,7 @@ use tracing::Instrument;
 use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{Flow, LaneItem, LaneState};
+use crate::pipeline::lane::{now_unix_us, Flow, LaneItem, LaneState};
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
@@ -86,11 +86,6 @@ pub fn judge<'a>(queues: &BTreeMap<String, QueueInfo>, ev: &'a Arc<OutboxEvent>,
         None => (UNKNOWN_DESTINATION_LABEL, Judged::Dead(DeadReason::unknown_destination(&ev.destination))),
         Some(q) => (ev.destination.as_str(), judge_for(q, ev, now_us)),
     }
-}
-
-/// The relay's clock, microseconds since the Unix epoch.
-pub fn now_us() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64)
 }
 
 /// Of replayed events, those settled by an earlier run: the row (same id
@@ -237,7 +232,7 @@ impl Router<'_> {
             self.watermark.lock().unwrap().add(seq, 1);
         }
         let ev = Arc::new(ev);
-        let (label, judged) = judge(self.queues, &ev, now_us());
+        let (label, judged) = judge(self.queues, &ev, now_unix_us());
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
         let (outcome, unmarked) = match judged.unsent() {
             Ok(_) if self.states[&ev.destination].flow() == Flow::Spooling => {

@@ -433,6 +433,7 @@ mod tests {
     use crate::event::OutboxEvent;
     use crate::publish::entry::prepare;
     use crate::publish::memory::MemoryPublisher;
+    use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
 
     const Q: &str = "http://memory.invalid/orders";
 
@@ -546,20 +547,10 @@ mod tests {
     /// to the object written, written once.
     #[tokio::test]
     async fn an_s3_outage_fails_the_call_and_no_pointer_dangles() {
-        use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
         use std::sync::atomic::Ordering;
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
-        let store = Arc::new(MemoryStore::default());
-        store.down.store(true, Ordering::Release);
-        let target = Arc::new(OffloadTarget {
-            store: Arc::clone(&store) as _,
-            bucket: "bodies".into(),
-            key_prefix: String::new(),
-            threshold: Threshold::QueueLimit,
-            max_body: 32 << 20,
-        });
-        let queue = QueueInfo { offload: Some(Arc::clone(&target)), ..QueueInfo::new(Q, false, 1000) };
+        let (store, queue) = down_s3(Q, false);
         let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
         cfg.queue = queue.clone();
         let metrics = Metrics::new();
@@ -593,15 +584,10 @@ mod tests {
         lane.await.unwrap();
     }
 
-    /// FIFO: an object that cannot be written holds back its own group's
-    /// entries of the batch, in order, and no other group's.
-    #[tokio::test]
-    async fn an_s3_failure_holds_back_only_its_fifo_group() {
-        use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
+    /// A queue of 1,000 bytes whose larger bodies go through a memory store
+    /// that is down, to be brought up with `store.down`.
+    fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, QueueInfo) {
         use std::sync::atomic::Ordering;
-        const F: &str = "http://memory.invalid/orders.fifo";
-        let p = MemoryPublisher::new();
-        p.add_queue(F, true, 1 << 20);
         let store = Arc::new(MemoryStore::default());
         store.down.store(true, Ordering::Release);
         let target = Arc::new(OffloadTarget {
@@ -611,7 +597,18 @@ mod tests {
             threshold: Threshold::QueueLimit,
             max_body: 32 << 20,
         });
-        let queue = QueueInfo { offload: Some(target), ..QueueInfo::new(F, true, 1000) };
+        (store, QueueInfo { offload: Some(target), ..QueueInfo::new(url, fifo, 1000) })
+    }
+
+    /// FIFO: an object that cannot be written holds back its own group's
+    /// entries of the batch, in order, and no other group's.
+    #[tokio::test]
+    async fn an_s3_failure_holds_back_only_its_fifo_group() {
+        use std::sync::atomic::Ordering;
+        const F: &str = "http://memory.invalid/orders.fifo";
+        let p = MemoryPublisher::new();
+        p.add_queue(F, true, 1 << 20);
+        let (store, queue) = down_s3(F, true);
         let mut cfg = streaming_lane(2, Duration::from_millis(20), Duration::from_millis(20));
         cfg.queue = queue.clone();
         let (tx, rx) = mpsc::channel(16);

@@ -75,10 +75,7 @@ impl Decoder {
                 if prefix == HEARTBEAT_PREFIX {
                     if let Some(sent_us) = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok())
                     {
-                        let now_us = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map(|d| d.as_micros() as i64)
-                            .unwrap_or(0);
+                        let now_us = crate::pipeline::lane::now_unix_us();
                         ctx.metrics.heartbeat_rtt_seconds.set((now_us - sent_us).max(0) as f64 / 1e6);
                     }
                 }
