@@ -218,13 +218,24 @@ pub fn find(name: &str) -> Option<&'static Key> {
     KEYS.iter().find(|k| k.name == name)
 }
 
+/// Where a key's value came from, for the error messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// Not given: the key's default applies.
+    Default,
+    File,
+    /// The environment variable of this name.
+    Env(String),
+    /// A command-line flag.
+    Flag,
+}
+
 /// A value read for a key, and where from (for the error messages).
 pub struct Raw<'a> {
     pub key: &'a Key,
     /// `None`: the key was not given; the default applies.
     pub given: Option<String>,
-    /// The environment variable it came from, if it did.
-    pub env: Option<String>,
+    pub origin: Origin,
 }
 
 impl Raw<'_> {
@@ -232,10 +243,29 @@ impl Raw<'_> {
         self.given.clone().or_else(|| self.key.default.map(str::to_string))
     }
 
+    /// The key as the user spelled it where it came from.
+    fn spelled(&self) -> String {
+        match &self.origin {
+            Origin::Env(name) => name.clone(),
+            Origin::Flag => format!("--{}", self.key.name.replace(['_', '.'], "-")),
+            Origin::Default | Origin::File => self.key.name.to_string(),
+        }
+    }
+
+    /// Where the value came from, in words.
+    fn whence(&self) -> String {
+        match &self.origin {
+            Origin::Env(name) => format!("the environment variable {name}"),
+            Origin::Flag => format!("the flag {}", self.spelled()),
+            Origin::File => "the config file".into(),
+            Origin::Default => "its default".into(),
+        }
+    }
+
     pub fn flag(&self) -> Result<bool, ConfigError> {
         let v = self.text().unwrap_or_default();
         v.parse().map_err(|_| {
-            let name = self.env.clone().unwrap_or_else(|| self.key.name.to_string());
+            let name = self.spelled();
             ConfigError::Invalid(format!("{name} {v:?} is not true or false"))
         })
     }
@@ -291,9 +321,26 @@ impl Raw<'_> {
         Ok(n)
     }
 
-    /// The value, or the default; `None` when neither or when empty.
-    pub fn string(&self) -> Option<String> {
-        self.text().filter(|s| !s.is_empty())
+    /// The value, or the default; `None` when neither. A value given as an
+    /// empty string is refused, naming the key and where it came from: an
+    /// empty bucket, endpoint or role would otherwise switch its feature off
+    /// (or point it elsewhere) without a word. Leave the key out to unset it.
+    pub fn string(&self) -> Result<Option<String>, ConfigError> {
+        match self.text() {
+            Some(s) if s.trim().is_empty() => Err(ConfigError::Invalid(format!(
+                "{} is set to an empty string (in {}): give it a value, or remove it to leave {} unset",
+                self.spelled(),
+                self.whence(),
+                self.key.name
+            ))),
+            t => Ok(t),
+        }
+    }
+
+    /// The value or the default, where an empty string is a value (a key
+    /// prefix of none).
+    pub fn string_or_empty(&self) -> String {
+        self.text().unwrap_or_default()
     }
 }
 

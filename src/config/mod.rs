@@ -14,7 +14,7 @@ use serde::Deserialize;
 pub mod keys;
 
 pub use keys::bytes;
-use keys::{Key, Raw};
+use keys::{Key, Origin, Raw};
 
 /// How the relay reads the outbox.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
@@ -265,12 +265,15 @@ struct Sources<'a> {
 impl Sources<'_> {
     fn get(&self, key: &'static Key) -> Raw<'static> {
         let env_name = key.env_name();
-        let (given, env) = match (self.cli.get(key.name), self.env.get(&env_name)) {
-            (Some(v), _) => (Some(v.clone()), None),
-            (None, Some(v)) => (Some(v.clone()), Some(env_name)),
-            (None, None) => (self.file.values.get(key.name).cloned(), None),
+        let (given, origin) = match (self.cli.get(key.name), self.env.get(&env_name)) {
+            (Some(v), _) => (Some(v.clone()), Origin::Flag),
+            (None, Some(v)) => (Some(v.clone()), Origin::Env(env_name)),
+            (None, None) => match self.file.values.get(key.name) {
+                Some(v) => (Some(v.clone()), Origin::File),
+                None => (None, Origin::Default),
+            },
         };
-        Raw { key, given, env }
+        Raw { key, given, origin }
     }
 }
 
@@ -314,6 +317,11 @@ impl Config {
         }
         for (k, v) in env {
             if let Some(name) = k.strip_prefix("OUTBOX_RELAY_S3_BUCKETS_") {
+                if v.trim().is_empty() {
+                    return Err(ConfigError::Invalid(format!(
+                        "{k} is set to an empty string (in the environment variable {k}): give it a bucket, or remove it"
+                    )));
+                }
                 file.s3_buckets.insert(name.to_ascii_lowercase(), v.clone());
             }
         }
@@ -328,25 +336,25 @@ impl Config {
 
     /// The keys that say what to connect to; tuning keys at their defaults.
     fn connections(src: &Sources) -> Result<Config, ConfigError> {
-        let database_url = src.get(&keys::DATABASE_URL).string().ok_or_else(|| {
+        let database_url = src.get(&keys::DATABASE_URL).string()?.ok_or_else(|| {
             ConfigError::Invalid(
                 "database_url is not set: put it in the config file, set OUTBOX_RELAY_DATABASE_URL, or pass --database-url".into(),
             )
         })?;
         outbox_pgconn::parse(&database_url).map_err(ConfigError::Invalid)?;
-        let mode = src.get(&keys::MODE).string().unwrap_or_default().parse()?;
-        let slot = src.get(&keys::SLOT).string().unwrap_or_default();
+        let mode = src.get(&keys::MODE).string()?.unwrap_or_default().parse()?;
+        let slot = src.get(&keys::SLOT).string()?.unwrap_or_default();
         validate_identifier("slot", &slot, true)?;
-        let publication = src.get(&keys::PUBLICATION).string().unwrap_or_default();
+        let publication = src.get(&keys::PUBLICATION).string()?.unwrap_or_default();
         validate_identifier("publication", &publication, false)?;
-        let metrics_addr = metrics_addr(src.get(&keys::METRICS_ADDR).string())?;
+        let metrics_addr = metrics_addr(src.get(&keys::METRICS_ADDR).string()?)?;
         let region = src.get(&keys::SQS_REGION);
         let sqs_region = match region.given {
-            Some(r) => r,
-            None => std::env::var("AWS_REGION").ok().or(region.string()).unwrap_or_default(),
+            Some(_) => region.string()?.unwrap_or_default(),
+            None => std::env::var("AWS_REGION").ok().or(region.string()?).unwrap_or_default(),
         };
-        let sqs_endpoint_url = src.get(&keys::SQS_ENDPOINT_URL).string();
-        let sqs_assume_role_arn = src.get(&keys::SQS_ASSUME_ROLE_ARN).string();
+        let sqs_endpoint_url = src.get(&keys::SQS_ENDPOINT_URL).string()?;
+        let sqs_assume_role_arn = src.get(&keys::SQS_ASSUME_ROLE_ARN).string()?;
         if let Some(arn) = sqs_assume_role_arn.as_ref().filter(|a| !a.starts_with("arn:")) {
             return Err(ConfigError::Invalid(format!(
                 "sqs.assume_role_arn {arn:?} is not an ARN such as arn:aws:iam::123456789012:role/outbox-relay"
@@ -373,7 +381,7 @@ impl Config {
         self.adaptive_linger = src.get(&keys::ADAPTIVE_LINGER).flag()?;
         self.failover = src.get(&keys::FAILOVER).flag()?;
         self.fair_queues = src.get(&keys::FAIR_QUEUES).flag()?;
-        self.published_rows = src.get(&keys::PUBLISHED_ROWS).string().unwrap_or_default().parse()?;
+        self.published_rows = src.get(&keys::PUBLISHED_ROWS).string()?.unwrap_or_default().parse()?;
         self.max_in_flight_batches = src.get(&keys::MAX_IN_FLIGHT_BATCHES).count()?;
         self.max_unsettled_events = src.get(&keys::MAX_UNSETTLED_EVENTS).count()?;
         self.max_unsettled_bytes = src.get(&keys::MAX_UNSETTLED_BYTES).size()?;
@@ -413,11 +421,11 @@ pub struct S3Config {
 impl S3Config {
     /// `None` when no bucket is configured at all.
     fn resolve(src: &Sources, file: &FileConfig) -> Result<Option<S3Config>, ConfigError> {
-        let bucket = src.get(&keys::S3_BUCKET).string();
+        let bucket = src.get(&keys::S3_BUCKET).string()?;
         if bucket.is_none() && file.s3_buckets.is_empty() {
             return Ok(None);
         }
-        let key_prefix = src.get(&keys::S3_KEY_PREFIX).string().unwrap_or_default();
+        let key_prefix = src.get(&keys::S3_KEY_PREFIX).string_or_empty();
         let mut buckets = BTreeMap::new();
         for (dest, spec) in &file.s3_buckets {
             if !file.destinations.contains_key(dest) {
@@ -435,8 +443,8 @@ impl S3Config {
         Ok(Some(S3Config {
             bucket,
             key_prefix,
-            endpoint_url: src.get(&keys::S3_ENDPOINT_URL).string(),
-            threshold: threshold(&src.get(&keys::S3_THRESHOLD).string().unwrap_or_default())?,
+            endpoint_url: src.get(&keys::S3_ENDPOINT_URL).string()?,
+            threshold: threshold(&src.get(&keys::S3_THRESHOLD).string()?.unwrap_or_default())?,
             max_body_bytes: src.get(&keys::S3_MAX_BODY_BYTES).size()?,
             buckets,
         }))
@@ -562,8 +570,8 @@ mod tests {
         assert!(missing.is_empty(), "keys missing from the reference in docs/configuration.md: {missing:?}");
         for key in keys::KEYS {
             let Some(default) = key.default else { continue };
-            let shown = Raw { key, given: documented.values().get(key.name).cloned(), env: None };
-            let default = Raw { key, given: Some(default.to_string()), env: None };
+            let shown = Raw { key, given: documented.values().get(key.name).cloned(), origin: Origin::File };
+            let default = Raw { key, given: Some(default.to_string()), origin: Origin::Default };
             assert_eq!(parsed(&shown), parsed(&default), "the reference shows {} other than its default", key.name);
         }
         let flat = doc.split_whitespace().collect::<Vec<_>>().join(" ");
@@ -578,7 +586,7 @@ mod tests {
     /// A value as the relay reads it, for comparison.
     fn parsed(raw: &Raw) -> String {
         match raw.key.kind {
-            keys::Kind::Text => format!("{:?}", raw.string()),
+            keys::Kind::Text => format!("{:?}", raw.string_or_empty()),
             keys::Kind::Flag => format!("{:?}", raw.flag().unwrap()),
             keys::Kind::Duration { .. } => format!("{:?}", raw.duration().unwrap()),
             keys::Kind::Size { .. } => format!("{:?}", raw.size().unwrap()),
@@ -637,6 +645,51 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         assert!(err("[s3]\nbucket = \"b12\"\nthreshold = \"big\"").contains("not queue, always or a size"));
         assert!(err("[s3.buckets]\nnope = \"b12\"").contains("no destination \"nope\""));
         assert!(err("[s3]\nbucket = \"b12\"\nmax_body_bytes = \"4GB\"").contains("out of range"));
+    }
+
+    /// An empty string never switches a feature off silently: the bucket
+    /// from a file emptied by the environment, an empty endpoint, role or
+    /// address are refused, naming the key and where the value came from.
+    #[test]
+    fn an_empty_string_is_refused_with_where_it_came_from() {
+        let with_bucket = format!("{BASE}\n[s3]\nbucket = \"bodies\"");
+        let env = |k: &str| -> BTreeMap<String, String> { [(k.to_string(), String::new())].into() };
+        let e = Config::resolve(file(&with_bucket), &env("OUTBOX_RELAY_S3_BUCKET"), &Overrides::default());
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("OUTBOX_RELAY_S3_BUCKET is set to an empty string"), "{e}");
+        assert!(e.contains("the environment variable OUTBOX_RELAY_S3_BUCKET"), "{e}");
+        let none = BTreeMap::new();
+        let head = "database_url = \"postgres://a@b/c\"\n[destinations]\norders = \"http://x/q\"\n";
+        for (key, text) in [
+            ("s3.bucket", "[s3]\nbucket = \"\""),
+            ("s3.endpoint_url", "[s3]\nbucket = \"bodies\"\nendpoint_url = \"\""),
+            ("s3.threshold", "[s3]\nbucket = \"bodies\"\nthreshold = \" \""),
+            ("sqs.assume_role_arn", "[sqs]\nassume_role_arn = \"\""),
+            ("sqs.region", "[sqs]\nregion = \"\""),
+            ("sqs.endpoint_url", "[sqs]\nendpoint_url = \"\""),
+        ] {
+            let e = Config::resolve(file(&format!("{head}{text}")), &none, &Overrides::default());
+            let e = e.unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{key} is set to an empty string (in the config file)")), "{key}: {e}");
+        }
+        let e = Config::resolve(
+            file("database_url = \"\"\n[destinations]\norders = \"http://x/q\""),
+            &none,
+            &Overrides::default(),
+        );
+        assert!(e.unwrap_err().to_string().starts_with("database_url is set to an empty string"));
+        for key in ["metrics_addr", "slot", "mode", "publication", "published_rows"] {
+            let e = Config::resolve(file(&format!("{key} = \"\"\n{BASE}")), &none, &Overrides::default());
+            let e = e.unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{key} is set to an empty string (in the config file)")), "{key}: {e}");
+        }
+        let flag = Overrides { sqs_endpoint_url: Some(String::new()), ..Overrides::default() };
+        let e = Config::resolve(file(BASE), &none, &flag).unwrap_err().to_string();
+        assert!(e.contains("--sqs-endpoint-url is set to an empty string (in the flag --sqs-endpoint-url)"), "{e}");
+        // An empty key prefix is a prefix of none, not a feature switched off.
+        assert!(
+            Config::resolve(file(&format!("{with_bucket}\nkey_prefix = \"\"")), &none, &Overrides::default()).is_ok()
+        );
     }
 
     #[test]
