@@ -34,6 +34,8 @@ pub const LANE_SPOOL_SWITCHES_TOTAL: &str = "outbox_relay_lane_spool_switches_to
 pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
 pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
 pub const STREAM_HELD: &str = "outbox_relay_stream_held";
+pub const STREAM_HOLDS_TOTAL: &str = "outbox_relay_stream_holds_total";
+pub const DESTINATION_FAILING_SINCE_SECONDS: &str = "outbox_relay_destination_failing_since_seconds";
 pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
 pub const OFFLOADED_OBJECTS_TOTAL: &str = "outbox_relay_offloaded_objects_total";
@@ -87,6 +89,13 @@ pub struct Metrics {
     pub held_next_due_seconds: prometheus::GaugeVec,
     /// 1 while the server holds the stream back (rows go by the table).
     pub stream_held: IntGauge,
+    /// Holds named (each spooled every lane to the table).
+    pub stream_holds: IntCounter,
+    /// Unix time since which a destination's sends fail, by service.
+    pub destination_failing_since: prometheus::GaugeVec,
+    /// Each destination's current failures and its bodies through S3: what
+    /// `/status` (and so `outbox-relay status`) shows.
+    health: std::sync::Mutex<std::collections::BTreeMap<String, LaneHealth>>,
     /// What holds the stream back (or keeps sessions from streaming), named.
     held_cause: std::sync::Mutex<Option<String>>,
     pub ready: AtomicBool,
@@ -133,6 +142,9 @@ impl Metrics {
             held_events: IntGaugeVec::new(Opts::new(HELD_EVENTS, "NEW rows whose deliver_at is still ahead, per destination (counted up to 1,000,000, every 10 s)"), &["destination"]).unwrap(),
             held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
+            stream_holds: IntCounter::new(STREAM_HOLDS_TOTAL, "Times a hold of the stream was named (the server sending nothing though rows are committed behind the slot, or no session streaming): each spooled every lane to the outbox table").unwrap(),
+            destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3 or sqs); absent while they succeed"), &["destination", "service"]).unwrap(),
+            health: Default::default(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
@@ -184,6 +196,8 @@ impl Metrics {
             Box::new(self.held_events.clone()),
             Box::new(self.held_next_due_seconds.clone()),
             Box::new(self.stream_held.clone()),
+            Box::new(self.stream_holds.clone()),
+            Box::new(self.destination_failing_since.clone()),
         ]
     }
 
@@ -204,6 +218,9 @@ impl Metrics {
     /// The stream is held back, or no session streams, for `cause`:
     /// `outbox_relay_stream_held` 1 and `/readyz` says why.
     pub fn hold(&self, cause: &str) {
+        if self.stream_held.get() == 0 {
+            self.stream_holds.inc();
+        }
         self.stream_held.set(1);
         *self.held_cause.lock().unwrap() = Some(cause.to_string());
     }
@@ -211,6 +228,49 @@ impl Metrics {
     pub fn release_hold(&self) {
         self.stream_held.set(0);
         *self.held_cause.lock().unwrap() = None;
+    }
+
+    /// A send to `destination` through `service` failed with `error` (to be
+    /// retried): it fails since the first failure after a success.
+    pub fn failed(&self, destination: &str, service: Service, error: &str) {
+        let mut health = self.health.lock().unwrap();
+        let failing = &mut health.entry(destination.to_string()).or_default().failing;
+        match failing.iter_mut().find(|f| f.service == service) {
+            Some(f) => f.error = error.to_string(),
+            None => {
+                let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                let labels = [destination, service.as_str()];
+                self.destination_failing_since.with_label_values(&labels).set(since.as_secs_f64());
+                failing.push(Failing { service, error: error.to_string(), since_unix_ms: since.as_millis() as u64 });
+            }
+        }
+    }
+
+    /// A send to `destination` through `service` succeeded.
+    pub fn succeeded(&self, destination: &str, service: Service) {
+        let mut health = self.health.lock().unwrap();
+        let Some(h) = health.get_mut(destination) else { return };
+        if h.failing.iter().any(|f| f.service == service) {
+            h.failing.retain(|f| f.service != service);
+            let _ = self.destination_failing_since.remove_label_values(&[destination, service.as_str()]);
+        }
+    }
+
+    /// `objects` bodies of `bytes` in all written to S3 for `destination`.
+    pub fn offloaded(&self, destination: &str, objects: u64, bytes: u64) {
+        self.offloaded_objects.with_label_values(&[destination]).inc_by(objects);
+        self.offloaded_bytes.with_label_values(&[destination]).inc_by(bytes);
+        let mut health = self.health.lock().unwrap();
+        let h = health.entry(destination.to_string()).or_default();
+        h.offloaded_objects += objects;
+        h.offloaded_bytes += bytes;
+    }
+
+    /// Every destination this process has sent to or failed on, as `/status`
+    /// shows them.
+    pub fn lanes(&self) -> Vec<LaneView> {
+        let health = self.health.lock().unwrap();
+        health.iter().map(|(d, h)| LaneView { destination: d.clone(), health: h.clone() }).collect()
     }
 
     /// What `/readyz` answers when not ready: why, as far as known.
@@ -233,6 +293,53 @@ impl Metrics {
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed) && self.stream_held.get() == 0
     }
+}
+
+/// What a destination's sends go through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Service {
+    /// SendMessageBatch.
+    Sqs,
+    /// The objects of bodies through S3.
+    S3,
+}
+
+impl Service {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Service::Sqs => "sqs",
+            Service::S3 => "s3",
+        }
+    }
+}
+
+/// What the running relay knows of a destination that the table does not.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LaneHealth {
+    /// Its current failures: at most one per service.
+    pub failing: Vec<Failing>,
+    /// Bodies written to S3 since the relay started, and their bytes.
+    pub offloaded_objects: u64,
+    pub offloaded_bytes: u64,
+}
+
+/// One destination's [`LaneHealth`], as `/status` serves it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LaneView {
+    pub destination: String,
+    #[serde(flatten)]
+    pub health: LaneHealth,
+}
+
+/// A destination's current failure on one service.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Failing {
+    pub service: Service,
+    /// The last error.
+    pub error: String,
+    /// Unix milliseconds of the first failure since the last success.
+    pub since_unix_ms: u64,
 }
 
 #[cfg(test)]

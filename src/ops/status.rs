@@ -24,6 +24,18 @@ pub struct Status {
     pub cdc_unavailable: Option<String>,
     pub slot: SlotStatus,
     pub destinations: Vec<DestinationStatus>,
+    /// Whether the running relay answered on `metrics_addr` (its `/status`
+    /// gives each destination's current failures and bodies through S3).
+    #[serde(default)]
+    pub relay: Option<RelayReached>,
+}
+
+/// The running relay as `status` found it on `metrics_addr`.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct RelayReached {
+    pub address: String,
+    /// Why it did not answer, if it did not (not running there, say).
+    pub error: Option<String>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -68,6 +80,35 @@ pub struct DestinationStatus {
     /// Seconds until the earliest held row is due.
     #[serde(default)]
     pub next_due_in_seconds: Option<f64>,
+    /// What the running relay's sends fail on now (S3 or SQS, since when),
+    /// as its `/status` says; empty when they succeed or it was not reached.
+    #[serde(default)]
+    pub failing: Vec<crate::metrics::Failing>,
+    /// Bodies the running relay wrote to S3 since it started, and their
+    /// bytes (`None`: the relay was not reached).
+    #[serde(default)]
+    pub offloaded_objects: Option<u64>,
+    #[serde(default)]
+    pub offloaded_bytes: Option<u64>,
+}
+
+impl DestinationStatus {
+    /// A destination with nothing in the table.
+    fn empty(destination: &str, configured: bool) -> Self {
+        DestinationStatus {
+            destination: destination.to_string(),
+            configured,
+            new: 0,
+            spooled: 0,
+            dead: 0,
+            oldest_new_age_seconds: None,
+            held: 0,
+            next_due_in_seconds: None,
+            failing: Vec::new(),
+            offloaded_objects: None,
+            offloaded_bytes: None,
+        }
+    }
 }
 
 pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, tokio_postgres::Error> {
@@ -134,24 +175,21 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
             oldest_new_age_seconds: r.get(4),
             held: r.get(5),
             next_due_in_seconds: r.get(6),
+            ..DestinationStatus::empty("", false)
         })
         .collect();
     for name in config.destinations.keys() {
         if !destinations.iter().any(|d| &d.destination == name) {
-            destinations.push(DestinationStatus {
-                destination: name.clone(),
-                configured: true,
-                new: 0,
-                spooled: 0,
-                dead: 0,
-                oldest_new_age_seconds: None,
-                held: 0,
-                next_due_in_seconds: None,
-            });
+            destinations.push(DestinationStatus::empty(name, true));
         }
     }
+    let relay = match config.metrics_addr {
+        Some(addr) => Some(add_relay_view(&mut destinations, addr).await),
+        None => None,
+    };
     destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
     Ok(Status {
+        relay,
         format: STATUS_FORMAT,
         mode: config.mode,
         effective_mode: effective,
@@ -159,6 +197,64 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         slot: slot_status(client, &config.slot).await?,
         destinations,
     })
+}
+
+/// Ask the running relay on `addr` (its `/status`) for each destination's
+/// current failures and bodies through S3, and add them.
+async fn add_relay_view(destinations: &mut Vec<DestinationStatus>, addr: std::net::SocketAddr) -> RelayReached {
+    let addr = reachable(addr);
+    let views = match fetch_relay_view(addr).await {
+        Ok(v) => v,
+        Err(error) => return RelayReached { address: addr.to_string(), error: Some(error) },
+    };
+    for v in views {
+        let d = match destinations.iter().position(|d| d.destination == v.destination) {
+            Some(i) => &mut destinations[i],
+            None => {
+                destinations.push(DestinationStatus::empty(&v.destination, true));
+                destinations.last_mut().expect("pushed")
+            }
+        };
+        d.failing = v.health.failing;
+        d.offloaded_objects = Some(v.health.offloaded_objects);
+        d.offloaded_bytes = Some(v.health.offloaded_bytes);
+    }
+    for d in destinations.iter_mut() {
+        d.offloaded_objects.get_or_insert(0);
+        d.offloaded_bytes.get_or_insert(0);
+    }
+    RelayReached { address: addr.to_string(), error: None }
+}
+
+/// A listening address as a client reaches it: `0.0.0.0` is this host.
+fn reachable(mut addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    if addr.ip().is_unspecified() {
+        addr.set_ip(if addr.is_ipv4() { IpAddr::V4(Ipv4Addr::LOCALHOST) } else { IpAddr::V6(Ipv6Addr::LOCALHOST) });
+    }
+    addr
+}
+
+/// `GET /status` on `addr`, within 3 s.
+async fn fetch_relay_view(addr: std::net::SocketAddr) -> Result<Vec<crate::metrics::LaneView>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let get = async {
+        let mut c = tokio::net::TcpStream::connect(addr).await?;
+        c.write_all(b"GET /status HTTP/1.0\r\nHost: relay\r\n\r\n").await?;
+        let mut reply = Vec::new();
+        c.take(16 << 20).read_to_end(&mut reply).await?;
+        std::io::Result::Ok(reply)
+    };
+    let reply = match tokio::time::timeout(std::time::Duration::from_secs(3), get).await {
+        Ok(r) => r.map_err(|e| format!("no relay answers there ({e})"))?,
+        Err(_) => return Err("no answer within 3 s".into()),
+    };
+    let text = String::from_utf8_lossy(&reply);
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("not an HTTP answer")?;
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        return Err(format!("/status answered {}", head.lines().next().unwrap_or("")));
+    }
+    serde_json::from_str(body).map_err(|e| format!("/status is not what this version reads: {e}"))
 }
 
 pub fn format_slot(s: &SlotStatus) -> String {
@@ -215,6 +311,36 @@ pub fn format_status(s: &Status) -> String {
             secs(d.next_due_in_seconds),
             if d.configured { "" } else { "  (not configured)" }
         );
+        out += &format_health(d);
+    }
+    if let Some(RelayReached { address, error: Some(e) }) = &s.relay {
+        out += &format!("relay at {address}: {e} (failures and bodies through S3 are shown when it answers)\n");
+    }
+    out
+}
+
+/// A destination's current failures and bodies through S3, indented under
+/// its line (nothing when the relay was not reached or has none to show).
+fn format_health(d: &DestinationStatus) -> String {
+    let mut out = String::new();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.as_millis() as u64)
+        .unwrap_or_default();
+    for f in &d.failing {
+        let since = std::time::UNIX_EPOCH + std::time::Duration::from_millis(f.since_unix_ms);
+        out += &format!(
+            "  FAILING on {} since {} ({:.0} s): {}\n",
+            f.service.as_str().to_uppercase(),
+            humantime::format_rfc3339_seconds(since),
+            now_ms.saturating_sub(f.since_unix_ms) as f64 / 1000.0,
+            f.error
+        );
+    }
+    if let (Some(n), Some(bytes)) = (d.offloaded_objects, d.offloaded_bytes) {
+        if n > 0 {
+            out += &format!("  bodies through S3 since the relay started: {n} objects, {bytes} bytes\n");
+        }
     }
     out
 }

@@ -151,6 +151,16 @@ pub const IN_MEMORY_BASE: Duration = Duration::from_millis(200);
 /// ... doubling to this (a lane stalled longer spools to the table).
 pub const IN_MEMORY_CAP: Duration = Duration::from_secs(10);
 
+/// How long one object's write to S3 may take before it fails (and is
+/// retried like any failed send): half the lane's stall timeout (from 1 s to
+/// 20 s, the SDK's own attempt timeout) plus a second per 4 MiB of body, so a
+/// hung endpoint frees the lane before the lane would spool for it, while a
+/// large body on a slow link still gets the time its bytes need.
+pub fn s3_write_deadline(stall_timeout: Duration, body_bytes: usize) -> Duration {
+    let base = (stall_timeout / 2).clamp(Duration::from_secs(1), Duration::from_secs(20));
+    base + Duration::from_secs_f64(body_bytes as f64 / (4u64 << 20) as f64)
+}
+
 /// [`backoff`] as SQL, for the table path's `next_attempt_at`: seconds as
 /// float8, from the row's `attempts` column and the `retry_base` /
 /// `retry_max` parameters (seconds).

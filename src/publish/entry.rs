@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 
 use crate::event::OutboxEvent;
 use crate::policy::dead::{DeadCode, DeadReason};
-use crate::publish::offload::{Offload, OffloadTarget, SIZE_ATTRIBUTE};
+use crate::publish::offload::{Offload, OffloadTarget, RESERVED_ATTRIBUTES, SIZE_ATTRIBUTE};
 
 /// What SQS needs to know about a queue to batch for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -249,6 +249,12 @@ pub fn check_sqs_number(s: &str) -> Result<(), String> {
 }
 
 fn validate_attribute_name(name: &str) -> Result<(), String> {
+    if RESERVED_ATTRIBUTES.contains(&name) {
+        return Err(format!(
+            "attribute name {name:?} is reserved: AWS's SQS extended clients read a message carrying it as a \
+             pointer to a body in S3 (the relay sets it itself when a body goes through S3)"
+        ));
+    }
     let lower = name.to_ascii_lowercase();
     let ok = !name.is_empty()
         && name.len() <= 256
@@ -350,10 +356,14 @@ fn offload(
             format!("body is {} bytes; s3.max_body_bytes allows {}", event.body.len(), target.max_body),
         ));
     }
-    if attrs.len() >= MAX_ATTRIBUTES || attrs.iter().any(|a| a.name == SIZE_ATTRIBUTE) {
+    // The row's own attributes never carry the name (parse_attributes refuses it).
+    if attrs.len() >= MAX_ATTRIBUTES {
         return Err(DeadReason::new(
             DeadCode::InvalidAttributes,
-            format!("a body through S3 needs the {SIZE_ATTRIBUTE} attribute: at most {} attributes of the row's own, none of that name", MAX_ATTRIBUTES - 1),
+            format!(
+                "a body through S3 needs the {SIZE_ATTRIBUTE} attribute: at most {} attributes of the row's own",
+                MAX_ATTRIBUTES - 1
+            ),
         ));
     }
     attrs.push(Attribute {
@@ -519,6 +529,7 @@ mod tests {
             key_prefix: "outbox/".into(),
             threshold,
             max_body,
+            stall_timeout: std::time::Duration::from_secs(30),
         };
         QueueInfo { offload: Some(Arc::new(target)), ..q(false, 1000) }
     }
@@ -571,6 +582,24 @@ mod tests {
         let by_size = through_s3(Threshold::Bytes(100), 10_000);
         assert!(prepare(ev(3, &"x".repeat(100)), &by_size).unwrap().offload.is_none());
         assert!(prepare(ev(4, &"x".repeat(101)), &by_size).unwrap().offload.is_some());
+    }
+
+    /// A small inline message carrying the extended client's size attribute
+    /// would be read as a pointer by every consumer of the queue (and fail
+    /// them all): DEAD with the name in its reason, with S3 set or not.
+    #[test]
+    fn the_extended_clients_names_are_reserved_on_every_path() {
+        use crate::publish::offload::Threshold;
+        for name in RESERVED_ATTRIBUTES {
+            for queue in [q(false, 1000), q(true, 1000), through_s3(Threshold::QueueLimit, 10_000)] {
+                let mut e = (*ev(1, "tiny")).clone();
+                e.group_key = Some("g".into());
+                e.attributes = Some(format!(r#"{{"{name}": {{"DataType": "Number", "StringValue": "12"}}}}"#));
+                let dead = prepare(Arc::new(e), &queue).unwrap_err();
+                assert_eq!(dead.code, DeadCode::InvalidAttributes, "{name}");
+                assert!(dead.detail.contains(name) && dead.detail.contains("reserved"), "{dead:?}");
+            }
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -28,6 +29,13 @@ pub const POINTER_CLASS: &str = "software.amazon.payloadoffloading.PayloadS3Poin
 
 /// The message attribute carrying the offloaded body's size in bytes.
 pub const SIZE_ATTRIBUTE: &str = "ExtendedPayloadSize";
+
+/// The names AWS's extended clients take as "this message is a pointer"
+/// (the current one and the legacy `SQSLargePayloadSize`): a row's own
+/// attribute of either name would make every consumer of the queue read a
+/// small inline message as a pointer and fail, so rows may not carry them,
+/// whether or not their body goes through S3.
+pub const RESERVED_ATTRIBUTES: [&str; 2] = [SIZE_ATTRIBUTE, "SQSLargePayloadSize"];
 
 /// Where an object goes: S3, or memory in tests.
 #[async_trait]
@@ -71,6 +79,9 @@ pub struct OffloadTarget {
     pub threshold: Threshold,
     /// Bodies over this many bytes are DEAD (`too_large`) even through S3.
     pub max_body: usize,
+    /// The lane stall timeout the write deadline is derived from
+    /// ([`crate::policy::retry::s3_write_deadline`]).
+    pub stall_timeout: Duration,
 }
 
 impl fmt::Debug for OffloadTarget {
@@ -158,8 +169,14 @@ pub async fn write_objects<'a>(
             continue;
         }
         let (o, body) = (Arc::clone(o), Bytes::from_owner(BodyOf(Arc::clone(event))));
+        let deadline = crate::policy::retry::s3_write_deadline(o.target.stall_timeout, body.len());
         writes.spawn(async move {
-            o.target.store.put(&o.target.bucket, &o.key, body).await?;
+            let put = o.target.store.put(&o.target.bucket, &o.key, body);
+            tokio::time::timeout(deadline, put).await.map_err(|_| CallError {
+                code: "S3.timeout".into(),
+                message: format!("PutObject did not answer within {deadline:?}"),
+                sender_fault: false,
+            })??;
             o.written.store(true, Ordering::Release);
             Ok::<(), CallError>(())
         });
@@ -222,6 +239,8 @@ pub struct MemoryStore {
     objects: std::sync::Mutex<std::collections::BTreeMap<(String, String), Bytes>>,
     /// While set, every write fails (`S3.ServiceUnavailable`).
     pub down: AtomicBool,
+    /// While set, every write waits without answering (a hung endpoint).
+    pub hung: AtomicBool,
 }
 
 #[cfg(any(test, feature = "test-utils"))]
@@ -245,6 +264,9 @@ impl MemoryStore {
 #[async_trait]
 impl ObjectStore for MemoryStore {
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<(), CallError> {
+        if self.hung.load(Ordering::Acquire) {
+            std::future::pending::<()>().await;
+        }
         if self.down.load(Ordering::Acquire) {
             return Err(CallError {
                 code: "S3.ServiceUnavailable".into(),

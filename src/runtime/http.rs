@@ -1,11 +1,13 @@
-//! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz`, `/readyz`.
+//! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz`, `/readyz`,
+//! and `/status` (JSON: each destination's current failures and bodies
+//! through S3, which `outbox-relay status` shows beside the table's counts).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::metrics::Metrics;
 
-/// Serve `/metrics`, `/healthz` and `/readyz` on `listener` until `shutdown`.
+/// Serve `/metrics`, `/healthz`, `/readyz` and `/status` on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
@@ -20,6 +22,13 @@ pub async fn serve(
             }),
         )
         .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/status",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                let body = serde_json::to_string(&m.lanes()).unwrap_or_else(|_| "[]".into());
+                ([("content-type", "application/json")], body)
+            }),
+        )
         .route(
             "/readyz",
             get(|State(m): State<Arc<Metrics>>| async move {

@@ -172,6 +172,7 @@ fn offload_target(
         key_prefix: key_prefix.to_string(),
         threshold: s3.threshold,
         max_body: s3.max_body_bytes as usize,
+        stall_timeout: config.lane_stall_timeout,
     }))
 }
 

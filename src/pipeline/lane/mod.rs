@@ -156,9 +156,26 @@ impl Ctx {
 /// What a finished send task reports back to its lane.
 pub(crate) struct Done {
     groups: Vec<String>,
-    /// FIFO groups with an entry deferred to the table: their later entries
-    /// must follow it there.
-    deferred_groups: Vec<String>,
+    settled: Unsent,
+}
+
+/// The FIFO groups of a batch's entries that did not end published or DEAD.
+#[derive(Default)]
+pub(crate) struct Unsent {
+    /// Groups with an entry deferred to the table: their later entries must
+    /// follow it there.
+    pub(crate) deferred: Vec<String>,
+    /// Groups with an entry abandoned unsettled (the lane is closing): it is
+    /// read again from the slot, so its group's later entries must not go
+    /// anywhere before it (the table path would send them first).
+    pub(crate) abandoned: Vec<String>,
+}
+
+impl Unsent {
+    fn extend(&mut self, other: Unsent) {
+        self.deferred.extend(other.deferred);
+        self.abandoned.extend(other.abandoned);
+    }
 }
 
 /// Run a lane until its input closes and everything in it is settled (or the
@@ -222,6 +239,9 @@ struct Lane {
     busy: HashSet<String>,
     /// FIFO groups whose earlier entry went to the table: the rest follows.
     held: HashSet<String>,
+    /// FIFO groups whose earlier entry was abandoned at shutdown: the rest
+    /// is abandoned too, to be read again from the slot behind it.
+    abandoned: HashSet<String>,
     /// When the oldest pending entry arrived (the linger runs from it).
     oldest: Option<Instant>,
     /// When the last batch finished: a lane that sent within the last linger
@@ -240,6 +260,7 @@ impl Lane {
             in_flight_since: HashMap::new(),
             busy: HashSet::new(),
             held: HashSet::new(),
+            abandoned: HashSet::new(),
             oldest: None,
             last_done: None,
             closed: false,
@@ -247,13 +268,31 @@ impl Lane {
     }
 
     /// A spooling lane's pending entries go to the table; so do the later
-    /// entries of a FIFO group whose earlier one went there.
+    /// entries of a FIFO group whose earlier one went there. A FIFO group
+    /// with an entry in flight keeps its later entries here until that entry
+    /// is settled: in the table before it, they could be sent before it. A
+    /// group whose entry was abandoned at shutdown has the rest abandoned.
     fn defer_what_must_follow(&mut self) {
+        if !self.abandoned.is_empty() && !self.pending.is_empty() {
+            let gone = &self.abandoned;
+            let before = self.pending.len();
+            self.pending.retain(|i| i.entry.ordering_group().is_none_or(|g| !gone.contains(g)));
+            let n = before - self.pending.len();
+            if n > 0 {
+                tracing::debug!(destination = %self.ctx.cfg.name, entries = n, "shutdown: entries behind an abandoned one of their group abandoned");
+            }
+        }
         if spooling(&self.spool_rx) && !self.pending.is_empty() {
-            for item in self.pending.drain(..) {
+            let busy = &self.busy;
+            let (wait, go): (VecDeque<_>, VecDeque<_>) =
+                self.pending.drain(..).partition(|i| i.entry.ordering_group().is_some_and(|g| busy.contains(g)));
+            self.pending = wait;
+            for item in go {
                 defer(&self.ctx, item, "spooled", Due::Now);
             }
-            self.oldest = None;
+            if self.pending.is_empty() {
+                self.oldest = None;
+            }
         }
         if !self.held.is_empty() && !self.pending.is_empty() && !catching_up(&self.spool_rx) {
             let held = &self.held;
@@ -299,8 +338,8 @@ impl Lane {
             let ctx = Arc::clone(&self.ctx);
             let spool = self.spool_rx.clone();
             let handle = self.in_flight.spawn(async move {
-                let deferred_groups = send_until_settled(&ctx, batch, spool).await;
-                Done { groups, deferred_groups }
+                let settled = send_until_settled(&ctx, batch, spool).await;
+                Done { groups, settled }
             });
             self.in_flight_since.insert(handle.id(), since);
             self.oldest = self.pending.front().map(|_| Instant::now());
@@ -343,7 +382,8 @@ impl Lane {
             for g in done.groups {
                 self.busy.remove(&g);
             }
-            self.held.extend(done.deferred_groups);
+            self.held.extend(done.settled.deferred);
+            self.abandoned.extend(done.settled.abandoned);
         }
     }
 
@@ -584,6 +624,57 @@ mod tests {
         lane.await.unwrap();
     }
 
+    /// A standard queue: while S3 hangs, the batch's entries that need no
+    /// object go out at once, and the write fails at its own deadline
+    /// (half the stall timeout), not the SDK's 20 s; once S3 answers the
+    /// offloaded entry follows.
+    #[tokio::test]
+    async fn a_hung_s3_write_holds_no_small_message_of_a_standard_queue() {
+        use std::sync::atomic::Ordering;
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        let store = Arc::new(MemoryStore::default());
+        store.hung.store(true, Ordering::Release);
+        let target = Arc::new(OffloadTarget {
+            store: Arc::clone(&store) as _,
+            bucket: "bodies".into(),
+            key_prefix: String::new(),
+            threshold: Threshold::QueueLimit,
+            max_body: 32 << 20,
+            stall_timeout: Duration::from_secs(2),
+        });
+        let queue = QueueInfo { offload: Some(target), ..QueueInfo::new(Q, false, 1000) };
+        let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
+        cfg.queue = queue.clone();
+        let metrics = Metrics::new();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        let started = Instant::now();
+        let big = OutboxEvent::for_test(1, "orders", &"b".repeat(5000));
+        tx.send(LaneItem::new(prepare(Arc::new(big), &queue).unwrap(), None, None).ending_chunk(false)).await.unwrap();
+        for id in 2..=4 {
+            let ev = OutboxEvent::for_test(id, "orders", "small");
+            tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(id == 4))
+                .await
+                .unwrap();
+        }
+        for _ in 2..=4 {
+            let s = settle_rx.recv().await.unwrap();
+            assert!(s.id() != 1 && matches!(s.outcome, Outcome::Published), "{:?}", s.outcome);
+        }
+        assert!(started.elapsed() < Duration::from_millis(900), "the small ones did not wait: {:?}", started.elapsed());
+        let timeouts = || metrics.sqs_entry_failures.with_label_values(&["orders", "S3.timeout"]).get();
+        until("the hung write's deadline", || timeouts() >= 1).await;
+        assert!(started.elapsed() >= Duration::from_secs(1), "the deadline is half the stall timeout");
+        store.hung.store(false, Ordering::Release);
+        let last = settle_rx.recv().await.unwrap();
+        assert_eq!((last.id(), matches!(last.outcome, Outcome::Published)), (1, true));
+        assert_eq!(store.len(), 1);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
     /// A queue of 1,000 bytes whose larger bodies go through a memory store
     /// that is down, to be brought up with `store.down`.
     fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, QueueInfo) {
@@ -596,6 +687,7 @@ mod tests {
             key_prefix: String::new(),
             threshold: Threshold::QueueLimit,
             max_body: 32 << 20,
+            stall_timeout: Duration::from_secs(30),
         });
         (store, QueueInfo { offload: Some(target), ..QueueInfo::new(url, fifo, 1000) })
     }
@@ -629,6 +721,77 @@ mod tests {
         assert_eq!(order, [3, 1, 2], "group a in order, after its object");
         drop(tx);
         lane.await.unwrap();
+    }
+
+    /// A FIFO entry of group `g`, `n` bytes of body.
+    fn fifo_item(id: i64, g: &str, queue: &QueueInfo) -> LaneItem {
+        let mut ev = OutboxEvent::for_test(id, "orders", &format!("body {id}"));
+        ev.group_key = Some(g.into());
+        LaneItem::new(prepare(Arc::new(ev), queue).unwrap(), None, None)
+    }
+
+    /// A FIFO lane told to spool while a group's entry is in flight keeps
+    /// that group's later entries until the earlier one is settled: deferred
+    /// to the table at once, the table path could send them first. Other
+    /// groups go to the table at once.
+    #[tokio::test]
+    async fn spooling_keeps_a_fifo_group_behind_its_entry_in_flight() {
+        const F: &str = "http://memory.invalid/orders.fifo";
+        let p = MemoryPublisher::new();
+        p.add_queue(F, true, 1 << 20);
+        let queue = QueueInfo::new(F, true, 1 << 20);
+        let metrics = Metrics::new();
+        let state = LaneState::new("orders", Arc::clone(&metrics));
+        let mut cfg = streaming_lane(1, Duration::from_millis(10), Duration::from_millis(100));
+        cfg.queue = queue.clone();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        p.close_gate();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, Some(Arc::clone(&state))));
+        tx.send(fifo_item(1, "g", &queue)).await.unwrap();
+        until("g's first entry in flight", || p.calls_started() == 1).await;
+        tx.send(fifo_item(2, "g", &queue)).await.unwrap();
+        tx.send(fifo_item(3, "h", &queue)).await.unwrap();
+        state.start_spooling(SpoolCause::WalBudget { held: 2, max: 3, oldest: Duration::from_secs(2) });
+        let other = settle_rx.recv().await.unwrap();
+        assert_eq!((other.id(), matches!(other.outcome, Outcome::Deferred(..))), (3, true), "h goes to the table");
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(settle_rx.try_recv().is_err(), "g's later entry waits for its earlier one, in flight");
+        p.open_gate();
+        let (first, second) = (settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap());
+        assert_eq!((first.id(), matches!(first.outcome, Outcome::Published)), (1, true));
+        assert_eq!((second.id(), matches!(second.outcome, Outcome::Deferred(..))), (2, true));
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// A FIFO entry abandoned at shutdown (read again from the slot) takes
+    /// its group's later entries with it: sent now, they would reach the
+    /// queue before it.
+    #[tokio::test]
+    async fn a_group_behind_an_abandoned_entry_is_abandoned_too() {
+        const F: &str = "http://memory.invalid/orders.fifo";
+        let p = MemoryPublisher::new();
+        p.add_queue(F, true, 1 << 20);
+        let queue = QueueInfo::new(F, true, 1 << 20);
+        p.push_fault(crate::publish::memory::Fault::FailCall(crate::publish::CallError::transport("reset")));
+        let mut cfg = streaming_lane(1, Duration::from_secs(5), Duration::from_secs(10));
+        cfg.queue = queue.clone();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        tx.send(fifo_item(1, "g", &queue)).await.unwrap();
+        until("g's first call failed", || p.calls() == 1).await;
+        tx.send(fifo_item(2, "g", &queue)).await.unwrap();
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(2), lane).await.expect("the lane ends").unwrap();
+        assert!(p.sent(F).is_empty(), "nothing of g overtakes its abandoned entry: {:?}", p.sent(F));
+        assert!(settle_rx.try_recv().is_err(), "nothing settled: both are read again from the slot");
     }
 
     /// A closing lane (its session is stopping) does not keep retrying a

@@ -8,7 +8,8 @@ use std::time::Instant;
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy};
+use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy, Unsent};
+use crate::metrics::Service;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
@@ -66,20 +67,51 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
     }
 }
 
-/// Send `batch` until every entry is published, DEAD or deferred. Returns the
-/// FIFO groups of deferred entries.
+/// Send `batch` until every entry is published, DEAD or deferred (or, the
+/// lane closing, abandoned). Returns the FIFO groups of the entries deferred
+/// and abandoned. The entries whose body goes through S3 and is not written
+/// yet (with, FIFO, the rest of their groups) are sent beside the others,
+/// not with them: nothing orders them, so an entry that needs no object goes
+/// out now and does not wait for a slow or failing write.
 pub(super) async fn send_until_settled(
     ctx: &Ctx,
     batch: Vec<LaneItem>,
-    mut spool: Option<watch::Receiver<Flow>>,
-) -> Vec<String> {
+    spool: Option<watch::Receiver<Flow>>,
+) -> Unsent {
+    let (mut now, later) = apart_from_objects(batch);
+    if now.is_empty() || later.is_empty() {
+        now.extend(later);
+        return send_retrying(ctx, now, spool).await;
+    }
+    let (mut unsent, other) = tokio::join!(send_retrying(ctx, now, spool.clone()), send_retrying(ctx, later, spool));
+    unsent.extend(other);
+    unsent
+}
+
+/// Split `batch` into the entries that can go now and those that wait for an
+/// object to be written: an unwritten object's entry, and the entries of its
+/// FIFO group (which keep their order behind it).
+fn apart_from_objects(batch: Vec<LaneItem>) -> (Vec<LaneItem>, Vec<LaneItem>) {
+    let unwritten = |i: &LaneItem| i.entry.offload.as_ref().is_some_and(|o| !o.is_written());
+    let waiting: Vec<String> =
+        batch.iter().filter(|i| unwritten(i)).filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect();
+    batch
+        .into_iter()
+        .partition(|i| !unwritten(i) && i.entry.ordering_group().is_none_or(|g| !waiting.iter().any(|w| w == g)))
+}
+
+/// [`send_until_settled`] for entries sent together.
+async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch::Receiver<Flow>>) -> Unsent {
     let mut todo = batch;
     let mut attempt = 0u32;
-    let mut deferred_groups = Vec::new();
+    let mut unsent = Unsent::default();
+    let groups = |items: &[LaneItem]| -> Vec<String> {
+        items.iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect()
+    };
     while !todo.is_empty() {
         if spooling(&spool) {
+            unsent.deferred.extend(groups(&todo));
             for item in todo.drain(..) {
-                deferred_groups.extend(item.entry.ordering_group().map(str::to_string));
                 // Tried and failed already, or not tried yet.
                 defer(ctx, item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
             }
@@ -89,7 +121,7 @@ pub(super) async fn send_until_settled(
             CallOutcome::Split if todo.len() > 1 => {
                 // Find the entry the service objects to: each alone.
                 for item in todo.drain(..) {
-                    deferred_groups.extend(Box::pin(send_until_settled(ctx, vec![item], spool.clone())).await);
+                    unsent.extend(Box::pin(send_retrying(ctx, vec![item], spool.clone())).await);
                 }
                 break;
             }
@@ -102,7 +134,7 @@ pub(super) async fn send_until_settled(
         }
         if ctx.cfg.retry == RetryPolicy::ToTable {
             for (item, err) in retry {
-                deferred_groups.extend(item.entry.ordering_group().map(str::to_string));
+                unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
                 settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
             }
             break;
@@ -111,11 +143,12 @@ pub(super) async fn send_until_settled(
         if !wait_to_retry(ctx, &mut spool, attempt).await {
             // Stopping: these stay unsettled and are read again from the slot.
             tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
+            unsent.abandoned.extend(groups(&todo));
             break;
         }
         attempt = attempt.saturating_add(1);
     }
-    deferred_groups
+    unsent
 }
 
 /// Write the objects of the entries whose bodies go through S3 and are not
@@ -128,14 +161,16 @@ async fn offload_objects(ctx: &Ctx, entries: &[Entry]) -> Result<(), CallError> 
     }
     let bodies = unwritten.iter().filter_map(|e| e.offload.as_ref().map(|o| (o, &e.event)));
     let result = crate::publish::offload::write_objects(bodies).await;
+    match &result {
+        Ok(()) => ctx.metrics.succeeded(&ctx.cfg.name, Service::S3),
+        Err(e) => ctx.metrics.failed(&ctx.cfg.name, Service::S3, &e.to_string()),
+    }
     let written: Vec<usize> = unwritten
         .iter()
         .filter(|e| e.offload.as_ref().is_some_and(|o| o.is_written()))
         .map(|e| e.event.body.len())
         .collect();
-    let name = &*ctx.cfg.name;
-    ctx.metrics.offloaded_objects.with_label_values(&[name]).inc_by(written.len() as u64);
-    ctx.metrics.offloaded_bytes.with_label_values(&[name]).inc_by(written.iter().sum::<usize>() as u64);
+    ctx.metrics.offloaded(&ctx.cfg.name, written.len() as u64, written.iter().sum::<usize>() as u64);
     result
 }
 
@@ -146,7 +181,7 @@ async fn offload_objects(ctx: &Ctx, entries: &[Entry]) -> Result<(), CallError> 
 /// retried: one bad write does not hold the rest of the batch back.
 async fn send_with_objects(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
     let Err(s3) = offload_objects(ctx, entries).await else {
-        return ctx.publisher.send_batch(&ctx.cfg.queue.url, entries).await;
+        return send_batch(ctx, entries).await;
     };
     let unwritten = |e: &Entry| e.offload.as_ref().is_some_and(|o| !o.is_written());
     let held_groups: Vec<&str> = entries.iter().filter(|e| unwritten(e)).filter_map(Entry::ordering_group).collect();
@@ -156,9 +191,40 @@ async fn send_with_objects(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResu
     if go.is_empty() {
         return Err(s3);
     }
-    let mut sent = ctx.publisher.send_batch(&ctx.cfg.queue.url, &go).await?.into_iter();
+    let mut sent = send_batch(ctx, &go).await?.into_iter();
     let failed = || EntryResult::Failed { code: s3.code.clone(), sender_fault: false, message: s3.message.clone() };
     Ok(blocked.iter().map(|b| if *b { failed() } else { sent.next().unwrap_or_else(failed) }).collect())
+}
+
+/// One `SendMessageBatch`, its failure or success noted for the
+/// destination's health (`status`, `/status`): failures SQS may recover
+/// from, not entries it refuses for good.
+async fn send_batch(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, entries).await;
+    let name = &*ctx.cfg.name;
+    match &result {
+        Ok(results) if results.iter().any(|r| matches!(r, EntryResult::Sent)) => {
+            ctx.metrics.succeeded(name, Service::Sqs)
+        }
+        Ok(results) => {
+            let passing = results.iter().find_map(|r| match r {
+                EntryResult::Failed { code, sender_fault, message }
+                    if classify_entry(code, *sender_fault) != Remedy::Dead =>
+                {
+                    Some(format!("{code}: {message}"))
+                }
+                _ => None,
+            });
+            if let Some(e) = passing {
+                ctx.metrics.failed(name, Service::Sqs, &e);
+            }
+        }
+        Err(e) if classify_call(&e.code, e.sender_fault, entries.len()) == Remedy::Retry => {
+            ctx.metrics.failed(name, Service::Sqs, &e.to_string())
+        }
+        Err(_) => {}
+    }
+    result
 }
 
 /// One call, measured, and its result reconciled. A call in flight finishes
