@@ -90,6 +90,26 @@ struct Watch {
     advanced: Option<Instant>,
     probe: Option<(u64, Instant)>,
     held: Option<String>,
+    /// The walsender's sent position at the last tick and when it last
+    /// moved: a walsender still reading WAL (a big transaction, a busy or
+    /// restarting server) is slow, not holding anything back.
+    sent: Option<(u64, Instant)>,
+}
+
+/// Whether the walsender shows a hold: its sent position (`None`: no
+/// walsender reads the slot) is behind the probe and has not moved for
+/// [`STREAM_QUIET`]. Updates `last` with this tick's reading.
+fn walsender_stuck(sent: Option<u64>, probe: u64, last: &mut Option<(u64, Instant)>) -> bool {
+    let Some(sent) = sent else {
+        *last = None;
+        return true;
+    };
+    let since = match *last {
+        Some((before, at)) if before == sent => at,
+        _ => Instant::now(),
+    };
+    *last = Some((sent, since));
+    sent < probe && since.elapsed() >= STREAM_QUIET
 }
 
 /// Once a second until the session ends (the task is aborted with it, and
@@ -124,14 +144,21 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
     match s.probe {
         Some((lsn, _)) if received >= lsn => {
             s.probe = None;
+            s.sent = None;
             if s.held.take().is_some() {
                 w.metrics.release_hold();
                 w.lanes.iter().for_each(|l| l.release());
                 tracing::info!(slot = %w.slot, "the server streams again; lanes return to streaming as their spools allow");
             }
         }
-        Some((_, at)) if quiet && at.elapsed() >= stream_held_after(w.lane_stall_timeout) => {
+        Some((lsn, at)) if quiet && at.elapsed() >= stream_held_after(w.lane_stall_timeout) => {
             if s.held.is_none() {
+                // Evidence, not the wait alone: a walsender waiting for WAL
+                // looks the same as one held back.
+                let sent = walsender_sent(c, &w.slot).await?;
+                if !walsender_stuck(sent, lsn, &mut s.sent) {
+                    return Ok(());
+                }
                 let cause = diagnose(c, &w.slot).await?;
                 tracing::warn!(slot = %w.slot, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
                 w.metrics.hold(&cause);
@@ -159,6 +186,19 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
         None => {}
     }
     Ok(())
+}
+
+/// The sent position of the walsender reading `slot`, if one does.
+async fn walsender_sent(c: &Client, slot: &str) -> Result<Option<u64>, tokio_postgres::Error> {
+    let r = c
+        .query_opt(
+            "SELECT r.sent_lsn::text FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+              WHERE s.slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    let sent: Option<String> = r.and_then(|r| r.get(0));
+    Ok(sent.and_then(|t| t.parse::<Lsn>().ok()).map(|l| l.0))
 }
 
 /// Hand this relay's NEW rows the stream has not brought to the table path:
@@ -378,4 +418,24 @@ async fn diagnose_down(c: &Client, slot: &str, last_error: Option<&str>) -> Resu
         Some(e) => format!("no replication session: {e}"),
         None => "no replication session has started yet".to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hold is named only when the walsender's sent position is behind
+    /// the probe and stands still: one reading WAL (moving), or past the
+    /// probe (caught up, waiting for WAL), holds nothing.
+    #[test]
+    fn a_hold_needs_a_walsender_standing_behind_the_probe() {
+        let mut last = None;
+        assert!(!walsender_stuck(Some(100), 500, &mut last), "first reading: not yet shown to stand");
+        last = Some((100, Instant::now() - STREAM_QUIET));
+        assert!(walsender_stuck(Some(100), 500, &mut last), "behind and still for the quiet time");
+        assert!(!walsender_stuck(Some(200), 500, &mut last), "moving: busy, not held");
+        last = Some((600, Instant::now() - STREAM_QUIET));
+        assert!(!walsender_stuck(Some(600), 500, &mut last), "past the probe: caught up");
+        assert!(walsender_stuck(None, 500, &mut last), "no walsender reads the slot");
+    }
 }
