@@ -153,7 +153,9 @@ async fn s3_gone_for_30_s_loses_nothing_and_no_pointer_dangles() {
     cfg.lane_stall_timeout = Duration::from_secs(2);
     cfg.retry_base = Duration::from_millis(200);
     cfg.retry_max = Duration::from_secs(2);
-    let relay = start(cfg, Arc::new(sqs.clone()));
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    cfg.metrics_addr = Some(format!("127.0.0.1:{port}").parse().unwrap());
+    let relay = start(cfg.clone(), Arc::new(sqs.clone()));
     let c = db.client().await;
     let first = body("before", 3000);
     insert(&c, "before", "bigo", &first, None).await;
@@ -171,6 +173,20 @@ async fn s3_gone_for_30_s_loses_nothing_and_no_pointer_dangles() {
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert_eq!(db.count("status = 'DEAD'").await, 0, "an S3 outage never makes a row DEAD");
     assert!(db.count("next_attempt_at IS NOT NULL").await > 0, "the stalled lane spooled to the table");
+    // Nothing orders a standard queue: the small rows did not wait for S3.
+    assert_eq!(db.count("body LIKE 'small%'").await, 0, "the small rows went out while S3 was down");
+    // `status` names the failure (S3, since when) from the running relay.
+    let status = outbox_relay::ops::status(&c, &cfg).await.unwrap();
+    let d = status.destinations.iter().find(|d| d.destination == "bigo").unwrap();
+    let reached = status.relay.as_ref().unwrap();
+    assert!(reached.error.is_none(), "{reached:?}");
+    assert!(
+        d.failing.iter().any(|f| f.service == outbox_relay::metrics::Service::S3 && f.error.starts_with("S3.")),
+        "{d:?}"
+    );
+    assert_eq!(d.offloaded_objects, Some(1), "the body written before the outage: {d:?}");
+    let shown = outbox_relay::ops::format_status(&status);
+    assert!(shown.contains("FAILING on S3 since"), "{shown}");
     proxy.up();
     wait_for("every row settled after S3 returned", Duration::from_secs(120), || async { db.count("true").await == 0 })
         .await;
@@ -182,6 +198,9 @@ async fn s3_gone_for_30_s_loses_nothing_and_no_pointer_dangles() {
     let m = relay.metrics.render();
     let s3_failures = m.lines().filter(|l| l.starts_with("outbox_relay_sqs_entry_failures_total") && l.contains("S3."));
     assert!(s3_failures.count() > 0, "the failed writes are counted by their S3 code: {m}");
+    let status = outbox_relay::ops::status(&c, &cfg).await.unwrap();
+    let d = status.destinations.iter().find(|d| d.destination == "bigo").unwrap();
+    assert!(d.failing.is_empty(), "S3 answers again: {d:?}");
     relay.stop().await;
 }
 
