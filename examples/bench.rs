@@ -60,6 +60,10 @@ struct Args {
     /// Run only the large-body memory comparison.
     #[arg(long)]
     large_bodies_only: bool,
+    /// Run only the drains of 20 and 30 MiB bodies through S3 (peak RSS
+    /// beside its bound).
+    #[arg(long)]
+    huge_bodies_only: bool,
     /// Run only the drain of 2 MiB bodies through S3 beside a raw client.
     #[arg(long)]
     s3_only: bool,
@@ -982,6 +986,13 @@ struct LargeBodies {
     seconds: f64,
     peak_unsettled_events: f64,
     peak_rss_mb: f64,
+    /// `cdc` or `polling` (the rows of 250 KB bodies are `cdc`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mode: Option<String>,
+    /// Bodies through S3: `max_unsettled_bytes + 2 × s3.max_body_bytes + 64 MiB`,
+    /// the bound peak RSS must stay within.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rss_bound_mb: Option<f64>,
 }
 
 /// `n` rows of `body` bytes committed before the relay starts (so it reads
@@ -1036,6 +1047,71 @@ async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -
         seconds: (secs * 10.0).round() / 10.0,
         peak_unsettled_events: peak_unsettled,
         peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+        mode: None,
+        rss_bound_mb: None,
+    }
+}
+
+/// `n` rows of `body` bytes (tens of MiB) committed before the relay starts,
+/// drained through S3 in `mode` with `max_unsettled_bytes = 64MB` and
+/// `s3.max_body_bytes = 32MB`: peak RSS beside the bound
+/// `max_unsettled_bytes + 2 × max_body_bytes + 64 MiB`.
+async fn huge_bodies(sqs: &SqsPublisher, n: usize, body: usize, mode: &str) -> LargeBodies {
+    let (budget, max_body) = (64u64 << 20, 32u64 << 20);
+    let s3 = s3_client().await;
+    let bucket = unique("benchhuge").replace('_', "-").to_ascii_lowercase();
+    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let db = TestDb::new("bench_huge").await;
+    if mode == "cdc" {
+        create_slot(&db, &db.slot).await;
+    }
+    let queues = create_queues(sqs, 1).await;
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
+    for i in 0..n {
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body) VALUES ('huge:' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
+            &[&(i as i32), &queues[0].0, &(body as i32)],
+        )
+        .await
+        .unwrap();
+    }
+    let addr = free_addr();
+    let extra = format!(
+        "metrics_addr = \"{addr}\"\nmax_unsettled_bytes = \"{budget}\"\nlane_stall_timeout = \"1h\"\n\
+         [s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\nmax_body_bytes = \"{max_body}\"",
+        stack().sqs_url
+    );
+    let cfg = RelayConfig::new(&db, mode, &dests(&queues), &extra);
+    let t = Instant::now();
+    let relay = cfg.spawn();
+    let (mut rss, mut peak_unsettled) = (0, 0.0f64);
+    loop {
+        if let Some(text) = scrape(&addr).await {
+            let unsettled: f64 = series(&text, "outbox_relay_in_flight_events").iter().map(|(_, v)| v).sum();
+            peak_unsettled = peak_unsettled.max(unsettled);
+            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= n as f64 {
+                break;
+            }
+        }
+        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+        assert!(t.elapsed() < Duration::from_secs(1800), "huge bodies: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+    relay.terminate(Duration::from_secs(15)).await;
+    delete_queues(sqs, &queues).await;
+    let mb = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
+    LargeBodies {
+        max_unsettled_bytes: "64MB".into(),
+        rows: n,
+        body_bytes: body,
+        seconds: (secs * 10.0).round() / 10.0,
+        peak_unsettled_events: peak_unsettled,
+        peak_rss_mb: mb(rss),
+        mode: Some(mode.into()),
+        rss_bound_mb: Some(mb(budget + 2 * max_body + (64 << 20))),
     }
 }
 
@@ -1306,15 +1382,34 @@ fn print_decode_only(d: &Decode) {
 }
 
 fn print_large(large: &[LargeBodies]) {
-    println!("| max_unsettled_bytes | rows | body bytes | seconds | peak unsettled events | peak RSS MB |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| max_unsettled_bytes | mode | rows | body bytes | seconds | peak unsettled events | peak RSS MB | bound MB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for l in large {
         println!(
-            "| {} | {} | {} | {} | {} | {} |",
-            l.max_unsettled_bytes, l.rows, l.body_bytes, l.seconds, l.peak_unsettled_events, l.peak_rss_mb
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            l.max_unsettled_bytes,
+            l.mode.as_deref().unwrap_or("cdc"),
+            l.rows,
+            l.body_bytes,
+            l.seconds,
+            l.peak_unsettled_events,
+            l.peak_rss_mb,
+            l.rss_bound_mb.map_or("-".into(), |b| b.to_string())
         );
     }
     println!();
+}
+
+/// Bodies of 20 and 30 MiB through S3, from the stream and polling.
+async fn huge_bodies_rows(a: &Args, sqs: &SqsPublisher) -> Vec<LargeBodies> {
+    let n = if a.quick { 6 } else { 16 };
+    let mut huge = Vec::new();
+    for (body, mode) in [(20 << 20, "cdc"), (30 << 20, "cdc"), (30 << 20, "polling")] {
+        huge.push(huge_bodies(sqs, n, body, mode).await);
+    }
+    huge
 }
 
 /// Large bodies, the default byte budget beside one so large that only the
@@ -1325,6 +1420,7 @@ async fn large_bodies_rows(a: &Args, sqs: &SqsPublisher, started: Instant) -> Ve
     for budget in ["64MB", "64GB"] {
         large.push(large_bodies(sqs, large_n, 250_000, budget).await);
     }
+    large.extend(huge_bodies_rows(a, sqs).await);
     eprintln!("bench: large bodies done ({:.0} s)", started.elapsed().as_secs_f64());
     large
 }
@@ -1592,6 +1688,13 @@ async fn main() {
     }
     if let Some(n) = a.decode_only {
         print_decode_only(&decode_ceiling(&a, n).await);
+        drop(stack_guard);
+        return;
+    }
+    if a.huge_bodies_only {
+        let huge = huge_bodies_rows(&a, &sqs).await;
+        print_large(&huge);
+        println!("{}", serde_json::to_string_pretty(&json!({ "large_bodies": huge })).unwrap());
         drop(stack_guard);
         return;
     }

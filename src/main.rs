@@ -195,7 +195,39 @@ fn exit_on_panic() {
     }));
 }
 
+/// glibc's malloc serves a freed block's size from its heap once it has
+/// freed one (its mmap threshold grows with each large free, up to 32 MiB),
+/// and its arenas keep what they served: bodies of tens of MiB took peak RSS
+/// well past `max_unsettled_bytes + 2 × s3.max_body_bytes + 64 MiB` (180–388
+/// MiB at a 64 MB budget), though the relay held no more than that at once.
+/// A fixed threshold of 1 MiB maps every large body and unmaps it when freed.
+/// glibc reads it from the environment before `main`, so the relay sets it
+/// and executes itself again, once, unless it is set already (an operator's
+/// own value wins). Allocations under 1 MiB are served as before.
+const MMAP_THRESHOLD: (&str, &str) = ("MALLOC_MMAP_THRESHOLD_", "1048576");
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn bound_large_allocations() {
+    use std::os::unix::process::CommandExt;
+    let (name, value) = MMAP_THRESHOLD;
+    let Ok(exe) = std::env::current_exe() else { return };
+    if std::env::var_os(name).is_some() {
+        return;
+    }
+    let mut args = std::env::args_os();
+    let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
+    // `exec` returns only if it failed: run on with glibc's defaults.
+    let e = std::process::Command::new(&exe).arg0(arg0).args(args).env(name, value).exec();
+    eprintln!("outbox-relay: could not set {name} (running with glibc's defaults): {e}");
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn bound_large_allocations() {
+    let _ = MMAP_THRESHOLD;
+}
+
 fn main() -> ExitCode {
+    bound_large_allocations();
     // For the fault measurement: is this binary able to fail where told?
     if std::env::args().nth(1).as_deref() == Some("--built-with-failpoints") {
         return if outbox_relay::faults::ENABLED { ExitCode::SUCCESS } else { ExitCode::FAILURE };

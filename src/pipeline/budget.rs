@@ -77,11 +77,16 @@ impl Memory {
     /// Events from the replication client's buffer sized so that, at the
     /// largest event ([`Memory::max_event_bytes`]), the buffer holds no more
     /// than the byte budget: between 1 and 1,024 events (16 at least when
-    /// events are at most 1 MiB).
+    /// events are at most 1 MiB). Bodies through S3 (events over 1 MiB):
+    /// one event, so that what is read and not yet counted in the budget
+    /// (the client's read, its buffer, the event being routed) stays within
+    /// a few bodies whatever the budget.
     pub fn replication_buffer_events(&self) -> usize {
         let largest = self.max_event_bytes.max(1 << 20);
-        let floor = if largest > 1 << 20 { 1 } else { 16 };
-        (self.max_bytes / largest).clamp(floor, 1_024) as usize
+        if largest > 1 << 20 {
+            return 1;
+        }
+        (self.max_bytes / largest).clamp(16, 1_024) as usize
     }
 }
 
@@ -107,9 +112,10 @@ mod tests {
             |max_bytes| Memory { max_events: 1, max_bytes, max_event_bytes: 1 << 20 }.replication_buffer_events();
         assert_eq!(events(64 << 20), 64);
         assert_eq!(events(1 << 20), 16);
-        // 32 MiB bodies through S3: two fit the 64 MiB budget.
+        // 32 MiB bodies through S3: one in the buffer, whatever the budget.
         let s3 = |max_bytes| Memory { max_events: 1, max_bytes, max_event_bytes: 32 << 20 }.replication_buffer_events();
-        assert_eq!(s3(64 << 20), 2);
+        assert_eq!(s3(64 << 20), 1);
         assert_eq!(s3(16 << 20), 1);
+        assert_eq!(s3(1 << 30), 1);
     }
 }

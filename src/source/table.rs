@@ -293,8 +293,10 @@ pub async fn claim_round(
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
-    for r in &rows {
-        let ev = Arc::new(OutboxEvent::from_row(r));
+    // Each row is dropped once its event is made: a body is held once, not
+    // twice (the row's bytes and the event's), while the claim is sent.
+    for r in rows {
+        let ev = Arc::new(OutboxEvent::from_row(&r));
         match judge_for(&cfg.queue, &ev, r.get(8)).unsent() {
             Ok(entry) => items.push(LaneItem::new(entry, None, None)),
             Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(&cfg.name), outcome)),
