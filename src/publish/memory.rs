@@ -32,6 +32,8 @@ pub struct Sent {
     /// The `AWSTraceHeader` system attribute.
     pub trace_header: Option<String>,
     pub delay_seconds: Option<u32>,
+    /// When the queue took it.
+    pub at: std::time::SystemTime,
 }
 
 #[derive(Default)]
@@ -152,6 +154,7 @@ impl Publisher for MemoryPublisher {
                 dedup_id: e.dedup_id.clone(),
                 trace_header: e.trace_header.clone(),
                 delay_seconds: e.delay_seconds,
+                at: std::time::SystemTime::now(),
                 attributes: e
                     .attributes
                     .iter()

@@ -4,9 +4,9 @@
 //! replayed or settled row is matched to its own row whatever happened to
 //! ids since; a hung host of several does not block connections.
 
-use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
@@ -523,15 +523,72 @@ mod workload {
         /// started again as a supervisor would.
         supervised: usize,
         resets: usize,
+        /// Rows with a `deliver_at`, and held rows moved by an UPDATE.
+        delayed: usize,
+        moved: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
-                self.delivered, self.transient, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
+                "{} delivered ({} transient, {} with a deliver_at, {} of them moved), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
+                self.delivered, self.transient, self.delayed, self.moved, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
             )
+        }
+    }
+
+    /// Every row held until a `deliver_at` more than a minute away is moved
+    /// to a second from now (an UPDATE, as a producer would); the rows moved
+    /// and their new due times (none if the server is away).
+    async fn move_held(c: &tokio_postgres::Client) -> Vec<(String, SystemTime)> {
+        let sql = "UPDATE outbox SET deliver_at = now() + interval '1 second'
+                    WHERE status = 'NEW' AND deliver_at > now() + interval '1 minute'
+                RETURNING event_id, deliver_at";
+        c.query(sql, &[]).await.map(|rows| rows.iter().map(|r| (r.get(0), r.get(1))).collect()).unwrap_or_default()
+    }
+
+    /// No message went out before its row's `deliver_at` (as last moved):
+    /// taken at `at` with `DelaySeconds`, it is visible from `at + delay`.
+    fn none_early(p: &MemoryPublisher, committed: &[Row], moved: &HashMap<String, SystemTime>, seed: u64) {
+        let due: HashMap<&str, SystemTime> =
+            committed.iter().filter_map(|r| Some((r.0.as_str(), moved.get(&r.0).copied().or(r.3)?))).collect();
+        let slack = Duration::from_millis(50);
+        for s in QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)) {
+            let Some(due) = due.get(s.event_id.as_str()) else { continue };
+            let visible = s.at + Duration::from_secs(s.delay_seconds.unwrap_or(0).into());
+            assert!(
+                visible + slack >= *due,
+                "seed {seed}: {} visible {:?} before its deliver_at",
+                s.event_id,
+                due.duration_since(visible)
+            );
+        }
+    }
+
+    /// FIFO order per group: on the FIFO queue, the first send of each row
+    /// of a group comes after the first send of every row committed before
+    /// it in that group (rows with a `deliver_at` keep no order, by design).
+    fn fifo_order_kept(p: &MemoryPublisher, committed: &[Row], seed: u64) {
+        let (_, f, _) = QUEUES.iter().find(|q| q.2).expect("a FIFO queue");
+        let order: HashMap<&str, usize> = committed
+            .iter()
+            .filter(|r| r.3.is_none() && r.1 == "f")
+            .enumerate()
+            .map(|(i, r)| (r.0.as_str(), i))
+            .collect();
+        let mut first_seen: HashSet<String> = HashSet::new();
+        let mut last_in_group: HashMap<String, (usize, String)> = HashMap::new();
+        for s in p.sent(f) {
+            let Some(&i) = order.get(s.event_id.as_str()) else { continue };
+            if !first_seen.insert(s.event_id.clone()) {
+                continue; // a resend: at least once
+            }
+            let group = s.group_id.clone().unwrap_or_default();
+            if let Some((before, id)) = last_in_group.get(&group) {
+                assert!(*before < i, "seed {seed}: group {group}: {} sent before {id}, committed earlier", s.event_id);
+            }
+            last_in_group.insert(group, (i, s.event_id));
         }
     }
 
@@ -583,15 +640,22 @@ mod workload {
         Relays { configs, running }
     }
 
+    /// A committed row: event id, destination, transient, and its
+    /// `deliver_at` if it has one.
+    type Row = (String, String, bool, Option<SystemTime>);
+
     /// One producer transaction: `n` rows, some deleted by it (transient),
-    /// some big. Returns the committed rows (event id, destination), and
-    /// which were transient, or nothing if the server refused it.
+    /// some big, and (`delays`) some due later: in a few seconds (sent with
+    /// `DelaySeconds`, or held on the FIFO queue) or in 20 minutes (held in
+    /// the table until a step moves them). Returns the committed rows, or
+    /// nothing if the server refused it.
     async fn produce(
         c: &mut tokio_postgres::Client,
         rng: &mut StdRng,
         tag: &str,
         dests: &[&str],
-    ) -> Option<Vec<(String, String, bool)>> {
+        delays: bool,
+    ) -> Option<Vec<Row>> {
         let n = match rng.random_range(0..10) {
             0 => rng.random_range(1_000..1_300),
             1 => rng.random_range(40..50),
@@ -609,12 +673,17 @@ mod workload {
         let ds: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
         let gone: Vec<&str> = rows.iter().filter(|r| r.2).map(|r| r.0.as_str()).collect();
         let pad = if big { 100_000 } else { 0 };
+        let due = match rng.random_range(0..if delays { 8 } else { 1 }) {
+            1 => Some(SystemTime::now() + Duration::from_millis(rng.random_range(500..3_000))),
+            2 => Some(SystemTime::now() + Duration::from_secs(20 * 60)),
+            _ => None,
+        };
         let tx = c.transaction().await.ok()?;
         tx.execute(
-            "INSERT INTO outbox (event_id, destination, body, group_key)
-             SELECT e, d, e || repeat('.', $3), CASE WHEN d = 'f' THEN 'g' || (length(e) % 3) END
+            "INSERT INTO outbox (event_id, destination, body, group_key, deliver_at)
+             SELECT e, d, e || repeat('.', $3), CASE WHEN d = 'f' THEN 'g' || (length(e) % 3) END, $4
                FROM unnest($1::text[], $2::text[]) AS u(e, d)",
-            &[&ids, &ds, &pad],
+            &[&ids, &ds, &pad, &due],
         )
         .await
         .ok()?;
@@ -622,7 +691,7 @@ mod workload {
             tx.execute("DELETE FROM outbox WHERE event_id = ANY($1)", &[&gone]).await.ok()?;
         }
         tx.commit().await.ok()?;
-        Some(rows)
+        Some(rows.into_iter().map(|(e, d, t)| (e, d, t, due)).collect())
     }
 
     /// One relay process, started again when it ends (a kill, or an exit
@@ -690,7 +759,7 @@ mod workload {
                     reset_identity(&c).await;
                     tally.resets += 1;
                 }
-                _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests).await {
+                _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests, false).await {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
                 },
@@ -802,7 +871,7 @@ mod workload {
         if !sharded {
             dests.push("nowhere");
         }
-        let env = InProcess { node: &node, db: &db, p: &p };
+        let env = InProcess { node: &node, db: &db, p: &p, moved: Mutex::default() };
         let mut c = db.client().await;
         let mut tally = Tally::default();
         let mut committed = Vec::new();
@@ -821,6 +890,11 @@ mod workload {
         })
         .await;
         unknown_destinations_dead(&db, &expect_dead, seed).await;
+        let moved = env.moved.lock().unwrap().clone();
+        none_early(&p, &committed, &moved, seed);
+        fifo_order_kept(&p, &committed, seed);
+        tally.moved = moved.len();
+        tally.delayed = committed.iter().filter(|r| r.3.is_some()).count();
         slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
         for r in relays.running.iter_mut().filter_map(Option::take) {
             r.stop().await;
@@ -849,6 +923,8 @@ mod workload {
         node: &'a Node,
         db: &'a TestDb,
         p: &'a MemoryPublisher,
+        /// Held rows moved by an UPDATE, and their new due times.
+        moved: Mutex<HashMap<String, SystemTime>>,
     }
 
     impl InProcess<'_> {
@@ -863,8 +939,8 @@ mod workload {
             tally: &mut Tally,
             tag: &str,
             dests: &[&str],
-        ) -> Option<Vec<(String, String, bool)>> {
-            match rng.random_range(0..13) {
+        ) -> Option<Vec<Row>> {
+            match rng.random_range(0..14) {
                 0 => {
                     let (_, q, _) = QUEUES[rng.random_range(0..QUEUES.len())];
                     self.p.break_queue(q, CallError::transport("connection refused"));
@@ -889,7 +965,11 @@ mod workload {
                     *c = restart_postgres(self.node, rng, self.db).await;
                     tally.pg_restarts += 1;
                 }
-                _ => match produce(c, rng, tag, dests).await {
+                4 => {
+                    let moved = move_held(c).await;
+                    self.moved.lock().unwrap().extend(moved);
+                }
+                _ => match produce(c, rng, tag, dests, true).await {
                     Some(rows) => return Some(rows),
                     None => tally.failed_txns += 1,
                 },
@@ -906,8 +986,13 @@ mod workload {
             };
             let mut supervised = 0;
             let end = Instant::now() + Duration::from_secs(120);
+            let c = self.db.client().await;
             while Instant::now() < end && !expect_sent.iter().all(|e| sent(self.p).contains(*e)) {
                 supervised += relays.supervise(self.p, &format!("seed {seed} at the end")).await;
+                // Rows held for 20 minutes (transient ones written back
+                // meanwhile among them) are brought forward.
+                let moved = move_held(&c).await;
+                self.moved.lock().unwrap().extend(moved);
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             let got = sent(self.p);
