@@ -551,7 +551,7 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
 /// the confirmer. Returns when the channel closes, or with the database error
 /// that stopped it (nothing unmarked is settled, so nothing is lost).
 pub async fn run_settler(
-    client: tokio_postgres::Client,
+    mut client: tokio_postgres::Client,
     mut rx: mpsc::UnboundedReceiver<Settlement>,
     watermark: Arc<Mutex<Watermark>>,
     confirm: Arc<Notify>,
@@ -568,7 +568,17 @@ pub async fn run_settler(
             }
         }
         let span = tracing::info_span!("outbox_relay.settle", rows = batch.len());
-        mark(&client, &batch, marking).instrument(span).await?;
+        if batch.iter().all(|s| matches!(s.outcome, Outcome::Published)) {
+            mark(&client, &batch, marking).instrument(span).await?;
+        } else {
+            // Rows handed to the table (deferred, or DEAD) become visible to
+            // the table path together: marked rows and rows written back in
+            // separate commits let a FIFO drain claim a group's later row
+            // (marked) before its earlier one (written back) was there.
+            let tx = client.transaction().await?;
+            mark(&tx, &batch, marking).instrument(span).await?;
+            tx.commit().await?;
+        }
         {
             let mut wm = watermark.lock().unwrap();
             for s in &batch {
