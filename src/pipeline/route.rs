@@ -234,9 +234,12 @@ impl Router<'_> {
         let ev = Arc::new(ev);
         let (label, judged) = judge(self.queues, &ev, now_unix_us());
         self.metrics.in_flight_events.with_label_values(&[label]).inc();
+        let state = self.states.get(&ev.destination);
         let (outcome, unmarked) = match judged.unsent() {
-            Ok(_) if self.states[&ev.destination].flow() == Flow::Spooling => {
-                // A spooling lane's new events go straight to the table.
+            Ok(_) if state.is_some_and(|s| s.flow() == Flow::Spooling && !s.fifo) => {
+                // A spooling lane's new events go straight to the table; a
+                // FIFO lane's go through the lane, which keeps those of a
+                // group with an entry in flight until it is settled.
                 let state = &self.states[&ev.destination];
                 (Outcome::Deferred(state.deferral("spooled"), Due::Now), Some(state.deferring()))
             }

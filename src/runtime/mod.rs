@@ -71,7 +71,7 @@ pub async fn run(
     });
     let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
-    let lanes = queues.keys().map(|n| (n.clone(), LaneState::new(n, Arc::clone(&metrics)))).collect();
+    let lanes = queues.iter().map(|(n, q)| (n.clone(), LaneState::new(n, q.fifo, Arc::clone(&metrics)))).collect();
     let env = Env {
         config: &config,
         db: &db,

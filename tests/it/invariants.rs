@@ -586,7 +586,19 @@ mod workload {
             }
             let group = s.group_id.clone().unwrap_or_default();
             if let Some((before, id)) = last_in_group.get(&group) {
-                assert!(*before < i, "seed {seed}: group {group}: {} sent before {id}, committed earlier", s.event_id);
+                if *before >= i {
+                    let how = |e: &str| committed.iter().find(|r| r.0 == e).map(|r| r.2);
+                    let sends: Vec<String> = p
+                        .sent(f)
+                        .iter()
+                        .filter(|x| x.group_id.as_deref() == Some(group.as_str()))
+                        .map(|x| format!("{}#{}", x.event_id, x.outbox_id))
+                        .collect();
+                    panic!(
+                        "seed {seed}: group {group}: {id} (transient {:?}) sent before {} (transient {:?}), committed earlier; the group's sends: {sends:?}",
+                        how(id), s.event_id, how(&s.event_id)
+                    );
+                }
             }
             last_in_group.insert(group, (i, s.event_id));
         }

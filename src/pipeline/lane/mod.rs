@@ -514,7 +514,7 @@ mod tests {
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
         let metrics = Metrics::new();
-        let state = LaneState::new("orders", Arc::clone(&metrics));
+        let state = LaneState::new("orders", false, Arc::clone(&metrics));
         let cfg = streaming_lane(1, Duration::from_millis(10), Duration::from_millis(100));
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
@@ -741,7 +741,7 @@ mod tests {
         p.add_queue(F, true, 1 << 20);
         let queue = QueueInfo::new(F, true, 1 << 20);
         let metrics = Metrics::new();
-        let state = LaneState::new("orders", Arc::clone(&metrics));
+        let state = LaneState::new("orders", true, Arc::clone(&metrics));
         let mut cfg = streaming_lane(1, Duration::from_millis(10), Duration::from_millis(100));
         cfg.queue = queue.clone();
         let (tx, rx) = mpsc::channel(16);

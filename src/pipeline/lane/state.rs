@@ -45,11 +45,13 @@ pub struct LaneState {
     /// The server holds the stream back (or no session streams): the lane
     /// stays spooled whatever its drain achieves, until released.
     held: AtomicBool,
+    /// A FIFO queue's lane.
+    pub fifo: bool,
     metrics: Arc<Metrics>,
 }
 
 impl LaneState {
-    pub fn new(name: &str, metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(name: &str, fifo: bool, metrics: Arc<Metrics>) -> Arc<Self> {
         metrics.lane_spooled.with_label_values(&[name]).set(0);
         Arc::new(Self {
             name: Arc::from(name),
@@ -59,8 +61,19 @@ impl LaneState {
             spool_cause: Mutex::new(None),
             unmarked: Arc::default(),
             held: AtomicBool::new(false),
+            fifo,
             metrics,
         })
+    }
+
+    /// Whether this destination's NEW rows may be handed to the table while
+    /// the stream is held: not a FIFO queue's. The WAL behind the slot may
+    /// hold earlier rows of a group that the table lacks (rows their own
+    /// transaction deleted, which a shard's insert-only publication cannot
+    /// even tell apart); sent from the table, the later ones would overtake
+    /// them. A FIFO queue's rows wait for the stream, the hold named.
+    pub fn may_hand_over(&self) -> bool {
+        !self.fifo
     }
 
     /// On the table path: spooling, or catching up with the spool.

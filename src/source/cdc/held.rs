@@ -74,7 +74,6 @@ const HAND_OVER_BATCH: i64 = 10_000;
 pub(crate) struct HeldWatch {
     pub db: db::Db,
     pub slot: String,
-    pub destinations: Vec<String>,
     pub lanes: Vec<Arc<LaneState>>,
     pub progress: Arc<StreamProgress>,
     pub metrics: Arc<Metrics>,
@@ -168,7 +167,7 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
                 s.held = Some(cause);
             }
             let cause = s.held.as_deref().unwrap_or_default();
-            hand_over(c, &w.destinations, cause, &w.handed_until).await?;
+            hand_over(c, &handable(&w.lanes), cause, &w.handed_until).await?;
         }
         Some(_) => {}
         None if quiet => {
@@ -316,7 +315,6 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
 /// long as the relay leads; `last_error` is the last session's error.
 pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
     let db = &ctx.db;
-    let destinations: Vec<String> = ctx.queues.keys().cloned().collect();
     let after = stream_held_after(ctx.config.lane_stall_timeout);
     let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =
         (None, None, None);
@@ -341,7 +339,7 @@ pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>)
         }
         let Some(c) = client.as_ref() else { continue };
         let last = last_error.lock().unwrap().clone();
-        let step = down_step(ctx, c, last.as_deref(), &destinations, &mut named);
+        let step = down_step(ctx, c, last.as_deref(), &mut named);
         if let Err(e) = db.query("watching for a replication session", step).await {
             tracing::debug!(error = %e, "session watch query failed; reconnecting");
             client = None;
@@ -358,7 +356,6 @@ async fn down_step(
     ctx: &StreamContext,
     c: &Client,
     last_error: Option<&str>,
-    destinations: &[String],
     named: &mut Option<(String, Instant)>,
 ) -> Result<(), tokio_postgres::Error> {
     let cause = diagnose_down(c, &ctx.config.slot, last_error).await?;
@@ -371,8 +368,16 @@ async fn down_step(
         }
         *named = Some((cause.clone(), Instant::now()));
     }
-    hand_over(c, destinations, &cause, &ctx.handed_until).await?;
+    let lanes: Vec<Arc<LaneState>> = ctx.lanes.values().cloned().collect();
+    hand_over(c, &handable(&lanes), &cause, &ctx.handed_until).await?;
     Ok(())
+}
+
+/// The destinations whose NEW rows may go by the table while the stream is
+/// held or down ([`LaneState::may_hand_over`]); the others wait for the
+/// stream, their cause named all the same.
+fn handable(lanes: &[Arc<LaneState>]) -> Vec<String> {
+    lanes.iter().filter(|l| l.may_hand_over()).map(|l| l.name.to_string()).collect()
 }
 
 /// Why no session streams, in an operator's words: a hold the server shows,

@@ -182,7 +182,6 @@ async fn start_pipeline<'a>(
     let held_watch = tokio::spawn(watch_held(HeldWatch {
         db: db.clone(),
         slot: cfg.slot.clone(),
-        destinations: ctx.queues.keys().cloned().collect(),
         lanes: ctx.lanes.values().cloned().collect(),
         progress: Arc::clone(&progress),
         metrics: Arc::clone(&ctx.metrics),
