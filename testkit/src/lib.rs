@@ -195,6 +195,34 @@ pub async fn sqs() -> SqsPublisher {
 }
 
 /// Create a queue with a unique name; returns its URL.
+/// An S3 client of the local stack (ministack serves S3 beside SQS).
+pub async fn s3_client() -> aws_sdk_s3::Client {
+    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build())
+}
+
+/// A bucket of its own on the local stack.
+pub async fn create_bucket(prefix: &str) -> String {
+    let name = unique(prefix).replace('_', "-").to_ascii_lowercase();
+    s3_client().await.create_bucket().bucket(&name).send().await.unwrap();
+    name
+}
+
+/// The body a received message stands for: itself, or, a pointer in the
+/// SQS Extended Client's format, its object's content. Panics when the
+/// pointer's object is not there (a dangling pointer).
+pub async fn resolve_body(s3: &aws_sdk_s3::Client, raw: String) -> String {
+    if !raw.starts_with("[\"software.amazon.payloadoffloading.PayloadS3Pointer\"") {
+        return raw;
+    }
+    let p: serde_json::Value = serde_json::from_str(&raw).unwrap();
+    let (bucket, key) = (p[1]["s3BucketName"].as_str().unwrap(), p[1]["s3Key"].as_str().unwrap());
+    let obj = s3.get_object().bucket(bucket).key(key).send().await.unwrap_or_else(|e| {
+        panic!("a pointer to {bucket}/{key}, which is not there: {e:?}");
+    });
+    String::from_utf8(obj.body.collect().await.unwrap().to_vec()).unwrap()
+}
+
 pub async fn create_queue(sqs: &SqsPublisher, base: &str, fifo: bool, max_size: Option<usize>) -> String {
     use aws_sdk_sqs::types::QueueAttributeName as A;
     let name = if fifo { format!("{}.fifo", unique(base)) } else { unique(base) };

@@ -31,12 +31,23 @@ pub struct RelayConfig {
 
 impl RelayConfig {
     pub fn new(db: &TestDb, mode: &str, destinations: &[(&str, &str)], extra: &str) -> RelayConfig {
+        RelayConfig::through(db, mode, destinations, extra, &stack().sqs_url)
+    }
+
+    /// [`RelayConfig::new`] with SQS reached at `sqs_endpoint` (a proxy).
+    pub fn through(
+        db: &TestDb,
+        mode: &str,
+        destinations: &[(&str, &str)],
+        extra: &str,
+        sqs_endpoint: &str,
+    ) -> RelayConfig {
         let metrics = if extra.contains("metrics_addr") { "" } else { "metrics_addr = \"off\"\n" };
         let mut toml = format!(
             "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{metrics}{extra}\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\n",
             db.url,
             db.slot,
-            stack().sqs_url
+            sqs_endpoint
         );
         for (name, url) in destinations {
             toml.push_str(&format!("{name} = \"{url}\"\n"));

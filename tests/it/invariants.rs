@@ -458,9 +458,12 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// several destinations (one FIFO), unknown destinations, queue outages,
 /// identity resets, relays killed without a goodbye and restarted,
 /// PostgreSQL crashed or stopped and started again (each seed runs a server
-/// of its own), and, for even seeds, two shards (insert-only publications)
-/// instead of one relay. After it: every committed row delivered or DEAD with its reason, none
-/// left NEW, every slot confirmed past the last commit.
+/// of its own), rows due later (`deliver_at` in seconds, or in 20 minutes
+/// and then moved by an UPDATE), and, for even seeds, two shards
+/// (insert-only publications) instead of one relay. After it: every
+/// committed row delivered or DEAD with its reason, none left NEW, none
+/// visible before its `deliver_at`, each FIFO group in commit order, every
+/// slot confirmed past the last commit.
 ///
 /// The short run here takes two seeds of 20 steps; a long one:
 /// `OUTBOX_RELAY_INVARIANT_SEEDS=1-50 OUTBOX_RELAY_INVARIANT_STEPS=80 cargo test --release
@@ -479,7 +482,9 @@ async fn randomized_workloads_keep_every_invariant() {
 
 /// The same invariants with the release binary as a process of its own,
 /// killed with SIGKILL at random moments (mid-send, mid-settle,
-/// mid-confirm), against ministack, PostgreSQL crashed or stopped between.
+/// mid-confirm), against ministack, PostgreSQL crashed or stopped between,
+/// SQS or S3 gone for a while (proxies taken down), the big rows' bodies
+/// through S3 (queues of 1 KiB): every pointer received resolves.
 /// A relay that exits at start-up (the server down) is started again, as a
 /// supervisor would. CI runs two seeds of 20 steps; a long run: `OUTBOX_RELAY_INVARIANT_SEEDS=1-8
 /// OUTBOX_RELAY_INVARIANT_STEPS=60 cargo test --release --features
@@ -502,6 +507,7 @@ mod workload {
     use rand::{Rng, SeedableRng};
     use std::time::Instant;
     use testkit::process::{RelayConfig, RelayProcess};
+    use testkit::proxy::Proxy;
 
     const QUEUES: [(&str, &str, bool); 3] = [
         ("a", "http://memory.invalid/a", false),
@@ -526,14 +532,16 @@ mod workload {
         /// Rows with a `deliver_at`, and held rows moved by an UPDATE.
         delayed: usize,
         moved: usize,
+        /// Messages received through S3 (the SIGKILL variant).
+        offloaded: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} with a deliver_at, {} of them moved), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
-                self.delivered, self.transient, self.delayed, self.moved, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
+                "{} delivered ({} transient, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
+                self.delivered, self.transient, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
             )
         }
     }
@@ -745,9 +753,18 @@ mod workload {
         let _stop = StopOnDrop(&node);
         let db = TestDb::on(&node.url("postgres"), &format!("sigkill{seed}")).await;
         let sqs = sqs().await;
-        let (a, f) = (create_queue(&sqs, "sk_a", false, None).await, create_queue(&sqs, "sk_f", true, None).await);
-        let extra = "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"";
-        let config = RelayConfig::new(&db, "cdc", &[("a", &a), ("f", &f)], extra);
+        // Queues of 1 KiB: the big rows' bodies go through S3. SQS and S3
+        // are reached through proxies the workload takes down.
+        let (a, f) =
+            (create_queue(&sqs, "sk_a", false, Some(1024)).await, create_queue(&sqs, "sk_f", true, Some(1024)).await);
+        let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
+        let (sqs_proxy, s3_proxy) = (Proxy::start(&upstream).await, Proxy::start(&upstream).await);
+        let bucket = create_bucket("sigkill").await;
+        let extra = format!(
+            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"",
+            s3_proxy.url
+        );
+        let config = RelayConfig::through(&db, "cdc", &[("a", &a), ("f", &f)], &extra, &sqs_proxy.url);
         let mut relay = Supervised { config, process: None, exits: 0 };
         relay.keep_running();
         wait_for("the slot exists", Duration::from_secs(60), || async { confirmed(&db, &db.slot).await > 0 }).await;
@@ -756,7 +773,15 @@ mod workload {
         let mut tally = Tally::default();
         let mut committed = Vec::new();
         for step in 0..steps {
-            match rng.random_range(0..10) {
+            match rng.random_range(0..12) {
+                4 | 5 => {
+                    // SQS or S3 gone for a while, whatever the relay does.
+                    let proxy = if rng.random_bool(0.5) { &sqs_proxy } else { &s3_proxy };
+                    proxy.down();
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(300..2_000))).await;
+                    proxy.up();
+                    tally.outages += 1;
+                }
                 0 | 1 => {
                     // At a random moment of whatever it is doing.
                     tokio::time::sleep(Duration::from_millis(rng.random_range(0..400))).await;
@@ -779,7 +804,7 @@ mod workload {
             relay.keep_running();
         }
         let expect: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
-        all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
+        tally.offloaded = all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
         })
@@ -788,8 +813,9 @@ mod workload {
         unknown_destination_dead_count(&db, &nowhere, seed).await;
         slots_confirmed(&db, std::iter::once(db.slot.as_str()), seed).await;
         relay.kill();
-        // Each exit is a start-up that found the server down.
-        assert!(relay.exits <= tally.pg_restarts, "seed {seed}: {} exits, {} restarts", relay.exits, tally.pg_restarts);
+        // Each exit is a start-up that found the server, SQS or S3 down.
+        let downs = tally.pg_restarts + tally.outages;
+        assert!(relay.exits <= downs, "seed {seed}: {} exits, {downs} outages and restarts", relay.exits);
         tally.supervised = relay.exits;
         tally.delivered = expect.len();
         tally.dead = nowhere.len();
@@ -798,25 +824,33 @@ mod workload {
     }
 
     /// Receive from `urls` (keeping the relay running, 180 s at most) until
-    /// every row of `expect` came; panics naming missing ones.
+    /// every row of `expect` came; panics naming missing ones, or a pointer
+    /// whose object is not there. Returns the messages that came through S3.
     async fn all_received(
         sqs: &outbox_relay::publish::sqs::SqsPublisher,
         urls: &[&str],
         relay: &mut Supervised,
         expect: &HashSet<&str>,
         seed: u64,
-    ) {
+    ) -> usize {
         let mut got: HashSet<String> = HashSet::new();
+        let mut through_s3 = 0;
+        let s3 = s3_client().await;
         let end = Instant::now() + Duration::from_secs(180);
         while Instant::now() < end && !expect.iter().all(|e| got.contains(*e)) {
             relay.keep_running();
             for url in urls {
                 let round = receive_round(sqs, url, 0).await.unwrap();
-                got.extend(round.messages.into_iter().map(|(body, _)| body.trim_end_matches('.').to_string()));
+                for (raw, _) in round.messages {
+                    // A pointer's object must be there: none dangles.
+                    through_s3 += usize::from(raw.contains("PayloadS3Pointer"));
+                    got.insert(resolve_body(&s3, raw).await.trim_end_matches('.').to_string());
+                }
             }
         }
         let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
         assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
+        through_s3
     }
 
     /// Every row of `nowhere` (counted once) is DEAD with the unknown

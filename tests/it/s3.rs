@@ -13,16 +13,9 @@ use sha2::{Digest, Sha256};
 use testkit::proxy::Proxy;
 use testkit::*;
 
-async fn s3_client(endpoint: &str) -> aws_sdk_s3::Client {
-    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(endpoint), None).await;
-    aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build())
-}
-
 /// A bucket of its own.
 async fn create_bucket() -> String {
-    let name = unique("bodies").replace('_', "-").to_ascii_lowercase();
-    s3_client(&stack().sqs_url).await.create_bucket().bucket(&name).send().await.unwrap();
-    name
+    testkit::create_bucket("bodies").await
 }
 
 fn through(bucket: &str, endpoint: &str) -> S3Config {
@@ -124,19 +117,10 @@ async fn bodies_over_the_limit_arrive_through_s3_for_the_extended_client_in_orde
 /// Every message of `queue` (raw, as SQS holds it); a pointer's object must
 /// exist and hold the body the row had. Returns the bodies, resolved.
 async fn receive_resolved(sqs: &outbox_relay::publish::sqs::SqsPublisher, queue: &str, n: usize) -> Vec<String> {
-    let s3 = s3_client(&stack().sqs_url).await;
+    let s3 = s3_client().await;
     let mut out = Vec::new();
     for (raw, _) in receive_all(sqs, queue, n, Duration::from_secs(60)).await {
-        if !raw.starts_with("[\"software.amazon.payloadoffloading.PayloadS3Pointer\"") {
-            out.push(raw);
-            continue;
-        }
-        let p: serde_json::Value = serde_json::from_str(&raw).unwrap();
-        let (bucket, key) = (p[1]["s3BucketName"].as_str().unwrap(), p[1]["s3Key"].as_str().unwrap());
-        let obj = s3.get_object().bucket(bucket).key(key).send().await.unwrap_or_else(|e| {
-            panic!("a pointer to {bucket}/{key}, which is not there: {e:?}");
-        });
-        out.push(String::from_utf8(obj.body.collect().await.unwrap().to_vec()).unwrap());
+        out.push(resolve_body(&s3, raw).await);
     }
     out
 }
