@@ -1052,30 +1052,34 @@ async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -
     }
 }
 
+/// `n` rows of `body` bytes for `destination` (event ids `tag:i`), stored
+/// uncompressed, so the table holds what the relay holds.
+async fn insert_bodies(db: &TestDb, destination: &str, tag: &str, n: usize, body: usize) {
+    let c = db.client().await;
+    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
+    for i in 0..n {
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body) VALUES ($4 || ':' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
+            &[&(i as i32), &destination, &(body as i32), &tag],
+        )
+        .await
+        .unwrap();
+    }
+}
+
 /// `n` rows of `body` bytes (tens of MiB) committed before the relay starts,
 /// drained through S3 in `mode` with `max_unsettled_bytes = 64MB` and
 /// `s3.max_body_bytes = 32MB`: peak RSS beside the bound
 /// `max_unsettled_bytes + 2 × max_body_bytes + 64 MiB`.
 async fn huge_bodies(sqs: &SqsPublisher, n: usize, body: usize, mode: &str) -> LargeBodies {
     let (budget, max_body) = (64u64 << 20, 32u64 << 20);
-    let s3 = s3_client().await;
-    let bucket = unique("benchhuge").replace('_', "-").to_ascii_lowercase();
-    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let bucket = testkit::create_bucket("benchhuge").await;
     let db = TestDb::new("bench_huge").await;
     if mode == "cdc" {
         create_slot(&db, &db.slot).await;
     }
     let queues = create_queues(sqs, 1).await;
-    let c = db.client().await;
-    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
-    for i in 0..n {
-        c.execute(
-            "INSERT INTO outbox (event_id, destination, body) VALUES ('huge:' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
-            &[&(i as i32), &queues[0].0, &(body as i32)],
-        )
-        .await
-        .unwrap();
-    }
+    insert_bodies(&db, &queues[0].0, "huge", n, body).await;
     let addr = free_addr();
     let extra = format!(
         "metrics_addr = \"{addr}\"\nmax_unsettled_bytes = \"{budget}\"\nlane_stall_timeout = \"1h\"\n\
@@ -1132,11 +1136,6 @@ struct S3Bodies {
     relay_peak_rss_mb: f64,
 }
 
-async fn s3_client() -> aws_sdk_s3::Client {
-    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
-    aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build())
-}
-
 /// `n` rows of `body` bytes, committed before the relay starts, drained to
 /// one standard queue through S3 (`threshold = "always"`), timed from its
 /// first published message; then the raw client sends as many through S3
@@ -1144,22 +1143,12 @@ async fn s3_client() -> aws_sdk_s3::Client {
 async fn s3_bodies(sqs: &SqsPublisher, n: usize, body: usize) -> S3Bodies {
     let budget: usize = 64 << 20;
     let in_flight = (budget / body).max(10) / 10 * 10;
-    let s3 = s3_client().await;
-    let bucket = unique("benchbodies").replace('_', "-").to_ascii_lowercase();
-    s3.create_bucket().bucket(&bucket).send().await.unwrap();
+    let s3 = testkit::s3_client().await;
+    let bucket = testkit::create_bucket("benchbodies").await;
     let db = TestDb::new("bench_s3").await;
     create_slot(&db, &db.slot).await;
     let queues = create_queues(sqs, 1).await;
-    let c = db.client().await;
-    c.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
-    for i in 0..n {
-        c.execute(
-            "INSERT INTO outbox (event_id, destination, body) VALUES ('s3:' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
-            &[&(i as i32), &queues[0].0, &(body as i32)],
-        )
-        .await
-        .unwrap();
-    }
+    insert_bodies(&db, &queues[0].0, "s3", n, body).await;
     let addr = free_addr();
     let extra = format!(
         "metrics_addr = \"{addr}\"\nmax_unsettled_bytes = \"{budget}\"\nlane_stall_timeout = \"1h\"\n\

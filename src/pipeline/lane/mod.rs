@@ -633,17 +633,8 @@ mod tests {
         use std::sync::atomic::Ordering;
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
-        let store = Arc::new(MemoryStore::default());
+        let (store, queue) = memory_s3(Q, false, Duration::from_secs(2));
         store.hung.store(true, Ordering::Release);
-        let target = Arc::new(OffloadTarget {
-            store: Arc::clone(&store) as _,
-            bucket: "bodies".into(),
-            key_prefix: String::new(),
-            threshold: Threshold::QueueLimit,
-            max_body: 32 << 20,
-            stall_timeout: Duration::from_secs(2),
-        });
-        let queue = QueueInfo { offload: Some(target), ..QueueInfo::new(Q, false, 1000) };
         let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
         cfg.queue = queue.clone();
         let metrics = Metrics::new();
@@ -675,21 +666,26 @@ mod tests {
         lane.await.unwrap();
     }
 
-    /// A queue of 1,000 bytes whose larger bodies go through a memory store
-    /// that is down, to be brought up with `store.down`.
-    fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, QueueInfo) {
-        use std::sync::atomic::Ordering;
+    /// A queue of 1,000 bytes whose larger bodies go through a memory store,
+    /// its writes' deadline derived from `stall_timeout`.
+    fn memory_s3(url: &str, fifo: bool, stall_timeout: Duration) -> (Arc<MemoryStore>, QueueInfo) {
         let store = Arc::new(MemoryStore::default());
-        store.down.store(true, Ordering::Release);
         let target = Arc::new(OffloadTarget {
             store: Arc::clone(&store) as _,
             bucket: "bodies".into(),
             key_prefix: String::new(),
             threshold: Threshold::QueueLimit,
             max_body: 32 << 20,
-            stall_timeout: Duration::from_secs(30),
+            stall_timeout,
         });
         (store, QueueInfo { offload: Some(target), ..QueueInfo::new(url, fifo, 1000) })
+    }
+
+    /// [`memory_s3`] with the store down, to be brought up with `store.down`.
+    fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, QueueInfo) {
+        let (store, queue) = memory_s3(url, fifo, Duration::from_secs(30));
+        store.down.store(true, std::sync::atomic::Ordering::Release);
+        (store, queue)
     }
 
     /// FIFO: an object that cannot be written holds back its own group's
