@@ -210,10 +210,10 @@ const MMAP_THRESHOLD: (&str, &str) = ("MALLOC_MMAP_THRESHOLD_", "1048576");
 fn bound_large_allocations() {
     use std::os::unix::process::CommandExt;
     let (name, value) = MMAP_THRESHOLD;
-    let Ok(exe) = std::env::current_exe() else { return };
     if std::env::var_os(name).is_some() {
         return;
     }
+    let Ok(exe) = std::env::current_exe() else { return };
     let mut args = std::env::args_os();
     let arg0 = args.next().unwrap_or_else(|| exe.clone().into_os_string());
     // `exec` returns only if it failed: run on with glibc's defaults.

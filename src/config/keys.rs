@@ -327,12 +327,7 @@ impl Raw<'_> {
     /// (or point it elsewhere) without a word. Leave the key out to unset it.
     pub fn string(&self) -> Result<Option<String>, ConfigError> {
         match self.text() {
-            Some(s) if s.trim().is_empty() => Err(ConfigError::Invalid(format!(
-                "{} is set to an empty string (in {}): give it a value, or remove it to leave {} unset",
-                self.spelled(),
-                self.whence(),
-                self.key.name
-            ))),
+            Some(s) if s.trim().is_empty() => Err(empty(&self.spelled(), &self.whence(), self.key.name)),
             t => Ok(t),
         }
     }
@@ -342,6 +337,15 @@ impl Raw<'_> {
     pub fn string_or_empty(&self) -> String {
         self.text().unwrap_or_default()
     }
+}
+
+/// The refusal of a value given as an empty string: `spelled` as the user
+/// wrote the key, `whence` where it came from, `unset` what leaving it out
+/// leaves unset.
+pub fn empty(spelled: &str, whence: &str, unset: &str) -> ConfigError {
+    ConfigError::Invalid(format!(
+        "{spelled} is set to an empty string (in {whence}): give it a value, or remove it to leave {unset} unset"
+    ))
 }
 
 /// A key's range as the docs write it (`100ms–1h`), or `None` for text and flags.

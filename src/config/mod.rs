@@ -318,9 +318,11 @@ impl Config {
         for (k, v) in env {
             if let Some(name) = k.strip_prefix("OUTBOX_RELAY_S3_BUCKETS_") {
                 if v.trim().is_empty() {
-                    return Err(ConfigError::Invalid(format!(
-                        "{k} is set to an empty string (in the environment variable {k}): give it a bucket, or remove it"
-                    )));
+                    return Err(keys::empty(
+                        k,
+                        &format!("the environment variable {k}"),
+                        &format!("s3.buckets.{name}"),
+                    ));
                 }
                 file.s3_buckets.insert(name.to_ascii_lowercase(), v.clone());
             }

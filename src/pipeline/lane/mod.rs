@@ -62,6 +62,11 @@ impl LaneItem {
     }
 }
 
+/// The FIFO groups of `items`, in order (none on a standard queue).
+pub(crate) fn ordering_groups<'a>(items: impl IntoIterator<Item = &'a LaneItem>) -> Vec<String> {
+    items.into_iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect()
+}
+
 impl Batchable for LaneItem {
     fn size(&self) -> usize {
         self.entry.size
@@ -331,8 +336,7 @@ impl Lane {
             if batch.is_empty() {
                 break; // every pending group is in flight
             }
-            let groups: Vec<String> =
-                batch.iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect();
+            let groups = ordering_groups(&batch);
             self.busy.extend(groups.iter().cloned());
             let since = batch.iter().map(|i| i.arrived).min().unwrap_or_else(Instant::now);
             let ctx = Arc::clone(&self.ctx);

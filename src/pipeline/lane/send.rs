@@ -8,7 +8,7 @@ use std::time::Instant;
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use super::{defer, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy, Unsent};
+use super::{defer, ordering_groups, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy, Unsent};
 use crate::metrics::Service;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -93,8 +93,7 @@ pub(super) async fn send_until_settled(
 /// FIFO group (which keep their order behind it).
 fn apart_from_objects(batch: Vec<LaneItem>) -> (Vec<LaneItem>, Vec<LaneItem>) {
     let unwritten = |i: &LaneItem| i.entry.offload.as_ref().is_some_and(|o| !o.is_written());
-    let waiting: Vec<String> =
-        batch.iter().filter(|i| unwritten(i)).filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect();
+    let waiting = ordering_groups(batch.iter().filter(|i| unwritten(i)));
     batch
         .into_iter()
         .partition(|i| !unwritten(i) && i.entry.ordering_group().is_none_or(|g| !waiting.iter().any(|w| w == g)))
@@ -105,12 +104,9 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
     let mut todo = batch;
     let mut attempt = 0u32;
     let mut unsent = Unsent::default();
-    let groups = |items: &[LaneItem]| -> Vec<String> {
-        items.iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect()
-    };
     while !todo.is_empty() {
         if spooling(&spool) {
-            unsent.deferred.extend(groups(&todo));
+            unsent.deferred.extend(ordering_groups(&todo));
             for item in todo.drain(..) {
                 // Tried and failed already, or not tried yet.
                 defer(ctx, item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
@@ -143,7 +139,7 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
         if !wait_to_retry(ctx, &mut spool, attempt).await {
             // Stopping: these stay unsettled and are read again from the slot.
             tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
-            unsent.abandoned.extend(groups(&todo));
+            unsent.abandoned.extend(ordering_groups(&todo));
             break;
         }
         attempt = attempt.saturating_add(1);

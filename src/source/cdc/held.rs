@@ -368,16 +368,15 @@ async fn down_step(
         }
         *named = Some((cause.clone(), Instant::now()));
     }
-    let lanes: Vec<Arc<LaneState>> = ctx.lanes.values().cloned().collect();
-    hand_over(c, &handable(&lanes), &cause, &ctx.handed_until).await?;
+    hand_over(c, &handable(ctx.lanes.values()), &cause, &ctx.handed_until).await?;
     Ok(())
 }
 
 /// The destinations whose NEW rows may go by the table while the stream is
 /// held or down ([`LaneState::may_hand_over`]); the others wait for the
 /// stream, their cause named all the same.
-fn handable(lanes: &[Arc<LaneState>]) -> Vec<String> {
-    lanes.iter().filter(|l| l.may_hand_over()).map(|l| l.name.to_string()).collect()
+fn handable<'a>(lanes: impl IntoIterator<Item = &'a Arc<LaneState>>) -> Vec<String> {
+    lanes.into_iter().filter(|l| l.may_hand_over()).map(|l| l.name.to_string()).collect()
 }
 
 /// Why no session streams, in an operator's words: a hold the server shows,
