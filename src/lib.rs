@@ -17,6 +17,7 @@
 //! - [`runtime`]: the process around it — start-up, leadership, monitor,
 //!   retention; [`ops`]: what operators run (`status`, `slot`, `dead`).
 
+pub mod clock;
 pub mod config;
 pub mod db;
 pub mod event;

@@ -1,13 +1,13 @@
 //! `slot create` (with the catch-up of older rows) and `slot drop`.
 
+use super::status::slot_status;
+use super::OpsError;
 use crate::config::Config;
 use crate::db::{self, Db};
 use crate::pipeline::settings::Settings;
 use crate::source::cdc::{
     connect_replication, create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot,
 };
-
-use super::*;
 
 /// What `slot create` did.
 #[derive(Debug, serde::Serialize)]

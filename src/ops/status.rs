@@ -3,10 +3,9 @@
 
 use tokio_postgres::Client;
 
+use super::OpsError;
 use crate::config::{Config, Mode};
 use crate::db;
-
-use super::*;
 
 /// Format version of `status --json`; bumped only when a field changes meaning
 /// or disappears (new fields may be added).

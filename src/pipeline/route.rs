@@ -10,10 +10,11 @@ use tokio::sync::mpsc;
 use tokio_postgres::Client;
 use tracing::Instrument;
 
+use crate::clock::now_unix_us;
 use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{now_unix_us, Flow, LaneItem, LaneState};
+use crate::pipeline::lane::{Flow, LaneItem, LaneState};
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;

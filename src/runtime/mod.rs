@@ -9,7 +9,7 @@ mod retention;
 mod startup;
 
 use leader::{acquire_leadership, watch_lock};
-use monitor::{monitor, warn_if_slot_retains_wal};
+use monitor::monitor;
 use retention::sweep_retention;
 pub use retention::{prune_runs, sweep_once};
 use startup::{start_up_until_done, Started};

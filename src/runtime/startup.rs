@@ -12,7 +12,10 @@ use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
 
 use super::http;
-use super::*;
+use tokio::sync::watch;
+
+use super::monitor::warn_if_slot_retains_wal;
+use super::RelayError;
 
 /// What start-up found out.
 pub(crate) struct Started {

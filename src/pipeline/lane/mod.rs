@@ -15,11 +15,12 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
+use crate::clock::now_unix_us;
 use crate::metrics::Metrics;
 use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
 use crate::pipeline::budget::Permit;
@@ -426,14 +427,6 @@ fn next_deadline(
 ) -> Option<Instant> {
     let oldest = oldest?;
     [Some(oldest + linger), last_done.map(|t| t + linger)].into_iter().flatten().filter(|at| *at > now).min()
-}
-
-pub(crate) fn now_unix_us() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as i64).unwrap_or(0)
-}
-
-pub(crate) fn now_unix_ms() -> u64 {
-    (now_unix_us() / 1000).max(0) as u64
 }
 
 pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {

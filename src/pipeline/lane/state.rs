@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use super::now_unix_ms;
+use crate::clock::now_unix_ms;
 use crate::metrics::Metrics;
 use crate::pipeline::settle::Unmarked;
 use crate::policy::spool::SpoolCause;

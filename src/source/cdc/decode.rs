@@ -9,7 +9,9 @@ use crate::event::OutboxEvent;
 use crate::pipeline::watermark::TxnSeq;
 
 use super::row::{as_committed, owned_by_table, row_from_tuple, tuple_id, updated_row};
-use super::*;
+use std::collections::HashMap;
+
+use super::{CdcError, Router, StreamContext, CHUNK, CHUNK_BYTES, HEARTBEAT_PREFIX};
 
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Handled {
@@ -75,7 +77,7 @@ impl Decoder {
                 if prefix == HEARTBEAT_PREFIX {
                     if let Some(sent_us) = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok())
                     {
-                        let now_us = crate::pipeline::lane::now_unix_us();
+                        let now_us = crate::clock::now_unix_us();
                         ctx.metrics.heartbeat_rtt_seconds.set((now_us - sent_us).max(0) as f64 / 1e6);
                     }
                 }

@@ -6,7 +6,7 @@
 //! those events, so the next session reads them again (at-least-once), and
 //! rows already marked are filtered out of the replay.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,7 +40,6 @@ pub(crate) use session::connect_replication;
 use session::{open_session, Opened};
 pub use slot::INVALIDATION_SQL;
 pub(crate) use slot::{create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot};
-use slot::{prepare_slot, SlotState};
 mod held;
 mod wal_watch;
 pub use held::{server_hold, watch_down, HandedUntil};

@@ -3,8 +3,9 @@
 use replication::{Lsn, Relation, Tuple, TupleValue};
 
 use crate::event::{DeliverAt, OutboxEvent};
+use std::collections::HashMap;
 
-use super::*;
+use super::CdcError;
 
 /// A column's text value by name (`None`: NULL or absent from the tuple).
 fn text<'t>(rel: &Relation, t: &'t Tuple, name: &str) -> Option<&'t str> {

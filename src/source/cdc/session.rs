@@ -13,8 +13,9 @@ use crate::db;
 use crate::pipeline::budget::Memory;
 use crate::pipeline::settings::Settings;
 
+use super::slot::{create_slot_exporting, hand_off_begins, hand_off_done, import_snapshot, prepare_slot, SlotState};
 use super::slot::{drop_unfinished_slot, finish_hand_off, hand_to_table, make_failover};
-use super::*;
+use super::{CdcError, StreamContext, STATUS_INTERVAL};
 
 /// A session's connections and where it starts.
 pub(crate) struct Opened {

@@ -7,9 +7,8 @@ use pgwire_replication::ReplicationClient;
 use replication::Lsn;
 use tokio_postgres::Client;
 
+use super::CdcError;
 use crate::config::Config;
-
-use super::*;
 
 pub(crate) enum SlotState {
     Exists {
