@@ -284,6 +284,13 @@ impl Metrics {
         "not streaming".to_string()
     }
 
+    /// The relay's heartbeat, written at `written_us` (µs since the Unix
+    /// epoch), came back through the slot now.
+    pub fn heartbeat_returned(&self, written_us: i64) {
+        let rtt_us = (crate::clock::now_unix_us() - written_us).max(0);
+        self.heartbeat_rtt_seconds.set(rtt_us as f64 / 1e6);
+    }
+
     pub fn set_ready(&self, ready: bool) {
         self.ready.store(ready, Ordering::Relaxed);
     }

@@ -2,24 +2,27 @@
 //! use it:
 //! - the stream: the router in front of one lane per destination, every
 //!   lane's settlements to one settler ([`Streaming::start`]);
-//! - the table path: one claim's rows through a lane of their own, their
-//!   settlements back to the claiming transaction ([`send_claimed`]).
+//! - the table path: one claim's events routed, sent through a lane of
+//!   their own, their settlements marked in the claiming transaction
+//!   ([`publish_claim`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, Notify};
 use tokio::task::{JoinHandle, JoinSet};
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
+use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
 use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 
+use super::intake::Intake;
 use super::lane::{run_lane, LaneConfig, LaneItem, LaneState};
-use super::route::Router;
+use super::route::{judge_for, Router};
 use super::settings::Settings;
-use super::settle::{run_settler, Settlement};
+use super::settle::{mark, run_settler, Settlement};
 use super::watermark::Watermark;
 
 /// Items a lane's channel holds (each holds its share of the budget).
@@ -41,7 +44,7 @@ pub type Settler = JoinHandle<Result<(), tokio_postgres::Error>>;
 
 /// A stream's running pipeline.
 pub struct Streaming<'a> {
-    pub router: Router<'a>,
+    pub intake: Intake<'a>,
     pub lanes: JoinSet<()>,
     pub settler: Settler,
 }
@@ -87,13 +90,43 @@ impl<'a> Streaming<'a> {
             watermark: Arc::clone(watermark),
             metrics: Arc::clone(parts.metrics),
         };
-        Streaming { router, lanes, settler }
+        Streaming { intake: Intake::new(router, Arc::clone(watermark)), lanes, settler }
     }
 }
 
-/// Send one table claim's rows through a lane of their own (retries go back
-/// to the table, not into memory); their settlements, once all are done.
-pub async fn send_claimed(
+/// One table claim's events through the pipeline: each routed ([`judge_for`],
+/// judged at `now_us`, the database's clock), those to send through a lane of
+/// their own (retries go back to the table, not into memory), and every
+/// settlement marked in `claim`, the claiming transaction. The table path
+/// commits it (its confirm) and then [`record`]s the settlements.
+pub async fn publish_claim<C: GenericClient>(
+    claim: &C,
+    settings: &Settings,
+    target: (&Arc<str>, &QueueInfo),
+    events: Vec<Arc<OutboxEvent>>,
+    now_us: i64,
+    publisher: &Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+) -> Result<Vec<Settlement>, tokio_postgres::Error> {
+    let (name, queue) = target;
+    let mut settled: Vec<Settlement> = Vec::new();
+    let mut items: Vec<LaneItem> = Vec::with_capacity(events.len());
+    for ev in events {
+        match judge_for(queue, &ev, now_us).unsent() {
+            Ok(entry) => items.push(LaneItem::new(entry, None, None)),
+            Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(name), outcome)),
+        }
+    }
+    settled.extend(send_through_lane(settings, name, queue, items, publisher, metrics).await);
+    if !settled.is_empty() {
+        mark(claim, &settled, settings.marking).await?;
+    }
+    Ok(settled)
+}
+
+/// A claim's entries through a lane of their own; their settlements, once
+/// all are done.
+async fn send_through_lane(
     settings: &Settings,
     name: &Arc<str>,
     queue: &QueueInfo,

@@ -4,6 +4,7 @@
 pub mod assemble;
 pub mod batch;
 pub mod budget;
+pub mod intake;
 pub mod lane;
 pub mod route;
 pub mod settings;

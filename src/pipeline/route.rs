@@ -31,6 +31,9 @@ pub enum RouteError {
     Db(tokio_postgres::Error),
     #[error("the {0} stopped")]
     Stopped(&'static str),
+    /// The source broke the order of a stream (begin, rows, commit).
+    #[error("stream out of order: {0}")]
+    Order(&'static str),
 }
 
 impl From<tokio_postgres::Error> for RouteError {

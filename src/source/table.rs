@@ -27,11 +27,11 @@ use tokio_postgres::Client;
 use crate::db;
 use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
-use crate::pipeline::assemble::send_claimed;
-use crate::pipeline::lane::{Flow, LaneItem, LaneState};
-use crate::pipeline::route::{judge_for, UNKNOWN_DESTINATION_LABEL};
+use crate::pipeline::assemble::publish_claim;
+use crate::pipeline::lane::{Flow, LaneState};
+use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settings::Settings;
-use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
+use crate::pipeline::settle::{record, Due, Outcome};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::entry::QueueInfo;
@@ -291,30 +291,22 @@ pub async fn claim_round(
     let mut round = Round { claimed: locked.len(), ..Default::default() };
     let ids = due_within_budget(&locked, fifo, cfg.settings.memory.table_claim_bytes());
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
-    let mut settled: Vec<Settlement> = Vec::new();
-    let mut items: Vec<LaneItem> = Vec::with_capacity(rows.len());
+    // The database's clock, which the claim judged `deliver_at` by.
+    let now_us: i64 = rows.first().map_or(0, |r| r.get(8));
     // Each row is dropped once its event is made: a body is held once, not
     // twice (the row's bytes and the event's), while the claim is sent.
-    for r in rows {
-        let ev = Arc::new(OutboxEvent::from_row(&r));
-        match judge_for(&cfg.queue, &ev, r.get(8)).unsent() {
-            Ok(entry) => items.push(LaneItem::new(entry, None, None)),
-            Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(&cfg.name), outcome)),
-        }
-    }
-    round.handled = items.len() + settled.len();
-    settled.extend(send_claimed(&cfg.settings, &cfg.name, &cfg.queue, items, publisher, metrics).await);
+    let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();
+    round.handled = events.len();
+    let target = (&cfg.name, &cfg.queue);
+    let settled = publish_claim(&tx, &cfg.settings, target, events, now_us, publisher, metrics).await?;
     for s in &settled {
         match s.outcome {
             Outcome::Published => round.published += 1,
             Outcome::Dead(_) => round.dead += 1,
-            // Held again (the clocks disagree by a moment): not a send.
+            // Held (not due by the clocks' reckoning): not a send.
             Outcome::Deferred(_, Due::Held) => round.handled -= 1,
             Outcome::Deferred(..) => round.deferred += 1,
         }
-    }
-    if !settled.is_empty() {
-        mark(&tx, &settled, cfg.settings.marking).await?;
     }
     tx.commit().await?;
     record(metrics, &settled);

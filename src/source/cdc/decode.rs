@@ -1,21 +1,30 @@
-//! Replication events to outbox rows: the relation cache, the open
-//! transaction, chunks handed to the router.
+//! Replication events to [`Change`]s: the relation cache, the open
+//! transaction's rows, chunks of them. Decoding only: what becomes of the
+//! rows is the pipeline's.
 
 use pgwire_replication::ReplicationEvent;
 use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache, Tuple};
 use tokio_postgres::Client;
 
 use crate::event::OutboxEvent;
-use crate::pipeline::watermark::TxnSeq;
+use crate::source::{Change, Chunk};
 
 use super::row::{as_committed, owned_by_table, row_from_tuple, tuple_id, updated_row};
 use std::collections::HashMap;
 
-use super::{CdcError, Router, StreamContext, CHUNK, CHUNK_BYTES, HEARTBEAT_PREFIX};
+use super::{from_wire, CdcError, CHUNK, CHUNK_BYTES, HEARTBEAT_PREFIX};
 
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Handled {
-    Continue,
+/// What one replication event comes to.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// Nothing for the pipeline (a relation, another table's change).
+    Nothing,
+    Change(Change),
+    /// The relay's heartbeat came back; written at this time (µs since the
+    /// Unix epoch).
+    Heartbeat {
+        written_us: i64,
+    },
     /// The stream reached its stop position.
     Stopped,
 }
@@ -37,63 +46,54 @@ impl Decoder {
         final_lsn < self.startup_lsn || final_lsn < self.handed_until.get()
     }
 
-    /// One replication event: transactions are buffered in chunks (by count
-    /// and by bytes) and dispatched to the router; commits move the watermark.
-    pub(crate) async fn handle(
-        &mut self,
-        ev: ReplicationEvent,
-        sql: &Client,
-        router: &mut Router<'_>,
-        ctx: &StreamContext,
-    ) -> Result<Handled, CdcError> {
-        match ev {
+    /// One replication event: a transaction's rows are buffered and come out
+    /// in chunks (by count and by bytes); the last with its commit.
+    pub(crate) async fn handle(&mut self, ev: ReplicationEvent, sql: &Client) -> Result<Step, CdcError> {
+        let change = match ev {
             ReplicationEvent::Begin { final_lsn, commit_time_micros, xid } => {
-                let seq = router.watermark.lock().unwrap().begin();
                 self.txn = Some(OpenTxn {
-                    seq,
                     xid,
-                    final_lsn: Lsn(final_lsn.0),
+                    final_lsn: from_wire(final_lsn),
                     commit_time_us: pg_micros_to_unix_micros(commit_time_micros),
                     buf: Vec::new(),
                     buf_bytes: 0,
                     buffered: HashMap::new(),
                 });
+                Change::Begin
             }
-            ReplicationEvent::XLogData { data, .. } => self.xlog(&data, sql, router).await?,
+            ReplicationEvent::XLogData { data, .. } => match self.xlog(&data, sql).await? {
+                Some(chunk) => Change::Rows(chunk),
+                None => return Ok(Step::Nothing),
+            },
             ReplicationEvent::Commit { end_lsn, .. } => {
-                let mut t = self.txn.take().ok_or_else(|| CdcError::Protocol("Commit without Begin".into()))?;
-                let buf = std::mem::take(&mut t.buf);
-                router.dispatch(sql, t.seq, self.replayed(t.final_lsn), buf).await?;
-                router.watermark.lock().unwrap().commit(t.seq, Lsn(end_lsn.0));
+                let t = self.txn.take().ok_or_else(|| CdcError::Protocol("Commit without Begin".into()))?;
+                let rest = Chunk { replayed: self.replayed(t.final_lsn), events: t.buf };
+                Change::Commit { rest, end: from_wire(end_lsn) }
             }
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
-                if self.txn.is_none() {
-                    router.watermark.lock().unwrap().observe_idle(Lsn(wal_end.0));
-                }
+            ReplicationEvent::KeepAlive { wal_end, .. } if self.txn.is_none() => {
+                Change::Idle { wal_end: from_wire(wal_end) }
             }
-            ReplicationEvent::Message { prefix, content, .. } => {
-                // Heartbeats: their transaction settles empty; the content is
-                // the time they were written.
-                if prefix == HEARTBEAT_PREFIX {
-                    if let Some(sent_us) = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok())
-                    {
-                        let now_us = crate::clock::now_unix_us();
-                        ctx.metrics.heartbeat_rtt_seconds.set((now_us - sent_us).max(0) as f64 / 1e6);
-                    }
-                }
+            ReplicationEvent::KeepAlive { .. } => return Ok(Step::Nothing),
+            // Heartbeats: their transaction settles empty; the content is the
+            // time they were written.
+            ReplicationEvent::Message { prefix, content, .. } if prefix == HEARTBEAT_PREFIX => {
+                let written = std::str::from_utf8(&content).ok().and_then(|s| s.trim().parse::<i64>().ok());
+                return Ok(written.map_or(Step::Nothing, |written_us| Step::Heartbeat { written_us }));
             }
-            ReplicationEvent::StoppedAt { .. } => return Ok(Handled::Stopped),
-        }
-        Ok(Handled::Continue)
+            ReplicationEvent::Message { .. } => return Ok(Step::Nothing),
+            ReplicationEvent::StoppedAt { .. } => return Ok(Step::Stopped),
+        };
+        Ok(Step::Change(change))
     }
 
-    async fn xlog(&mut self, data: &bytes::Bytes, sql: &Client, router: &mut Router<'_>) -> Result<(), CdcError> {
+    /// A change inside a transaction; a chunk of its rows when one is full.
+    async fn xlog(&mut self, data: &bytes::Bytes, sql: &Client) -> Result<Option<Chunk>, CdcError> {
         let msg = decode(data)?;
         if self.cache.observe(&msg) {
-            return Ok(());
+            return Ok(None);
         }
         match msg {
-            LogicalMessage::Insert { relation, new } => self.on_insert(relation, &new, sql, router).await?,
+            LogicalMessage::Insert { relation, new } => return self.on_insert(relation, &new, sql).await,
             LogicalMessage::Update { relation, new, .. } => self.on_update(relation, &new)?,
             LogicalMessage::Delete { relation, key, old } => self.on_delete(relation, key.or(old)),
             LogicalMessage::Truncate { .. } => {
@@ -103,41 +103,36 @@ impl Decoder {
             }
             _ => {}
         }
-        Ok(())
+        Ok(None)
     }
 
-    /// An outbox row inserted: buffered in its transaction; a full chunk is
-    /// handed on once the transaction goes on past it.
-    async fn on_insert(
-        &mut self,
-        relation: u32,
-        new: &Tuple,
-        sql: &Client,
-        router: &mut Router<'_>,
-    ) -> Result<(), CdcError> {
+    /// An outbox row inserted: buffered in its transaction; a full chunk
+    /// comes out once the transaction goes on past it.
+    async fn on_insert(&mut self, relation: u32, new: &Tuple, sql: &Client) -> Result<Option<Chunk>, CdcError> {
         let rel = self
             .cache
             .get(relation)
             .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
         if rel.name != "outbox" || owned_by_table(rel, new) {
-            return Ok(());
+            return Ok(None);
         }
         let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
         let row = row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
+        let mut full = None;
         if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
             // What is left of the transaction may update the chunk's rows,
             // so they are sent as committed (read back from the table).
-            let (seq, final_lsn, mut buf) = (t.seq, t.final_lsn, std::mem::take(&mut t.buf));
+            let (final_lsn, mut events) = (t.final_lsn, std::mem::take(&mut t.buf));
             t.buf_bytes = 0;
             t.buffered.clear();
-            as_committed(sql, &mut buf).await?;
-            router.dispatch(sql, seq, self.replayed(final_lsn), buf).await?;
+            as_committed(sql, &mut events).await?;
+            full = Some(Chunk { events, replayed: self.replayed(final_lsn) });
         }
         let t = self.txn.as_mut().expect("checked above");
         t.buf_bytes += row.size();
         t.buffered.insert(row.id, t.buf.len());
         t.buf.push(row);
-        Ok(())
+        Ok(full)
     }
 
     /// A row its own transaction inserted and then changed is sent as it
@@ -168,7 +163,6 @@ impl Decoder {
 }
 
 pub(crate) struct OpenTxn {
-    pub(crate) seq: TxnSeq,
     pub(crate) xid: u32,
     pub(crate) final_lsn: Lsn,
     pub(crate) commit_time_us: i64,

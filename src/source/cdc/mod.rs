@@ -1,5 +1,9 @@
-//! The CDC source: the slot's pgoutput stream, decoded, routed to lanes, with
-//! the watermark deciding what is confirmed.
+//! The CDC source: the slot's pgoutput stream. One session reads it here,
+//! start to end: [`decode`] turns each replication event into a
+//! [`Change`](crate::source::Change), the pipeline's
+//! [`Intake`](crate::pipeline::intake::Intake) routes, sends and settles it,
+//! and the session confirms to the server what the intake says is settled
+//! ([`stream`], [`confirm_if_advanced`]).
 //!
 //! One call of [`run_stream`] is one replication session. Any error ends it
 //! with everything unsettled abandoned: the slot was never confirmed past
@@ -33,8 +37,8 @@ mod row;
 mod session;
 pub(crate) mod slot;
 
-pub(crate) use crate::pipeline::route::Router;
-use decode::{Decoder, Handled};
+use crate::pipeline::intake::Intake;
+use decode::{Decoder, Step};
 pub use session::check_cdc;
 pub(crate) use session::connect_replication;
 use session::{open_session, Opened};
@@ -134,7 +138,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
     ctx.metrics.set_ready(false);
     if result.is_ok() {
-        sent = drain(pipeline.router, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.metrics).await;
+        sent = drain(pipeline.intake, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.metrics).await;
         tracing::info!(confirmed = %sent, "replication stopped");
     }
     pipeline.lanes.abort_all();
@@ -149,10 +153,10 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     result
 }
 
-/// The running parts of a session: lanes, the router in front of them, and
-/// the WAL watch.
+/// The running parts of a session: lanes, the intake in front of them, and
+/// the WAL and held-stream watches.
 struct Pipeline<'a> {
-    router: Router<'a>,
+    intake: Intake<'a>,
     lanes: JoinSet<()>,
     wal_watch: tokio::task::JoinHandle<()>,
     held_watch: tokio::task::JoinHandle<()>,
@@ -194,8 +198,8 @@ async fn start_pipeline<'a>(
         publisher: &ctx.publisher,
         metrics: &ctx.metrics,
     };
-    let Streaming { router, lanes, settler } = Streaming::start(parts, settler_client, watermark, confirm);
-    Ok((Pipeline { router, lanes, wal_watch, held_watch, progress }, settler))
+    let Streaming { intake, lanes, settler } = Streaming::start(parts, settler_client, watermark, confirm);
+    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress }, settler))
 }
 
 /// Lanes with rows in the table keep spooling until the drain empties it,
@@ -227,7 +231,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
 /// the grace), the settler marks it, and the last settled position is
 /// confirmed. Returns the confirmed position.
 async fn drain(
-    router: Router<'_>,
+    intake: Intake<'_>,
     lanes: &mut JoinSet<()>,
     settler: &mut Settler,
     repl: &ReplicationClient,
@@ -235,7 +239,7 @@ async fn drain(
     mut sent: Lsn,
     metrics: &Metrics,
 ) -> Lsn {
-    drop(router);
+    drop(intake);
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
         while lanes.join_next().await.is_some() {}
         let _ = settler.await;
@@ -245,7 +249,8 @@ async fn drain(
         tracing::warn!("in-flight batches abandoned at shutdown; their rows will be sent again");
     }
     let before = sent;
-    sent = confirm_if_advanced(repl, watermark, sent, metrics);
+    let confirmable = watermark.lock().unwrap().confirmed();
+    sent = confirm_if_advanced(repl, confirmable, sent, metrics);
     if sent > before {
         // Let the worker send the final standby status before CopyDone.
         tokio::time::sleep(STATUS_INTERVAL + Duration::from_millis(200)).await;
@@ -253,7 +258,8 @@ async fn drain(
     sent
 }
 
-/// The session's loop: decode, route, confirm, until shutdown or an error.
+/// The session's loop, until shutdown or an error: receive, decode, hand
+/// the change to the pipeline, confirm what it has settled.
 #[allow(clippy::too_many_arguments)]
 async fn stream(
     ctx: &StreamContext,
@@ -282,14 +288,20 @@ async fn stream(
                 // Handing events on may wait for a lane or the budget:
                 // shutdown is honoured meanwhile (nothing unsettled is confirmed).
                 pipeline.progress.set_busy(true);
-                let handled = tokio::select! {
-                    r = decoder.handle(ev, sql, &mut pipeline.router, ctx) => r?,
+                let step = tokio::select! {
+                    r = decoder.handle(ev, sql) => r?,
                     _ = shutdown.wait_for(|s| *s) => return Ok(()),
                 };
-                pipeline.progress.set_busy(false);
-                if handled == Handled::Stopped {
-                    return Ok(());
+                match step {
+                    Step::Change(change) => tokio::select! {
+                        r = pipeline.intake.take(sql, change) => r?,
+                        _ = shutdown.wait_for(|s| *s) => return Ok(()),
+                    },
+                    Step::Heartbeat { written_us } => ctx.metrics.heartbeat_returned(written_us),
+                    Step::Nothing => {}
+                    Step::Stopped => return Ok(()),
                 }
+                pipeline.progress.set_busy(false);
             }
             _ = confirm.notified() => {}
             r = &mut *settler => {
@@ -305,7 +317,7 @@ async fn stream(
                 }
             }
         }
-        *sent = confirm_if_advanced(repl, &pipeline.router.watermark, *sent, &ctx.metrics);
+        *sent = confirm_if_advanced(repl, pipeline.intake.confirmable(), *sent, &ctx.metrics);
     }
 }
 
@@ -314,15 +326,22 @@ async fn stream(
 fn position(ev: &pgwire_replication::ReplicationEvent) -> Option<Lsn> {
     use pgwire_replication::ReplicationEvent as E;
     match ev {
-        E::XLogData { wal_start, .. } if wal_start.0 > 0 => Some(Lsn(wal_start.0)),
-        E::Commit { end_lsn, .. } => Some(Lsn(end_lsn.0)),
-        E::Message { lsn, .. } => Some(Lsn(lsn.0)),
+        E::XLogData { wal_start, .. } if wal_start.0 > 0 => Some(from_wire(*wal_start)),
+        E::Commit { end_lsn, .. } => Some(from_wire(*end_lsn)),
+        E::Message { lsn, .. } => Some(from_wire(*lsn)),
         _ => None,
     }
 }
 
-fn confirm_if_advanced(repl: &ReplicationClient, wm: &Mutex<Watermark>, sent: Lsn, metrics: &Metrics) -> Lsn {
-    let c = wm.lock().unwrap().confirmed();
+/// The replication client's position as the decoder's and the watermark's.
+pub(crate) fn from_wire(lsn: pgwire_replication::Lsn) -> Lsn {
+    Lsn(lsn.0)
+}
+
+/// Tell the server the slot may move up to `confirmable` if that is past
+/// what it was last told (`sent`); returns what it has now been told.
+fn confirm_if_advanced(repl: &ReplicationClient, confirmable: Lsn, sent: Lsn, metrics: &Metrics) -> Lsn {
+    let c = confirmable;
     if c > sent {
         crate::faults::crash_point("cdc::before_confirm");
         repl.update_applied_lsn(pgwire_replication::Lsn(c.0));

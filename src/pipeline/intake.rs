@@ -1,0 +1,60 @@
+//! The stream's way into the pipeline: a source's [`Change`]s in order, each
+//! transaction registered with the watermark, its events handed to the
+//! router, its commit recorded; what may be confirmed comes back out.
+
+use std::sync::{Arc, Mutex};
+
+use replication::Lsn;
+use tokio_postgres::Client;
+
+use crate::source::{Change, Chunk};
+
+use super::route::{RouteError, Router};
+use super::watermark::{TxnSeq, Watermark};
+
+/// Takes the stream's changes: route → lane → settle behind it, the
+/// watermark beside it.
+pub struct Intake<'a> {
+    pub(crate) router: Router<'a>,
+    watermark: Arc<Mutex<Watermark>>,
+    /// The transaction whose events are arriving.
+    open: Option<TxnSeq>,
+}
+
+impl<'a> Intake<'a> {
+    pub(crate) fn new(router: Router<'a>, watermark: Arc<Mutex<Watermark>>) -> Intake<'a> {
+        Intake { router, watermark, open: None }
+    }
+
+    /// One change. `sql` answers the replay filter's question (which of a
+    /// replayed chunk's rows were settled already). Waits while a lane or
+    /// the unsettled budget is full.
+    pub async fn take(&mut self, sql: &Client, change: Change) -> Result<(), RouteError> {
+        match change {
+            Change::Begin => self.open = Some(self.watermark.lock().unwrap().begin()),
+            Change::Rows(chunk) => self.route(sql, chunk).await?,
+            Change::Commit { rest, end } => {
+                self.route(sql, rest).await?;
+                let seq = self.open.take().ok_or(RouteError::Order("a commit without its begin"))?;
+                self.watermark.lock().unwrap().commit(seq, end);
+            }
+            Change::Idle { wal_end } => {
+                if self.open.is_none() {
+                    self.watermark.lock().unwrap().observe_idle(wal_end);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn route(&mut self, sql: &Client, chunk: Chunk) -> Result<(), RouteError> {
+        let seq = self.open.ok_or(RouteError::Order("rows outside a transaction"))?;
+        self.router.dispatch(sql, seq, chunk.replayed, chunk.events).await
+    }
+
+    /// The furthest position whose events, and every earlier one's, are all
+    /// settled.
+    pub fn confirmable(&self) -> Lsn {
+        self.watermark.lock().unwrap().confirmed()
+    }
+}
