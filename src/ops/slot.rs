@@ -45,7 +45,8 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
-    let mut repl = connect_replication(config, Settings::of(config).memory).await?;
+    let settings = Settings::of(config);
+    let mut repl = connect_replication(&db, &settings.slot, settings.memory).await?;
     let created = async {
         hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;

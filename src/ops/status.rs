@@ -141,7 +141,8 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
     // Before `migrate` there is nothing to report: say what to run.
     db::schema::check_outbox_table(client).await?;
-    let cdc = crate::source::cdc::check_cdc(client, config).await;
+    let (db, settings) = (db::Db::of(config), crate::pipeline::settings::Settings::of(config));
+    let cdc = crate::source::cdc::check_cdc(client, &db, &settings).await;
     let cdc_unavailable = match cdc {
         Ok(()) => None,
         Err(db::DbError::CdcUnavailable(why)) => Some(why),

@@ -1,7 +1,7 @@
 //! The pipeline's settings, derived once from the configuration at start-up:
 //! how lanes batch and send, how settlement marks rows, and the bounds on
-//! memory. Both sources build their pipeline from these, never from
-//! [`Config`] directly.
+//! memory, the slot the stream reads. Both sources build their pipeline
+//! from these, never from [`Config`] directly.
 
 use std::time::Duration;
 
@@ -23,12 +23,28 @@ pub struct LaneSettings {
     pub stall_timeout: Duration,
 }
 
-/// Everything the pipeline is built from.
-#[derive(Debug, Clone, Copy)]
+/// The replication slot the stream reads, and the leader's lock.
+#[derive(Debug, Clone)]
+pub struct SlotSettings {
+    pub name: String,
+    pub publication: String,
+    /// Created (or altered to be) a failover slot (PostgreSQL 17+).
+    pub failover: bool,
+    /// The slot's retained WAL past which every lane spools.
+    pub max_retained_wal: u64,
+    /// A leader whose lock's connection does not answer for this long stops.
+    pub takeover_timeout: Duration,
+}
+
+/// Everything the relay's sources and pipeline are built from.
+#[derive(Debug, Clone)]
 pub struct Settings {
     pub lanes: LaneSettings,
     pub marking: Marking,
     pub memory: Memory,
+    pub slot: SlotSettings,
+    /// The table path's sleep between claims that were not full.
+    pub poll_interval: Duration,
 }
 
 impl Settings {
@@ -46,6 +62,14 @@ impl Settings {
                 max_bytes: config.max_unsettled_bytes,
                 max_event_bytes: config.s3.as_ref().map_or(1 << 20, |s3| s3.max_body_bytes),
             },
+            slot: SlotSettings {
+                name: config.slot.clone(),
+                publication: config.publication.clone(),
+                failover: config.failover,
+                max_retained_wal: config.max_retained_wal,
+                takeover_timeout: config.takeover_timeout,
+            },
+            poll_interval: config.poll_interval,
         }
     }
 }

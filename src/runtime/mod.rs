@@ -124,15 +124,14 @@ async fn run_polling(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
 /// every destination in CDC mode (while this relay leads); and the sweeper
 /// of unknown destinations (not in a shard: other shards' rows are theirs).
 fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::JoinSet<()> {
-    let config = env.config;
     let mut set = tokio::task::JoinSet::new();
     for (name, queue) in env.queues {
         let (source, state, poll_interval) = match env.mode {
-            Mode::Polling => (Claims::Poll, None, config.poll_interval),
+            Mode::Polling => (Claims::Poll, None, env.settings.poll_interval),
             _ => (
                 Claims::Spool,
                 Some(Arc::clone(&env.lanes[name])),
-                config.poll_interval.max(Duration::from_millis(500)),
+                env.settings.poll_interval.max(Duration::from_millis(500)),
             ),
         };
         let cfg = TableLaneConfig {
@@ -141,7 +140,7 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             source,
             claim_limit: TABLE_CLAIM_LIMIT,
             poll_interval,
-            settings: *env.settings,
+            settings: env.settings.clone(),
         };
         let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
         set.spawn(run_table_lane(cfg, env.db.clone(), publisher, metrics, state, stop.clone()));
@@ -159,9 +158,8 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
 /// its lock stops publishing at once and tries to lead again.
 async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let ctx = StreamContext {
-        config: env.config.clone(),
         db: env.db.clone(),
-        settings: *env.settings,
+        settings: env.settings.clone(),
         queues: env.queues.clone(),
         publisher: Arc::clone(env.publisher),
         metrics: Arc::clone(env.metrics),
@@ -200,7 +198,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
 /// lock was lost, false on shutdown.
 async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut watch::Receiver<bool>) -> bool {
     // Polled here, not spawned: if this task goes, the lock goes with it.
-    let watchdog = watch_lock(lock, ctx.config.takeover_timeout);
+    let watchdog = watch_lock(lock, ctx.settings.slot.takeover_timeout);
     tokio::pin!(watchdog);
     // No session streaming for long: the rows go by the table meanwhile.
     let last_error = std::sync::Mutex::new(None);

@@ -185,8 +185,10 @@ fn offload_target(
 async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config, db: &db::Db) -> Result<(Mode, bool), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
+    let settings = crate::pipeline::settings::Settings::of(config);
     let cdc = || async {
-        db.within_connecting("checking the CDC prerequisites", crate::source::cdc::check_cdc(sql, config)).await?;
+        let check = crate::source::cdc::check_cdc(sql, db, &settings);
+        db.within_connecting("checking the CDC prerequisites", check).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
         db.within(
             "checking the publication's shard",

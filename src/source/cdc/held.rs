@@ -315,7 +315,7 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
 /// long as the relay leads; `last_error` is the last session's error.
 pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
     let db = &ctx.db;
-    let after = stream_held_after(ctx.config.lane_stall_timeout);
+    let after = stream_held_after(ctx.settings.lanes.stall_timeout);
     let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =
         (None, None, None);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -327,7 +327,7 @@ pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>)
             if named.take().is_some() {
                 ctx.metrics.release_hold();
                 ctx.lanes.values().for_each(|l| l.release());
-                tracing::info!(slot = %ctx.config.slot, "a replication session streams again; lanes return to streaming as their spools allow");
+                tracing::info!(slot = %ctx.settings.slot.name, "a replication session streams again; lanes return to streaming as their spools allow");
             }
             continue;
         }
@@ -358,10 +358,10 @@ async fn down_step(
     last_error: Option<&str>,
     named: &mut Option<(String, Instant)>,
 ) -> Result<(), tokio_postgres::Error> {
-    let cause = diagnose_down(c, &ctx.config.slot, last_error).await?;
+    let cause = diagnose_down(c, &ctx.settings.slot.name, last_error).await?;
     let renamed = named.as_ref().is_none_or(|(n, at)| *n != cause && at.elapsed() >= RENAMED_AFTER);
     if renamed {
-        tracing::warn!(slot = %ctx.config.slot, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
+        tracing::warn!(slot = %ctx.settings.slot.name, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
         ctx.metrics.hold(&cause);
         for lane in ctx.lanes.values() {
             lane.hold(SpoolCause::StreamHeld(cause.clone()));

@@ -21,7 +21,6 @@ use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
 
-use crate::config::Config;
 use crate::db;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
@@ -86,7 +85,6 @@ pub enum CdcError {
 
 /// Everything a session needs that outlives it.
 pub struct StreamContext {
-    pub config: Config,
     /// The database, built once at start-up.
     pub db: crate::db::Db,
     /// The pipeline's settings, derived once at start-up.
@@ -122,7 +120,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     ctx.slot_seen.store(true, Ordering::Relaxed);
     ctx.metrics.set_ready(true);
     *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
-    tracing::info!(slot = %ctx.config.slot, start = %start_lsn, "streaming");
+    tracing::info!(slot = %ctx.settings.slot.name, start = %start_lsn, "streaming");
 
     let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
     let confirm = Arc::new(Notify::new());
@@ -171,24 +169,23 @@ async fn start_pipeline<'a>(
     watermark: &Arc<Mutex<Watermark>>,
     confirm: &Arc<Notify>,
 ) -> Result<(Pipeline<'a>, Settler), CdcError> {
-    let cfg = &ctx.config;
-    let db = &ctx.db;
+    let (cfg, db) = (&ctx.settings, &ctx.db);
     let settler_client = db.connect().await?;
     spool_lanes_with_rows_in_table(ctx, sql).await?;
     let wal_watch = tokio::spawn(watch_wal(
         db.clone(),
-        cfg.slot.clone(),
-        cfg.max_retained_wal,
+        cfg.slot.name.clone(),
+        cfg.slot.max_retained_wal,
         ctx.lanes.values().cloned().collect(),
     ));
     let progress = Arc::new(StreamProgress::default());
     let held_watch = tokio::spawn(watch_held(HeldWatch {
         db: db.clone(),
-        slot: cfg.slot.clone(),
+        slot: cfg.slot.name.clone(),
         lanes: ctx.lanes.values().cloned().collect(),
         progress: Arc::clone(&progress),
         metrics: Arc::clone(&ctx.metrics),
-        lane_stall_timeout: cfg.lane_stall_timeout,
+        lane_stall_timeout: cfg.lanes.stall_timeout,
         handed_until: Arc::clone(&ctx.handed_until),
     }));
     let parts = Parts {

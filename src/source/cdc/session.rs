@@ -8,10 +8,10 @@ use pgwire_replication::{ReplicationClient, ReplicationConfig};
 use replication::Lsn;
 use tokio_postgres::Client;
 
-use crate::config::Config;
 use crate::db;
+use crate::db::Db;
 use crate::pipeline::budget::Memory;
-use crate::pipeline::settings::Settings;
+use crate::pipeline::settings::{Settings, SlotSettings};
 
 use super::slot::{create_slot_exporting, hand_off_begins, hand_off_done, import_snapshot, prepare_slot, SlotState};
 use super::slot::{drop_unfinished_slot, finish_hand_off, hand_to_table, make_failover};
@@ -30,20 +30,19 @@ pub(crate) struct Opened {
 /// Connect, look the slot up (recreating a lost one), open the replication
 /// connection and start streaming; each step within its deadline.
 pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError> {
-    let cfg = &ctx.config;
-    let db = &ctx.db;
+    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
     let sql = db.connect().await?;
     let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
-    let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.slot)).await?;
+    let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.name)).await?;
     match &slot {
         SlotState::Lost { reason } => ctx.metrics.slot_recreated.with_label_values(&[reason]).inc(),
         SlotState::Missing if ctx.slot_seen.load(Ordering::Relaxed) => {
-            tracing::error!(slot = %cfg.slot, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
+            tracing::error!(slot = %cfg.name, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
             ctx.metrics.slot_recreated.with_label_values(&["dropped"]).inc();
         }
         _ => {}
     }
-    let mut repl = connect_replication(cfg, ctx.settings.memory).await?;
+    let mut repl = connect_replication(db, cfg, ctx.settings.memory).await?;
     // A new slot comes with a snapshot: the rows it will not stream are
     // handed to the table path before anything is published.
     let start_lsn = match slot {
@@ -70,14 +69,14 @@ async fn resume_slot(
     repl: &mut ReplicationClient,
     failover: bool,
 ) -> Result<(), CdcError> {
-    let (cfg, db) = (&ctx.config, &ctx.db);
+    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
     if cfg.failover && !failover {
-        db.within("altering the slot to FAILOVER", make_failover(repl, &cfg.slot)).await?;
+        db.within("altering the slot to FAILOVER", make_failover(repl, &cfg.name)).await?;
     }
-    let pending = finish_hand_off(sql, &cfg.slot, ctx.shard.as_deref());
+    let pending = finish_hand_off(sql, &cfg.name, ctx.shard.as_deref());
     if let Some((rows, until)) = db.within("finishing an interrupted slot hand-off", pending).await? {
         ctx.handed_until.raise(until);
-        tracing::warn!(slot = %cfg.slot, rows, "the slot's hand-off of older rows had not finished (the relay stopped during it): every NEW row not streamed yet handed to the table path");
+        tracing::warn!(slot = %cfg.name, rows, "the slot's hand-off of older rows had not finished (the relay stopped during it): every NEW row not streamed yet handed to the table path");
     }
     Ok(())
 }
@@ -85,13 +84,13 @@ async fn resume_slot(
 /// A new slot, and the NEW rows its snapshot sees handed to the table path
 /// (the slot will never stream them); its consistent point.
 async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationClient) -> Result<Lsn, CdcError> {
-    let (cfg, db) = (&ctx.config, &ctx.db);
+    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
     // Recorded first: a relay stopped before the hand-off ends leaves the
     // record, and the next session finishes it.
-    db.within("recording the slot hand-off", hand_off_begins(sql, &cfg.slot)).await?;
+    db.within("recording the slot hand-off", hand_off_begins(sql, &cfg.name)).await?;
     // Creating a slot waits for running transactions: no deadline, but
     // shutdown still interrupts it.
-    let (consistent, snapshot) = create_slot_exporting(repl, &cfg.slot, cfg.failover).await?;
+    let (consistent, snapshot) = create_slot_exporting(repl, &cfg.name, cfg.failover).await?;
     let snap_client = db.connect().await?;
     db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
     // A task of its own: a shutdown arriving meanwhile does not cut the
@@ -101,7 +100,7 @@ async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationCl
         failed => {
             // The slot must not stay without its hand-off: drop it, so the
             // next session creates it again.
-            drop_unfinished_slot(cfg, sql).await;
+            drop_unfinished_slot(db, &cfg.name, sql).await;
             return Err(match failed {
                 Ok(Err(e)) => e,
                 Err(e) => CdcError::Protocol(format!("hand-off task: {e}")),
@@ -109,8 +108,8 @@ async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationCl
             });
         }
     };
-    db.within("recording the end of the slot hand-off", hand_off_done(sql, &cfg.slot)).await?;
-    tracing::info!(slot = %cfg.slot, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
+    db.within("recording the end of the slot hand-off", hand_off_done(sql, &cfg.name)).await?;
+    tracing::info!(slot = %cfg.name, consistent_point = %consistent, rows = handed, "created replication slot; NEW rows written before it handed to the table path");
     Ok(consistent)
 }
 
@@ -118,17 +117,19 @@ async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationCl
 /// then the capability itself: a replication connection is opened and
 /// answers IDENTIFY_SYSTEM, within the deadlines. A refusal names the fix
 /// for the platform (self-managed, RDS/Aurora, Cloud SQL, Azure).
-pub async fn check_cdc(sql: &Client, cfg: &Config) -> Result<(), db::DbError> {
+pub async fn check_cdc(sql: &Client, db: &Db, settings: &Settings) -> Result<(), db::DbError> {
+    let cfg = &settings.slot;
     crate::source::cdc::publication::check_cdc_prerequisites(sql, &cfg.publication).await?;
-    check_slot_kind(sql, &cfg.slot).await?;
+    check_slot_kind(sql, &cfg.name).await?;
+    let query_timeout = db.deadlines.query;
     let probe = async {
-        let mut repl = connect_replication(cfg, Settings::of(cfg).memory).await?;
-        let answer = tokio::time::timeout(cfg.query_timeout, repl.identify_system()).await;
+        let mut repl = connect_replication(db, cfg, settings.memory).await?;
+        let answer = tokio::time::timeout(query_timeout, repl.identify_system()).await;
         // A gated session not started ends when dropped.
         drop(repl);
         match answer {
             Ok(r) => r.map(|_| ()).map_err(CdcError::from),
-            Err(_) => Err(CdcError::Protocol(format!("IDENTIFY_SYSTEM did not answer within {:?}", cfg.query_timeout))),
+            Err(_) => Err(CdcError::Protocol(format!("IDENTIFY_SYSTEM did not answer within {query_timeout:?}"))),
         }
     };
     match probe.await {
@@ -173,26 +174,31 @@ async fn check_slot_kind(sql: &Client, slot: &str) -> Result<(), db::DbError> {
 /// turn, each within `connect_timeout`; with `target_session_attrs=read-write`
 /// (the default) a server in recovery is passed over, so a list of servers
 /// follows a promotion. One host: its own error, unchanged.
-pub(crate) async fn connect_replication(cfg: &Config, memory: Memory) -> Result<ReplicationClient, CdcError> {
-    let t = outbox_pgconn::parse(&cfg.database_url).map_err(|e| CdcError::Db(db::DbError::Check(e)))?;
+pub(crate) async fn connect_replication(
+    db: &Db,
+    slot: &SlotSettings,
+    memory: Memory,
+) -> Result<ReplicationClient, CdcError> {
+    let t = db.target()?;
+    let connect_timeout = db.deadlines.connect;
     let mut passed = Vec::new();
     for (host, port) in &t.hosts {
         let server = format!("{host}:{port}");
         // Connecting and asking whether it is a standby, under one connect
         // deadline: a host that accepts TCP and never answers costs that.
         let one = async {
-            match connect_host(cfg, replication_config(cfg, memory, &t, host, *port)).await {
+            match connect_host(db, replication_config(slot, memory, &t, host, *port)).await {
                 Ok(repl) if !t.read_write => Ok(Ok(repl)),
-                Ok(repl) => in_recovery(cfg, repl).await,
+                Ok(repl) => in_recovery(db, repl).await,
                 Err(e) => Err(e),
             }
         };
-        let attempt = match tokio::time::timeout(cfg.connect_timeout, one).await {
+        let attempt = match tokio::time::timeout(connect_timeout, one).await {
             Ok(a) => a,
             Err(_) => Err(CdcError::Db(db::DbError::Timeout {
                 server: server.clone(),
                 what: "opening the replication connection and asking pg_is_in_recovery()".into(),
-                after: cfg.connect_timeout,
+                after: connect_timeout,
                 key: "connect_timeout",
             })),
         };
@@ -219,14 +225,14 @@ pub(crate) async fn connect_replication(cfg: &Config, memory: Memory) -> Result<
 }
 
 /// One host, within `connect_timeout`.
-async fn connect_host(cfg: &Config, rc: ReplicationConfig) -> Result<ReplicationClient, CdcError> {
+async fn connect_host(db: &Db, rc: ReplicationConfig) -> Result<ReplicationClient, CdcError> {
     let server = format!("{}:{}", rc.host, rc.port);
-    match tokio::time::timeout(cfg.connect_timeout, ReplicationClient::connect_gated(rc)).await {
+    match tokio::time::timeout(db.deadlines.connect, ReplicationClient::connect_gated(rc)).await {
         Ok(r) => Ok(r?),
         Err(_) => Err(CdcError::Db(db::DbError::Timeout {
             server,
             what: "opening the replication connection".into(),
-            after: cfg.connect_timeout,
+            after: db.deadlines.connect,
             key: "connect_timeout",
         })),
     }
@@ -234,13 +240,13 @@ async fn connect_host(cfg: &Config, rc: ReplicationConfig) -> Result<Replication
 
 /// The session back if its server is a primary, `Err(())` if it is in
 /// recovery (a walsender answers plain SQL on a database connection).
-async fn in_recovery(cfg: &Config, mut repl: ReplicationClient) -> Result<Result<ReplicationClient, ()>, CdcError> {
-    let rows = match tokio::time::timeout(cfg.query_timeout, repl.simple_query("SELECT pg_is_in_recovery()")).await {
+async fn in_recovery(db: &Db, mut repl: ReplicationClient) -> Result<Result<ReplicationClient, ()>, CdcError> {
+    let rows = match tokio::time::timeout(db.deadlines.query, repl.simple_query("SELECT pg_is_in_recovery()")).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(CdcError::Protocol(format!(
                 "pg_is_in_recovery() did not answer within {:?}",
-                cfg.query_timeout
+                db.deadlines.query
             )))
         }
     };
@@ -250,7 +256,7 @@ async fn in_recovery(cfg: &Config, mut repl: ReplicationClient) -> Result<Result
 
 /// The replication connection's settings for one host of the URL.
 pub(crate) fn replication_config(
-    cfg: &Config,
+    cfg: &SlotSettings,
     memory: Memory,
     t: &outbox_pgconn::Target,
     host: &str,
@@ -273,7 +279,7 @@ pub(crate) fn replication_config(
         t.user.clone(),
         t.password.clone().unwrap_or_default(),
         t.dbname.clone(),
-        cfg.slot.clone(),
+        cfg.name.clone(),
         cfg.publication.clone(),
     )
     .with_port(port)
@@ -281,7 +287,7 @@ pub(crate) fn replication_config(
     .with_status_interval(STATUS_INTERVAL)
     .with_wakeup_interval(Duration::from_secs(5))
     .with_buffer_size(memory.replication_buffer_events())
-    .with_application_name(format!("outbox-relay:{}", cfg.slot))
+    .with_application_name(format!("outbox-relay:{}", cfg.name))
     // pgoutput sends values as text in the walsender's DateStyle: ISO is
     // what the decoder reads (`deliver_at`), whatever the server's default.
     .with_options("-c datestyle=ISO,MDY")

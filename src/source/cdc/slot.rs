@@ -8,7 +8,7 @@ use replication::Lsn;
 use tokio_postgres::Client;
 
 use super::CdcError;
-use crate::config::Config;
+use crate::db::Db;
 
 pub(crate) enum SlotState {
     Exists {
@@ -121,23 +121,23 @@ pub(crate) async fn import_snapshot(client: &Client, snapshot: &str) -> Result<(
 
 /// After a hand-off that did not finish: drop the slot this session created (its
 /// walsender may take a moment to let go of it).
-pub(crate) async fn drop_unfinished_slot(cfg: &Config, sql: &Client) {
+pub(crate) async fn drop_unfinished_slot(db: &Db, slot: &str, sql: &Client) {
     for _ in 0..20 {
         let r = tokio::time::timeout(
-            cfg.query_timeout,
+            db.deadlines.query,
             sql.execute(
                 "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-                &[&cfg.slot],
+                &[&slot],
             ),
         )
         .await;
         if matches!(r, Ok(Ok(1))) {
-            tracing::warn!(slot = %cfg.slot, "the new slot's hand-off of older rows did not finish: dropped the slot, so the next session creates it again");
+            tracing::warn!(slot = %slot, "the new slot's hand-off of older rows did not finish: dropped the slot, so the next session creates it again");
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    tracing::error!(slot = %cfg.slot, "the new slot's hand-off of older rows did not finish and the slot could not be dropped: drop it (`outbox-relay slot drop`) before the next start so NEW rows written before it are published");
+    tracing::error!(slot = %slot, "the new slot's hand-off of older rows did not finish and the slot could not be dropped: drop it (`outbox-relay slot drop`) before the next start so NEW rows written before it are published");
 }
 
 /// The rows a new slot will not stream (NEW in its snapshot, not handed to
