@@ -5,6 +5,45 @@ use tokio_postgres::Client;
 
 use super::DbError;
 
+/// An outbox row's `status` column.
+///
+/// The SQL of the relay spells these values as literals (`status = 'NEW'`),
+/// not as parameters: the partial indexes (`... WHERE status = 'NEW'`) serve
+/// only a statement whose predicate names the same literal. A test checks
+/// that every such literal in `src/` is one of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RowStatus {
+    /// Not settled yet: streamed, or waiting in the table (`next_attempt_at`).
+    New,
+    /// Published and kept (`published_rows = keep`).
+    Published,
+    /// Will not be sent: `last_error` says why; `dead redrive` makes it NEW.
+    Dead,
+}
+
+impl RowStatus {
+    pub const ALL: [RowStatus; 3] = [RowStatus::New, RowStatus::Published, RowStatus::Dead];
+
+    /// The column's text.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RowStatus::New => "NEW",
+            RowStatus::Published => "PUBLISHED",
+            RowStatus::Dead => "DEAD",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RowStatus> {
+        RowStatus::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for RowStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The migrations, in order; each runs once, recorded in `outbox_relay_migrations`.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("../../migrations/0001_outbox.sql")),
@@ -96,4 +135,71 @@ pub async fn check_handoffs(client: &Client) -> Result<(), DbError> {
 /// Whether the current role may DELETE from the outbox (the retention sweeper).
 pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
     Ok(client.query_one("SELECT has_table_privilege('outbox', 'DELETE')", &[]).await?.get(0))
+}
+
+#[cfg(test)]
+mod row_status_tests {
+    use super::RowStatus;
+
+    /// The quoted values a statement compares `status` with, in `text`:
+    /// `status = 'X'`, `status <> 'X'`, `status IN ('X', 'Y')`.
+    fn status_literals(text: &str) -> Vec<&str> {
+        let mut found = Vec::new();
+        for (i, _) in text.match_indices("status ") {
+            // `wal_status` and the like are other columns.
+            if text[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                continue;
+            }
+            let rest = text[i + "status ".len()..].trim_start_matches(['=', '<', '>', ' ']);
+            let list = match rest.strip_prefix("IN (") {
+                Some(inner) => &inner[..inner.find(')').unwrap_or(0)],
+                None if rest.starts_with('\'') => rest.get(..rest[1..].find('\'').map_or(0, |e| e + 2)).unwrap_or(""),
+                None => continue,
+            };
+            found.extend(list.split(',').map(|v| v.trim().trim_matches('\'')));
+        }
+        found
+    }
+
+    /// Every status the relay's SQL (its code before the tests, and the
+    /// migrations) compares with is a [`RowStatus`].
+    #[test]
+    fn every_status_literal_in_the_sql_is_a_row_status() {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let mut seen = 0;
+        let mut stack = vec![std::path::Path::new(root).join("src"), std::path::Path::new(root).join("migrations")];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap();
+                for value in status_literals(code) {
+                    assert!(RowStatus::parse(value).is_some(), "{}: status '{value}'", path.display());
+                    seen += 1;
+                }
+            }
+        }
+        assert!(seen > 20, "found only {seen} status literals: the scan is broken");
+    }
+
+    #[test]
+    fn finds_each_form() {
+        assert_eq!(status_literals("WHERE status = 'NEW' AND x"), ["NEW"]);
+        assert_eq!(status_literals("status <> 'DEAD')"), ["DEAD"]);
+        assert_eq!(status_literals("status IN ('NEW', 'DEAD') GROUP"), ["NEW", "DEAD"]);
+        assert!(status_literals("status = $1").is_empty());
+        assert!(status_literals("wal_status = 'lost'").is_empty());
+    }
+
+    #[test]
+    fn parses_what_it_writes() {
+        for v in RowStatus::ALL {
+            assert_eq!(RowStatus::parse(v.as_str()), Some(v));
+        }
+        assert_eq!(RowStatus::parse("new"), None);
+    }
 }

@@ -19,6 +19,7 @@ use tokio_postgres::GenericClient;
 use tracing::Instrument;
 
 use crate::config::PublishedRows;
+use crate::db::schema::RowStatus;
 use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
 use crate::pipeline::watermark::{TxnSeq, Watermark};
@@ -410,11 +411,12 @@ async fn published_before<C: GenericClient>(
 /// A settlement's status, `last_error` and deferral code ([`Due::code`]),
 /// as the marking statements take them.
 fn columns(outcome: &Outcome) -> (&'static str, Option<String>, i16) {
-    match outcome {
-        Outcome::Published => ("PUBLISHED", None, 0),
-        Outcome::Dead(r) => ("DEAD", Some(r.last_error()), 0),
-        Outcome::Deferred(e, due) => ("NEW", Some(e.clone()), due.code()),
-    }
+    let (status, error, due) = match outcome {
+        Outcome::Published => (RowStatus::Published, None, 0),
+        Outcome::Dead(r) => (RowStatus::Dead, Some(r.last_error()), 0),
+        Outcome::Deferred(e, due) => (RowStatus::New, Some(e.clone()), due.code()),
+    };
+    (status.as_str(), error, due)
 }
 
 async fn mark_once<C: GenericClient>(

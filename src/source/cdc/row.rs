@@ -2,6 +2,7 @@
 
 use replication::{Lsn, Relation, Tuple, TupleValue};
 
+use crate::db::schema::RowStatus;
 use crate::event::{DeliverAt, OutboxEvent};
 use std::collections::HashMap;
 
@@ -25,7 +26,8 @@ pub(crate) fn tuple_id(rel: &Relation, t: &Tuple) -> Option<i64> {
 /// (a transient row ended DEAD or deferred) or inserted as already handed to
 /// the table. The stream skips it; the spool drain or `dead` finds it.
 pub(crate) fn owned_by_table(rel: &Relation, t: &Tuple) -> bool {
-    text(rel, t, "status").is_some_and(|s| s != "NEW") || text(rel, t, "next_attempt_at").is_some()
+    let new = RowStatus::New.as_str();
+    text(rel, t, "status").is_some_and(|s| s != new) || text(rel, t, "next_attempt_at").is_some()
 }
 
 /// The outbox columns, by name, from a decoded row.
