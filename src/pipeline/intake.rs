@@ -1,4 +1,4 @@
-//! The stream's way into the pipeline: a source's [`Change`]s in order, each
+//! The stream's way into the pipeline: the slot's [`Change`]s in order, each
 //! transaction registered with the watermark, its events handed to the
 //! router, its commit recorded; what may be confirmed comes back out.
 
@@ -7,10 +7,36 @@ use std::sync::{Arc, Mutex};
 use replication::Lsn;
 use tokio_postgres::Client;
 
-use crate::source::{Change, Chunk};
+use crate::event::OutboxEvent;
 
 use super::route::{RouteError, Router};
 use super::watermark::{TxnSeq, Watermark};
+
+/// What the slot's stream says, in the order it says it.
+#[derive(Debug)]
+pub enum Change {
+    /// A transaction begins.
+    Begin,
+    /// Events of the open transaction; more may follow.
+    Rows(Chunk),
+    /// The open transaction's last events, then its commit: once they and
+    /// every earlier transaction's events are settled, the slot may be
+    /// confirmed up to `end`.
+    Commit { rest: Chunk, end: Lsn },
+    /// No transaction is open and the server has sent everything up to
+    /// `wal_end` (a keepalive): with nothing unsettled, that may be confirmed.
+    Idle { wal_end: Lsn },
+}
+
+/// Events of one transaction, in commit order.
+#[derive(Debug, Default)]
+pub struct Chunk {
+    pub events: Vec<OutboxEvent>,
+    /// Committed before rows may have been settled by another path (an
+    /// earlier session, or the table while the stream was held): the
+    /// pipeline filters out those already settled.
+    pub replayed: bool,
+}
 
 /// Takes the stream's changes: route → lane → settle behind it, the
 /// watermark beside it.

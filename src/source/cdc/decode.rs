@@ -7,7 +7,7 @@ use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, Relatio
 use tokio_postgres::Client;
 
 use crate::event::OutboxEvent;
-use crate::source::{Change, Chunk};
+use crate::pipeline::intake::{Change, Chunk};
 
 use super::row::{as_committed, owned_by_table, row_from_tuple, tuple_id, updated_row};
 use std::collections::HashMap;
