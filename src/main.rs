@@ -233,44 +233,49 @@ fn main() -> ExitCode {
         return if outbox_relay::faults::ENABLED { ExitCode::SUCCESS } else { ExitCode::FAILURE };
     }
     let cli = Cli::parse();
-    let telemetry = match init_logging(cli.log_format) {
-        Ok(t) => t,
+    let (telemetry, runtime) = match set_up(&cli) {
+        Ok(parts) => parts,
         Err(e) => {
             eprintln!("outbox-relay: {e}");
             return ExitCode::from(2);
         }
     };
-    exit_on_panic();
-    if let Err(e) = outbox_relay::faults::configure_from_env() {
-        eprintln!("outbox-relay: {e}");
-        return ExitCode::from(2);
+    let result = runtime.block_on(run_command(cli));
+    drop(runtime);
+    if let Some(t) = telemetry {
+        t.shutdown();
     }
+    exit_code(result)
+}
+
+/// Logging (and the relay's spans), the panic hook, fail points and the
+/// runtime, before any command runs.
+fn set_up(cli: &Cli) -> Result<(Option<outbox_relay::telemetry::Telemetry>, tokio::runtime::Runtime), String> {
+    let telemetry = init_logging(cli.log_format)?;
+    exit_on_panic();
+    outbox_relay::faults::configure_from_env()?;
     let runtime = match cli.worker_threads {
         1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
         0 => tokio::runtime::Builder::new_multi_thread().enable_all().build(),
         n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).enable_all().build(),
     };
-    let runtime = match runtime {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("outbox-relay: cannot start the runtime: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let result = runtime.block_on(async {
-        if matches!(cli.command, Command::Run { .. }) {
-            // `run` takes the signal itself, to stop gracefully.
-            return real_main(cli).await.map(|()| true);
-        }
-        tokio::select! {
-            r = real_main(cli) => r.map(|()| true),
-            _ = shutdown_signal() => Ok(false),
-        }
-    });
-    drop(runtime);
-    if let Some(t) = telemetry {
-        t.shutdown();
+    let runtime = runtime.map_err(|e| format!("cannot start the runtime: {e}"))?;
+    Ok((telemetry, runtime))
+}
+
+/// The command; `Ok(false)` when a signal interrupted it (`run` takes the
+/// signal itself, to stop gracefully).
+async fn run_command(cli: Cli) -> anyhow::Result<bool> {
+    if matches!(cli.command, Command::Run { .. }) {
+        return real_main(cli).await.map(|()| true);
     }
+    tokio::select! {
+        r = real_main(cli) => r.map(|()| true),
+        _ = shutdown_signal() => Ok(false),
+    }
+}
+
+fn exit_code(result: anyhow::Result<bool>) -> ExitCode {
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {

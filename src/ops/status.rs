@@ -138,12 +138,13 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
     })
 }
 
+/// The whole report: the mode, the slot, every destination's rows in the
+/// table, and what the running relay says of them.
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
     // Before `migrate` there is nothing to report: say what to run.
     db::schema::check_outbox_table(client).await?;
     let (db, settings) = (db::Db::of(config), crate::pipeline::settings::Settings::of(config));
-    let cdc = crate::source::cdc::check_cdc(client, &db, &settings).await;
-    let cdc_unavailable = match cdc {
+    let cdc_unavailable = match crate::source::cdc::check_cdc(client, &db, &settings).await {
         Ok(()) => None,
         Err(db::DbError::CdcUnavailable(why)) => Some(why),
         Err(e) => return Err(e.into()),
@@ -152,6 +153,26 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         (Mode::Polling, _) | (Mode::Auto, Some(_)) => Mode::Polling,
         _ => Mode::Cdc,
     };
+    let mut destinations = destinations_in_table(client, config).await?;
+    let relay = match config.metrics_addr {
+        Some(addr) => Some(add_relay_view(&mut destinations, addr).await),
+        None => None,
+    };
+    destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
+    Ok(Status {
+        relay,
+        format: STATUS_FORMAT,
+        mode: config.mode,
+        effective_mode: effective,
+        cdc_unavailable,
+        slot: slot_status(client, &config.slot).await?,
+        destinations,
+    })
+}
+
+/// Each destination with rows in the table (NEW, spooled, held, DEAD), and
+/// each configured one without.
+async fn destinations_in_table(client: &Client, config: &Config) -> Result<Vec<DestinationStatus>, OpsError> {
     let held = crate::policy::delay::HELD_SQL;
     let sql = format!(
         "SELECT destination,
@@ -163,8 +184,9 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
                 extract(epoch FROM min(deliver_at) FILTER (WHERE {held}) - now())::float8
            FROM outbox WHERE status IN ('NEW', 'DEAD') GROUP BY destination ORDER BY destination"
     );
-    let rows = client.query(&sql, &[]).await?;
-    let mut destinations: Vec<DestinationStatus> = rows
+    let mut destinations: Vec<DestinationStatus> = client
+        .query(&sql, &[])
+        .await?
         .iter()
         .map(|r| DestinationStatus {
             destination: r.get(0),
@@ -183,20 +205,7 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
             destinations.push(DestinationStatus::empty(name, true));
         }
     }
-    let relay = match config.metrics_addr {
-        Some(addr) => Some(add_relay_view(&mut destinations, addr).await),
-        None => None,
-    };
-    destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
-    Ok(Status {
-        relay,
-        format: STATUS_FORMAT,
-        mode: config.mode,
-        effective_mode: effective,
-        cdc_unavailable,
-        slot: slot_status(client, &config.slot).await?,
-        destinations,
-    })
+    Ok(destinations)
 }
 
 /// Ask the running relay on `addr` (its `/status`) for each destination's

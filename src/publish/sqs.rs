@@ -1,7 +1,5 @@
 //! Amazon SQS through aws-sdk-sqs.
 
-use std::collections::HashMap;
-
 use async_trait::async_trait;
 use aws_sdk_sqs::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::{
@@ -10,6 +8,7 @@ use aws_sdk_sqs::types::{
 };
 
 use aws_sdk_sqs::config::http::HttpResponse;
+use aws_sdk_sqs::operation::send_message_batch::SendMessageBatchOutput;
 
 use super::{CallError, EntryResult, Publisher};
 use crate::publish::entry::{Entry, QueueInfo};
@@ -82,67 +81,73 @@ impl Publisher for SqsPublisher {
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let mut req = self.client.send_message_batch().queue_url(queue_url);
         for (i, e) in entries.iter().enumerate() {
-            let mut b = SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(e.message_body());
-            for a in &e.attributes {
-                let v = MessageAttributeValue::builder()
-                    .data_type(a.data_type.clone())
-                    .string_value(a.value.clone())
-                    .build()
-                    .map_err(|err| CallError::transport(err.to_string()))?;
-                b = b.message_attributes(a.name.clone(), v);
-            }
-            if let Some(g) = &e.group_id {
-                b = b.message_group_id(g.clone());
-            }
-            if let Some(d) = &e.dedup_id {
-                b = b.message_deduplication_id(d.clone());
-            }
-            if let Some(d) = e.delay_seconds {
-                b = b.delay_seconds(d as i32);
-            }
-            if let Some(t) = &e.trace_header {
-                let v = MessageSystemAttributeValue::builder()
-                    .data_type("String")
-                    .string_value(t.clone())
-                    .build()
-                    .map_err(|err| CallError::transport(err.to_string()))?;
-                b = b.message_system_attributes(MessageSystemAttributeNameForSends::AwsTraceHeader, v);
-            }
-            req = req.entries(b.build().map_err(|err| CallError::transport(err.to_string()))?);
+            req = req.entries(request_entry(i, e)?);
         }
         let out = req.send().await.map_err(call_error)?;
-        let mut results: Vec<Option<EntryResult>> = vec![None; entries.len()];
-        for ok in out.successful {
-            if let Ok(i) = ok.id.parse::<usize>() {
-                if i < results.len() {
-                    results[i] = Some(EntryResult::Sent);
-                }
-            }
-        }
-        let mut failed: HashMap<usize, EntryResult> = HashMap::new();
-        for f in out.failed {
-            if let Ok(i) = f.id.parse::<usize>() {
-                failed.insert(
-                    i,
-                    EntryResult::Failed {
-                        code: f.code,
-                        sender_fault: f.sender_fault,
-                        message: f.message.unwrap_or_default(),
-                    },
-                );
-            }
-        }
-        Ok(results
-            .into_iter()
-            .enumerate()
-            .map(|(i, r)| {
-                failed.remove(&i).or(r).unwrap_or(EntryResult::Failed {
-                    // Neither successful nor failed: unknown, so send it again.
-                    code: "MissingFromResponse".into(),
-                    sender_fault: false,
-                    message: "entry absent from the SendMessageBatch response".into(),
-                })
-            })
-            .collect())
+        Ok(entry_results(entries.len(), out))
     }
+}
+
+/// The request entry of `e`, the `i`th of its batch (its id).
+fn request_entry(i: usize, e: &Entry) -> Result<SendMessageBatchRequestEntry, CallError> {
+    let built = |err: aws_sdk_sqs::error::BuildError| CallError::transport(err.to_string());
+    let mut b = SendMessageBatchRequestEntry::builder().id(i.to_string()).message_body(e.message_body());
+    for a in &e.attributes {
+        let v = MessageAttributeValue::builder()
+            .data_type(a.data_type.clone())
+            .string_value(a.value.clone())
+            .build()
+            .map_err(built)?;
+        b = b.message_attributes(a.name.clone(), v);
+    }
+    if let Some(g) = &e.group_id {
+        b = b.message_group_id(g.clone());
+    }
+    if let Some(d) = &e.dedup_id {
+        b = b.message_deduplication_id(d.clone());
+    }
+    if let Some(d) = e.delay_seconds {
+        b = b.delay_seconds(d as i32);
+    }
+    if let Some(t) = &e.trace_header {
+        let v = MessageSystemAttributeValue::builder()
+            .data_type("String")
+            .string_value(t.clone())
+            .build()
+            .map_err(built)?;
+        b = b.message_system_attributes(MessageSystemAttributeNameForSends::AwsTraceHeader, v);
+    }
+    b.build().map_err(built)
+}
+
+/// Each of the batch's `n` entries' result, by the ids `request_entry` gave
+/// them; an entry the response leaves out is unknown, so sent again.
+fn entry_results(n: usize, out: SendMessageBatchOutput) -> Vec<EntryResult> {
+    let mut results: Vec<Option<EntryResult>> = vec![None; n];
+    let mut place = |id: &str, r: EntryResult| {
+        if let Some(slot) = id.parse::<usize>().ok().and_then(|i| results.get_mut(i)) {
+            // A failure reported beside a success for one id wins.
+            if slot.is_none() || matches!(r, EntryResult::Failed { .. }) {
+                *slot = Some(r);
+            }
+        }
+    };
+    for ok in out.successful {
+        place(&ok.id, EntryResult::Sent);
+    }
+    for f in out.failed {
+        let failed =
+            EntryResult::Failed { code: f.code, sender_fault: f.sender_fault, message: f.message.unwrap_or_default() };
+        place(&f.id, failed);
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or(EntryResult::Failed {
+                code: "MissingFromResponse".into(),
+                sender_fault: false,
+                message: "entry absent from the SendMessageBatch response".into(),
+            })
+        })
+        .collect()
 }

@@ -274,40 +274,24 @@ async fn stream(
     loop {
         tokio::select! {
             ev = repl.recv() => {
-                let ev = match ev {
-                    Ok(Some(ev)) => ev,
-                    Ok(None) => return Err(CdcError::Protocol("replication stream ended".into())),
-                    Err(e) => return Err(e.into()),
-                };
+                let ev = ev?.ok_or_else(|| CdcError::Protocol("replication stream ended".into()))?;
                 if let Some(lsn) = position(&ev) {
                     pipeline.progress.saw(lsn);
                 }
                 // Handing events on may wait for a lane or the budget:
                 // shutdown is honoured meanwhile (nothing unsettled is confirmed).
                 pipeline.progress.set_busy(true);
-                let step = tokio::select! {
-                    r = decoder.handle(ev, sql) => r?,
-                    _ = shutdown.wait_for(|s| *s) => return Ok(()),
+                let went_on = tokio::select! {
+                    r = take(ctx, sql, &mut decoder, &mut pipeline.intake, ev) => r?,
+                    _ = shutdown.wait_for(|s| *s) => false,
                 };
-                match step {
-                    Step::Change(change) => tokio::select! {
-                        r = pipeline.intake.take(sql, change) => r?,
-                        _ = shutdown.wait_for(|s| *s) => return Ok(()),
-                    },
-                    Step::Heartbeat { written_us } => ctx.metrics.heartbeat_returned(written_us),
-                    Step::Nothing => {}
-                    Step::Stopped => return Ok(()),
+                if !went_on {
+                    return Ok(());
                 }
                 pipeline.progress.set_busy(false);
             }
             _ = confirm.notified() => {}
-            r = &mut *settler => {
-                return Err(CdcError::Settler(match r {
-                    Ok(Ok(())) => "settler ended".into(),
-                    Ok(Err(e)) => db::describe(&e),
-                    Err(e) => e.to_string(),
-                }));
-            }
+            r = &mut *settler => return Err(settler_ended(r)),
             _ = shutdown.changed() => {
                 if *shutdown.borrow() {
                     return Ok(());
@@ -316,6 +300,33 @@ async fn stream(
         }
         *sent = confirm_if_advanced(repl, pipeline.intake.confirmable(), *sent, &ctx.metrics);
     }
+}
+
+/// One replication event, decoded and handed to the pipeline; false when
+/// the stream reached its stop position.
+async fn take(
+    ctx: &StreamContext,
+    sql: &Client,
+    decoder: &mut Decoder,
+    intake: &mut Intake<'_>,
+    ev: pgwire_replication::ReplicationEvent,
+) -> Result<bool, CdcError> {
+    match decoder.handle(ev, sql).await? {
+        Step::Change(change) => intake.take(sql, change).await?,
+        Step::Heartbeat { written_us } => ctx.metrics.heartbeat_returned(written_us),
+        Step::Nothing => {}
+        Step::Stopped => return Ok(false),
+    }
+    Ok(true)
+}
+
+/// Why the session ends when its settler has.
+fn settler_ended(r: Result<Result<(), tokio_postgres::Error>, tokio::task::JoinError>) -> CdcError {
+    CdcError::Settler(match r {
+        Ok(Ok(())) => "settler ended".into(),
+        Ok(Err(e)) => db::describe(&e),
+        Err(e) => e.to_string(),
+    })
 }
 
 /// How far the server has streamed, from an event that carries it

@@ -1,14 +1,25 @@
 //! The SQS entry made from an outbox row. Every rule SQS would enforce is
 //! checked here, before any send, so a row SQS would refuse becomes DEAD
-//! with its reason instead of failing a whole batch.
+//! with its reason instead of failing a whole batch: the attributes
+//! ([`attributes`]), the deduplication and group ids ([`ids`]), the trace
+//! header ([`trace`]), the size and the S3 pointer ([`prepare`]).
 
 use std::sync::Arc;
 
-use sha2::{Digest, Sha256};
-
 use crate::event::OutboxEvent;
 use crate::policy::dead::{DeadCode, DeadReason};
-use crate::publish::offload::{Offload, OffloadTarget, RESERVED_ATTRIBUTES, SIZE_ATTRIBUTE};
+use crate::publish::offload::{Offload, OffloadTarget, SIZE_ATTRIBUTE};
+
+mod attributes;
+mod ids;
+mod trace;
+
+pub use attributes::{
+    check_sqs_number, first_invalid_char, parse_attributes, Attribute, MAX_ATTRIBUTES, MAX_DATA_TYPE,
+};
+pub use ids::dedup_id;
+use ids::is_sqs_token;
+pub use trace::{xray_trace_header, Traceparent, TRACEPARENT};
 
 /// What SQS needs to know about a queue to batch for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,14 +42,6 @@ impl QueueInfo {
     pub fn new(url: impl Into<String>, fifo: bool, max_message_size: usize) -> QueueInfo {
         QueueInfo { url: url.into(), fifo, max_message_size, fair: true, offload: None }
     }
-}
-
-/// A message attribute, in SQS's terms.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Attribute {
-    pub name: String,
-    pub data_type: String,
-    pub value: String,
 }
 
 /// An event validated for its queue: ready to go into a batch.
@@ -77,200 +80,6 @@ impl Entry {
     }
 }
 
-/// The W3C trace-context attribute a producer sets to join its trace.
-pub const TRACEPARENT: &str = "traceparent";
-
-/// A W3C `traceparent` (`00-<32 hex trace id>-<16 hex parent id>-<2 hex
-/// flags>`) as an X-Ray trace header (`Root=1-<8 hex>-<24 hex>;Parent=<16
-/// hex>;Sampled=<0|1>`), which SQS carries as `AWSTraceHeader`; `None` when
-/// it is not a valid traceparent (the attribute still goes as it is).
-pub fn xray_trace_header(traceparent: &str) -> Option<String> {
-    let Traceparent { trace, parent, flags } = Traceparent::parse(traceparent)?;
-    Some(format!("Root=1-{}-{};Parent={parent};Sampled={}", &trace[..8], &trace[8..], flags & 1))
-}
-
-/// The parts of a valid W3C `traceparent`: 32 lower-case hex digits of
-/// trace id, 16 of parent id (neither all zero), and the flags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Traceparent<'a> {
-    pub trace: &'a str,
-    pub parent: &'a str,
-    pub flags: u8,
-}
-
-impl<'a> Traceparent<'a> {
-    /// `None` when `s` is not a valid traceparent (version `ff`, a version
-    /// `00` with more than four parts, bad lengths or digits, zero ids).
-    pub fn parse(s: &'a str) -> Option<Self> {
-        let parts: Vec<&str> = s.trim().split('-').collect();
-        let hex =
-            |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        let [version, trace, parent, flags, ..] = parts[..] else { return None };
-        let zero = |s: &str| s.bytes().all(|b| b == b'0');
-        let valid = hex(version, 2) && version != "ff" && (version != "00" || parts.len() == 4);
-        if !valid || !hex(trace, 32) || !hex(parent, 16) || !hex(flags, 2) || zero(trace) || zero(parent) {
-            return None;
-        }
-        Some(Traceparent { trace, parent, flags: u8::from_str_radix(flags, 16).ok()? })
-    }
-}
-
-/// SQS's limit on an attribute's `DataType`, its custom label included.
-pub const MAX_DATA_TYPE: usize = 256;
-
-/// SQS's limit on attributes per message.
-pub const MAX_ATTRIBUTES: usize = 10;
-
-/// SQS accepts `#x9 | #xA | #xD | #x20-#xD7FF | #xE000-#xFFFD | #x10000-#x10FFFF`.
-/// Rust strings hold no surrogates, so that leaves the C0 controls and
-/// U+FFFE/U+FFFF to refuse.
-pub fn first_invalid_char(s: &str) -> Option<(usize, char)> {
-    s.char_indices().find(|&(_, c)| {
-        let c = c as u32;
-        !(c == 0x9 || c == 0xA || c == 0xD || (0x20..=0xFFFD).contains(&c) || c >= 0x10000)
-    })
-}
-
-/// Deduplication and group ids: 1 to 128 of `[A-Za-z0-9]` and ASCII punctuation.
-fn is_sqs_token(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b.is_ascii_punctuation())
-}
-
-/// `MessageDeduplicationId` for an event: its `event_id` when SQS accepts it
-/// as one, otherwise the hex SHA-256 of it (64 characters, deterministic, so a
-/// resend within SQS's 5-minute window is still absorbed).
-pub fn dedup_id(event_id: &str) -> String {
-    if is_sqs_token(event_id) {
-        event_id.to_string()
-    } else {
-        hex::encode(Sha256::digest(event_id.as_bytes()))
-    }
-}
-
-/// Parse the `attributes` JSON: an object of at most 10 entries, each a string
-/// (type String), a number (type Number, its JSON text carried exactly, never
-/// through a float), a boolean (type String), or
-/// `{"DataType": "String|Number[.label]", "StringValue": "..."}`.
-pub fn parse_attributes(json: &str) -> Result<Vec<Attribute>, DeadReason> {
-    use serde_json::value::RawValue;
-    let bad = |d: String| DeadReason::new(DeadCode::InvalidAttributes, d);
-    let top: &RawValue = serde_json::from_str(json).map_err(|e| bad(format!("not JSON: {e}")))?;
-    let obj: std::collections::BTreeMap<String, &RawValue> = match top.get().trim_start().as_bytes().first() {
-        Some(b'n') => return Ok(Vec::new()),
-        Some(b'{') => serde_json::from_str(top.get()).map_err(|e| bad(format!("not JSON: {e}")))?,
-        _ => return Err(bad(format!("expected a JSON object, got {}", top.get().trim()))),
-    };
-    if obj.len() > MAX_ATTRIBUTES {
-        return Err(bad(format!("{} attributes; SQS allows at most {MAX_ATTRIBUTES}", obj.len())));
-    }
-    let mut out = Vec::with_capacity(obj.len());
-    for (name, raw) in obj {
-        validate_attribute_name(&name).map_err(bad)?;
-        let (data_type, value) = attribute_value(&name, raw.get().trim()).map_err(bad)?;
-        let base = data_type.split('.').next().unwrap_or_default();
-        if base != "String" && base != "Number" {
-            return Err(bad(format!(
-                "attribute {name:?}: DataType {data_type:?} is not String or Number (Binary is not supported)"
-            )));
-        }
-        if data_type.len() > MAX_DATA_TYPE {
-            return Err(bad(format!(
-                "attribute {name:?}: DataType is {} characters; SQS allows at most {MAX_DATA_TYPE}",
-                data_type.len()
-            )));
-        }
-        if value.is_empty() {
-            return Err(bad(format!("attribute {name:?}: empty value")));
-        }
-        if base == "Number" {
-            check_sqs_number(&value).map_err(|e| bad(format!("attribute {name:?}: {e}")))?;
-        }
-        if let Some((i, c)) = first_invalid_char(&value) {
-            return Err(DeadReason::new(
-                DeadCode::InvalidCharacters,
-                format!("attribute {name:?} has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
-            ));
-        }
-        out.push(Attribute { name, data_type, value });
-    }
-    Ok(out)
-}
-
-/// One attribute's (DataType, value) from its raw JSON text.
-fn attribute_value(name: &str, raw: &str) -> Result<(String, String), String> {
-    let parse = |e: serde_json::Error| format!("attribute {name:?}: {e}");
-    match raw.as_bytes().first() {
-        Some(b'"') => Ok(("String".into(), serde_json::from_str::<String>(raw).map_err(parse)?)),
-        Some(b't' | b'f') => Ok(("String".into(), serde_json::from_str::<bool>(raw).map_err(parse)?.to_string())),
-        // The number's own text: 38 significant digits survive, as SQS keeps them.
-        Some(b'-' | b'0'..=b'9') => Ok(("Number".into(), raw.to_string())),
-        Some(b'{') => {
-            let mut o: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw).map_err(parse)?;
-            let t = o.remove("DataType").and_then(|t| t.as_str().map(str::to_owned));
-            let s = o.remove("StringValue").and_then(|t| t.as_str().map(str::to_owned));
-            match (t, s) {
-                (Some(t), Some(s)) if o.is_empty() => Ok((t, s)),
-                _ => Err(format!("attribute {name:?}: expected {{\"DataType\": ..., \"StringValue\": ...}}")),
-            }
-        }
-        _ => Err(format!("attribute {name:?}: unsupported value {raw}")),
-    }
-}
-
-/// SQS's rule for a Number attribute: a decimal number (optional sign,
-/// fraction and exponent) of at most 38 significant digits, between 10^-128
-/// and 10^+126 in magnitude (or zero). Leading and trailing zeros do not count.
-pub fn check_sqs_number(s: &str) -> Result<(), String> {
-    let not_a_number = || format!("Number value {s:?} is not a decimal number");
-    let t = s.strip_prefix(['-', '+']).unwrap_or(s);
-    let (mantissa, exp) = match t.find(['e', 'E']) {
-        Some(i) => (&t[..i], t[i + 1..].parse::<i64>().map_err(|_| not_a_number())?),
-        None => (t, 0),
-    };
-    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
-    let digits_only = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    if (int.is_empty() && frac.is_empty()) || !digits_only(int) || !digits_only(frac) {
-        return Err(not_a_number());
-    }
-    let digits = format!("{int}{frac}");
-    let significant = digits.trim_matches('0');
-    if significant.is_empty() {
-        return Ok(());
-    }
-    if significant.len() > 38 {
-        return Err(format!("Number value {s:?} has {} significant digits; SQS keeps at most 38", significant.len()));
-    }
-    let leading_zeros = (digits.len() - digits.trim_start_matches('0').len()) as i64;
-    let magnitude = int.len() as i64 - 1 - leading_zeros + exp;
-    if !(-128..126).contains(&magnitude) {
-        return Err(format!("Number value {s:?} is outside SQS's range (10^-128 to 10^126)"));
-    }
-    Ok(())
-}
-
-fn validate_attribute_name(name: &str) -> Result<(), String> {
-    if RESERVED_ATTRIBUTES.contains(&name) {
-        return Err(format!(
-            "attribute name {name:?} is reserved: AWS's SQS extended clients read a message carrying it as a \
-             pointer to a body in S3 (the relay sets it itself when a body goes through S3)"
-        ));
-    }
-    let lower = name.to_ascii_lowercase();
-    let ok = !name.is_empty()
-        && name.len() <= 256
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
-        && !name.starts_with('.')
-        && !name.ends_with('.')
-        && !name.contains("..")
-        && !lower.starts_with("aws.")
-        && !lower.starts_with("amazon.");
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("attribute name {name:?} is not allowed by SQS"))
-    }
-}
-
 /// Validate `event` for `queue` and build its entry, or say why it is DEAD.
 pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, DeadReason> {
     if event.body.is_empty() {
@@ -280,16 +89,42 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
         Some(json) => parse_attributes(json)?,
         None => Vec::new(),
     };
+    let (size, offload) = sized(&event, queue, &mut attributes)?;
+    let (group_id, dedup) = group_and_dedup(&event, queue)?;
+    let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
+    Ok(Entry {
+        ordered: queue.fifo,
+        trace_header,
+        event,
+        attributes,
+        size,
+        group_id,
+        dedup_id: dedup,
+        offload,
+        delay_seconds: None,
+    })
+}
+
+/// The bytes SQS counts for the message, and its S3 object when the body
+/// goes through S3 (the size attribute then added to `attributes`); DEAD
+/// when the body has a character SQS refuses or the message is too large.
+fn sized(
+    event: &OutboxEvent,
+    queue: &QueueInfo,
+    attributes: &mut Vec<Attribute>,
+) -> Result<(usize, Option<Arc<Offload>>), DeadReason> {
     let attributes_size =
         |a: &[Attribute]| a.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
-    let mut size = event.body.len() + attributes_size(&attributes);
+    let inline = event.body.len() + attributes_size(attributes);
     let offload = match &queue.offload {
-        Some(t) if t.threshold.offloads(size, queue.max_message_size) => Some(offload(&event, t, &mut attributes)?),
+        Some(t) if t.threshold.offloads(inline, queue.max_message_size) => Some(offload(event, t, attributes)?),
         _ => None,
     };
-    if let Some(o) = &offload {
-        size = o.pointer.len() + attributes_size(&attributes);
-    } else if let Some((i, c)) = first_invalid_char(&event.body) {
+    let size = match &offload {
+        Some(o) => o.pointer.len() + attributes_size(attributes),
+        None => inline,
+    };
+    if let (None, Some((i, c))) = (&offload, first_invalid_char(&event.body)) {
         return Err(DeadReason::new(
             DeadCode::InvalidCharacters,
             format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
@@ -305,40 +140,29 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
             ),
         ));
     }
-    let (group_id, dedup) = if queue.fifo {
-        let group = match &event.group_key {
-            None => {
-                return Err(DeadReason::new(
-                    DeadCode::FifoWithoutGroup,
-                    "the destination is a FIFO queue and the row has no group_key",
-                ))
-            }
-            Some(g) if !is_sqs_token(g) => {
-                return Err(DeadReason::new(
-                    DeadCode::InvalidGroupKey,
-                    "group_key must be 1 to 128 letters, digits or ASCII punctuation",
-                ))
-            }
-            Some(g) => g.clone(),
-        };
-        (Some(group), Some(dedup_id(&event.event_id)))
-    } else {
+    Ok((size, offload))
+}
+
+/// `MessageGroupId` and `MessageDeduplicationId`: a FIFO queue needs the
+/// row's group key (DEAD without a valid one) and dedups by event id; a
+/// standard queue takes the group key for fair queues, if SQS accepts it.
+fn group_and_dedup(event: &OutboxEvent, queue: &QueueInfo) -> Result<(Option<String>, Option<String>), DeadReason> {
+    if !queue.fifo {
         // Fair queues: a group key SQS would refuse is left out (the
         // message is still delivered; fairness is per group only).
-        (event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None)
-    };
-    let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
-    Ok(Entry {
-        ordered: queue.fifo,
-        trace_header,
-        event,
-        attributes,
-        size,
-        group_id,
-        dedup_id: dedup,
-        offload,
-        delay_seconds: None,
-    })
+        return Ok((event.group_key.clone().filter(|g| queue.fair && is_sqs_token(g)), None));
+    }
+    match &event.group_key {
+        None => Err(DeadReason::new(
+            DeadCode::FifoWithoutGroup,
+            "the destination is a FIFO queue and the row has no group_key",
+        )),
+        Some(g) if !is_sqs_token(g) => Err(DeadReason::new(
+            DeadCode::InvalidGroupKey,
+            "group_key must be 1 to 128 letters, digits or ASCII punctuation",
+        )),
+        Some(g) => Ok((Some(g.clone()), Some(dedup_id(&event.event_id)))),
+    }
 }
 
 /// The body of `event` through S3 under `target`: its object (key chosen
@@ -377,6 +201,7 @@ fn offload(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::offload::RESERVED_ATTRIBUTES;
 
     pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
         Arc::new(OutboxEvent { event_id: format!("e:{id}:0"), ..OutboxEvent::for_test(id, "orders", body) })
