@@ -394,8 +394,8 @@ async fn print_pending(client: &tokio_postgres::Client) -> anyhow::Result<()> {
     if pending.is_empty() {
         println!("migrations: up to date; nothing would be applied");
     }
-    for (version, name, sql) in &pending {
-        println!("-- migration {version}: {name} (not applied: --dry-run)\n{}\n", sql.trim_end());
+    for m in &pending {
+        println!("-- migration {}: {} (not applied: --dry-run)\n{}\n", m.version, m.name, m.sql.trim_end());
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 """A worker for outbox-relay's jobs, in Python (boto3 + psycopg 3).
 
-The protocol lives in PostgreSQL (migration 6, `consumer/migrations/protocol.sql`);
+The protocol lives in PostgreSQL (migration 6, `migrations/0006_job_protocol.sql`);
 this worker is only the statements around it, so it gets the same guarantees
 as the Rust library: a message is judged by the job row, never by itself, and
 the handler's writes commit in the same transaction as the job's success.

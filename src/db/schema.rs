@@ -1,5 +1,6 @@
-//! The relay's own schema: the migrations, and the start-up checks that the
-//! tables exist with the privileges the role needs.
+//! The relay's side of the schema: the migrations (their home is the
+//! `outbox-schema` crate, `migrations/`), the start-up checks that the tables
+//! exist with the privileges the role needs, and the row status.
 
 use tokio_postgres::Client;
 
@@ -44,41 +45,19 @@ impl std::fmt::Display for RowStatus {
     }
 }
 
-/// The migrations, in order; each runs once, recorded in `outbox_relay_migrations`.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (1, "outbox", include_str!("../../migrations/0001_outbox.sql")),
-    (2, "publication", include_str!("../../migrations/0002_publication.sql")),
-    (3, "spool", include_str!("../../migrations/0003_spool.sql")),
-    // The consumer's jobs table and functions, from its own crate.
-    (outbox_consumer::JOBS_MIGRATION, "jobs", outbox_consumer::JOBS_SQL),
-    (5, "published", include_str!("../../migrations/0005_published.sql")),
-    // The consumer's protocol functions, from its own crate.
-    (outbox_consumer::PROTOCOL_MIGRATION, "job protocol", outbox_consumer::PROTOCOL_SQL),
-    (7, "runs survive id reuse", include_str!("../../migrations/0007_runs_reuse.sql")),
-    (8, "publish updates", include_str!("../../migrations/0008_publish_updates.sql")),
-    (9, "durable slot hand-off", include_str!("../../migrations/0009_handoffs.sql")),
-    (10, "runs list the table path's event ids", include_str!("../../migrations/0010_runs_event_ids.sql")),
-    (11, "delayed delivery", include_str!("../../migrations/0011_deliver_at.sql")),
-    // `outbox_enqueue_job` takes the producer's trace context (the consumer's crate).
-    (outbox_consumer::TRACE_MIGRATION, "job trace context", outbox_consumer::TRACE_SQL),
-];
+/// Every migration, relay's and consumer's, in order ([`outbox_schema::ALL`]).
+pub use outbox_schema::{Migration, ALL as MIGRATIONS};
 
 /// Apply the migrations not applied yet, under an advisory lock so concurrent
 /// deploys do not race. Returns the versions applied now.
 pub async fn migrate(client: &mut Client) -> Result<Vec<i32>, DbError> {
-    Ok(outbox_consumer::apply_migrations(client, MIGRATIONS).await?)
+    Ok(outbox_schema::apply(client, MIGRATIONS).await?)
 }
 
 /// The migrations `migrate` would apply now, in order, with their SQL;
 /// nothing is written (`migrate --dry-run`).
-pub async fn pending(client: &Client) -> Result<Vec<(i32, &'static str, &'static str)>, DbError> {
-    let recorded = client.query_one("SELECT to_regclass('outbox_relay_migrations') IS NOT NULL", &[]).await?.get(0);
-    let applied: Vec<i32> = if recorded {
-        client.query("SELECT version FROM outbox_relay_migrations", &[]).await?.iter().map(|r| r.get(0)).collect()
-    } else {
-        Vec::new()
-    };
-    Ok(MIGRATIONS.iter().filter(|(v, _, _)| !applied.contains(v)).copied().collect())
+pub async fn pending(client: &Client) -> Result<Vec<&'static Migration>, DbError> {
+    Ok(outbox_schema::pending(client).await?)
 }
 
 /// The outbox table exists (every mode needs it).

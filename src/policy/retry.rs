@@ -137,7 +137,7 @@ pub const MAX_DOUBLINGS: u32 = 20;
 /// Exponential backoff after `failures` failures: `base * 2^failures`
 /// (at most [`MAX_DOUBLINGS`]), capped. Every wait of the relay is this
 /// formula: in memory here, the table path's in SQL ([`backoff_sql`]). The
-/// consumer's protocol (`consumer/migrations/protocol.sql`,
+/// consumer's protocol (`migrations/0006_job_protocol.sql`,
 /// `outbox_job_backoff`) is the same on its attempt count (attempt − 1
 /// failures), with jitter over the upper half, since many workers retry at
 /// once.

@@ -299,8 +299,8 @@ async fn an_older_schema_is_migrated_and_old_enqueue_calls_still_work() {
     admin.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
     let url = format!("{}/{name}", stack().pg_url.rsplit_once('/').unwrap().0);
     let mut c = outbox_relay::db::connect(&url).await.unwrap();
-    let before: Vec<_> = outbox_relay::db::schema::MIGRATIONS.iter().copied().filter(|m| m.0 <= 10).collect();
-    outbox_consumer::apply_migrations(&mut c, &before).await.unwrap();
+    let before = outbox_schema::ALL.iter().filter(|m| m.version <= 10);
+    outbox_schema::apply(&mut c, before).await.unwrap();
     let overloads = "SELECT count(*) FROM pg_proc WHERE proname = 'outbox_enqueue_job'";
     c.batch_execute("SELECT outbox_enqueue_job('old', '{\"n\": 1}', 'jobs')").await.unwrap();
     let applied = outbox_relay::db::schema::migrate(&mut c).await.unwrap();
