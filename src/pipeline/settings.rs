@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::config::Config;
+use crate::publish::offload::Threshold;
 
 use super::budget::Memory;
 use super::settle::Marking;
@@ -36,6 +37,15 @@ pub struct SlotSettings {
     pub takeover_timeout: Duration,
 }
 
+/// How bodies go through S3, whatever the destination's bucket.
+#[derive(Debug, Clone, Copy)]
+pub struct OffloadSettings {
+    pub threshold: Threshold,
+    /// Bodies over this many bytes are DEAD (`too_large`) even through S3;
+    /// also the largest event the memory budget plans for.
+    pub max_body: u64,
+}
+
 /// Everything the relay's sources and pipeline are built from.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -45,10 +55,14 @@ pub struct Settings {
     pub slot: SlotSettings,
     /// The table path's sleep between claims that were not full.
     pub poll_interval: Duration,
+    /// `None`: no S3; a body over its queue's limit is DEAD.
+    pub offload: Option<OffloadSettings>,
 }
 
 impl Settings {
     pub fn of(config: &Config) -> Settings {
+        let offload =
+            config.s3.as_ref().map(|s3| OffloadSettings { threshold: s3.threshold, max_body: s3.max_body_bytes });
         Settings {
             lanes: LaneSettings {
                 linger: config.linger,
@@ -60,7 +74,7 @@ impl Settings {
             memory: Memory {
                 max_events: config.max_unsettled_events,
                 max_bytes: config.max_unsettled_bytes,
-                max_event_bytes: config.s3.as_ref().map_or(1 << 20, |s3| s3.max_body_bytes),
+                max_event_bytes: offload.map_or(1 << 20, |o| o.max_body),
             },
             slot: SlotSettings {
                 name: config.slot.clone(),
@@ -70,6 +84,7 @@ impl Settings {
                 takeover_timeout: config.takeover_timeout,
             },
             poll_interval: config.poll_interval,
+            offload,
         }
     }
 }

@@ -57,7 +57,9 @@ pub async fn run(
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
     let settings = Settings::of(&config);
-    let Some(started) = start_up_until_done(&config, &db, publisher.as_ref(), &metrics, &mut stop_rx).await? else {
+    let Some(started) =
+        start_up_until_done(&config, &settings, &db, publisher.as_ref(), &metrics, &mut stop_rx).await?
+    else {
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
     };

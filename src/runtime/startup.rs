@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::config::{Config, Mode, S3Config};
 use crate::db;
 use crate::metrics::Metrics;
+use crate::pipeline::settings::Settings;
 use crate::policy::retry::{classify_start_up, StartUpFailure};
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
@@ -54,6 +55,7 @@ fn not_started(e: db::DbError, connected: bool) -> NotStarted {
 /// when asked to stop first. A refused check ends it at once.
 pub(crate) async fn start_up_until_done(
     config: &Config,
+    settings: &Settings,
     db: &db::Db,
     publisher: &dyn Publisher,
     metrics: &Metrics,
@@ -66,7 +68,7 @@ pub(crate) async fn start_up_until_done(
     };
     loop {
         let attempt = tokio::select! {
-            r = start_up(config, db, publisher, store.as_ref(), metrics) => r,
+            r = start_up(config, settings, db, publisher, store.as_ref(), metrics) => r,
             _ = stop.wait_for(|s| *s) => return Ok(None),
         };
         match attempt {
@@ -89,6 +91,7 @@ pub(crate) async fn start_up_until_done(
 /// listener.
 async fn start_up(
     config: &Config,
+    settings: &Settings,
     db: &db::Db,
     publisher: &dyn Publisher,
     store: Option<&Arc<dyn ObjectStore>>,
@@ -99,7 +102,7 @@ async fn start_up(
     db.within("checking the server", db::server::check_server(&sql, &db.server(), config.failover))
         .await
         .map_err(startup)?;
-    let (mode, sharded) = resolve_mode(&sql, config, db).await?;
+    let (mode, sharded) = resolve_mode(&sql, config, settings, db).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
@@ -111,7 +114,7 @@ async fn start_up(
             ))
         })?;
         info.fair = config.fair_queues;
-        info.offload = offload_target(config, name, store);
+        info.offload = offload_target(config, settings, name, store);
         tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
         queues.insert(name.clone(), info);
     }
@@ -162,32 +165,39 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
 }
 
 /// `destination`'s S3 settings, if its bodies may go through S3.
+/// `destination`'s S3 target, if its bodies may go through S3: its bucket
+/// and key prefix from the configuration, the rest from the settings.
 fn offload_target(
     config: &Config,
+    settings: &Settings,
     destination: &str,
     store: Option<&Arc<dyn ObjectStore>>,
 ) -> Option<Arc<OffloadTarget>> {
-    let s3 = config.s3.as_ref()?;
-    let (bucket, key_prefix) = s3.target(destination)?;
+    let offload = settings.offload?;
+    let (bucket, key_prefix) = config.s3.as_ref()?.target(destination)?;
     Some(Arc::new(OffloadTarget {
         store: Arc::clone(store?),
         bucket: bucket.to_string(),
         key_prefix: key_prefix.to_string(),
-        threshold: s3.threshold,
-        max_body: s3.max_body_bytes as usize,
-        stall_timeout: config.lane_stall_timeout,
+        threshold: offload.threshold,
+        max_body: offload.max_body as usize,
+        stall_timeout: settings.lanes.stall_timeout,
     }))
 }
 
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
 /// CDC when the server and role allow it, polling otherwise, and says why.
 /// Also returns whether this CDC relay is one shard (a filtered publication).
-async fn resolve_mode(sql: &tokio_postgres::Client, config: &Config, db: &db::Db) -> Result<(Mode, bool), NotStarted> {
+async fn resolve_mode(
+    sql: &tokio_postgres::Client,
+    config: &Config,
+    settings: &Settings,
+    db: &db::Db,
+) -> Result<(Mode, bool), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
-    let settings = crate::pipeline::settings::Settings::of(config);
     let cdc = || async {
-        let check = crate::source::cdc::check_cdc(sql, db, &settings);
+        let check = crate::source::cdc::check_cdc(sql, db, settings);
         db.within_connecting("checking the CDC prerequisites", check).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
         db.within(
