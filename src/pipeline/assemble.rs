@@ -28,15 +28,16 @@ use super::watermark::Watermark;
 /// Items a lane's channel holds (each holds its share of the budget).
 const LANE_CHANNEL: usize = 4_096;
 
-/// What a pipeline is made of and sends through.
-#[derive(Clone, Copy)]
-pub struct Parts<'a> {
-    pub settings: &'a Settings,
-    pub queues: &'a BTreeMap<String, QueueInfo>,
+/// What every pipeline is made of and sends through: built once at
+/// start-up, shared by both sources (the stream's sessions and every table
+/// lane).
+pub struct Parts {
+    pub settings: Settings,
+    pub queues: BTreeMap<String, QueueInfo>,
     /// Per destination, outliving sessions: streaming or spooling.
-    pub states: &'a BTreeMap<String, Arc<LaneState>>,
-    pub publisher: &'a Arc<dyn Publisher>,
-    pub metrics: &'a Arc<Metrics>,
+    pub states: BTreeMap<String, Arc<LaneState>>,
+    pub publisher: Arc<dyn Publisher>,
+    pub metrics: Arc<Metrics>,
 }
 
 /// The settler's task: it ends when every lane and the router are gone.
@@ -53,7 +54,7 @@ impl<'a> Streaming<'a> {
     /// The settler on `settler_client`, one lane per destination, and the
     /// router in front of them within the memory budget.
     pub fn start(
-        parts: Parts<'a>,
+        parts: &'a Parts,
         settler_client: Client,
         watermark: &Arc<Mutex<Watermark>>,
         confirm: &Arc<Notify>,
@@ -64,31 +65,31 @@ impl<'a> Streaming<'a> {
             settle_rx,
             Arc::clone(watermark),
             Arc::clone(confirm),
-            Arc::clone(parts.metrics),
+            Arc::clone(&parts.metrics),
             parts.settings.marking,
         ));
         let mut lanes = JoinSet::new();
         let mut senders = HashMap::new();
-        for (name, queue) in parts.queues {
+        for (name, queue) in &parts.queues {
             let (tx, rx) = mpsc::channel(LANE_CHANNEL);
             senders.insert(name.clone(), tx);
             lanes.spawn(run_lane(
                 LaneConfig::streaming(name, queue, &parts.settings.lanes),
-                Arc::clone(parts.publisher),
+                Arc::clone(&parts.publisher),
                 rx,
                 settle_tx.clone(),
-                Arc::clone(parts.metrics),
+                Arc::clone(&parts.metrics),
                 Some(Arc::clone(&parts.states[name])),
             ));
         }
         let router = Router {
-            queues: parts.queues,
+            queues: &parts.queues,
             lanes: senders,
-            states: parts.states,
+            states: &parts.states,
             settle: settle_tx,
             budget: parts.settings.memory.budget(),
             watermark: Arc::clone(watermark),
-            metrics: Arc::clone(parts.metrics),
+            metrics: Arc::clone(&parts.metrics),
         };
         Streaming { intake: Intake::new(router, Arc::clone(watermark)), lanes, settler }
     }
@@ -101,14 +102,13 @@ impl<'a> Streaming<'a> {
 /// commits it (its confirm) and then [`record`]s the settlements.
 pub async fn publish_claim<C: GenericClient>(
     claim: &C,
-    settings: &Settings,
+    parts: &Parts,
     target: (&Arc<str>, &QueueInfo),
     events: Vec<Arc<OutboxEvent>>,
     now_us: i64,
-    publisher: &Arc<dyn Publisher>,
-    metrics: &Arc<Metrics>,
 ) -> Result<Vec<Settlement>, tokio_postgres::Error> {
     let (name, queue) = target;
+    let settings = &parts.settings;
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(events.len());
     for ev in events {
@@ -117,7 +117,7 @@ pub async fn publish_claim<C: GenericClient>(
             Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(name), outcome)),
         }
     }
-    settled.extend(send_through_lane(settings, name, queue, items, publisher, metrics).await);
+    settled.extend(send_through_lane(settings, name, queue, items, &parts.publisher, &parts.metrics).await);
     if !settled.is_empty() {
         mark(claim, &settled, settings.marking).await?;
     }

@@ -14,7 +14,6 @@ use retention::sweep_retention;
 pub use retention::{prune_runs, sweep_once};
 use startup::{start_up_until_done, Started};
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,9 +25,9 @@ use std::sync::atomic::AtomicBool;
 use crate::config::{Config, Mode};
 use crate::db::Db;
 use crate::metrics::Metrics;
+use crate::pipeline::assemble::Parts;
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
-use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};
@@ -73,18 +72,9 @@ pub async fn run(
     });
     let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
-    let lanes = queues.iter().map(|(n, q)| (n.clone(), LaneState::new(n, q.fifo, Arc::clone(&metrics)))).collect();
-    let env = Env {
-        config: &config,
-        db: &db,
-        settings: &settings,
-        publisher: &publisher,
-        metrics: &metrics,
-        queues: &queues,
-        lanes,
-        mode,
-        sharded,
-    };
+    let states = queues.iter().map(|(n, q)| (n.clone(), LaneState::new(n, q.fifo, Arc::clone(&metrics)))).collect();
+    let parts = Arc::new(Parts { settings, queues, states, publisher, metrics: Arc::clone(&metrics) });
+    let env = Env { config: &config, db: &db, parts, mode, sharded };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
     } else {
@@ -102,12 +92,8 @@ pub async fn run(
 struct Env<'a> {
     config: &'a Config,
     db: &'a Db,
-    settings: &'a Settings,
-    publisher: &'a Arc<dyn Publisher>,
-    metrics: &'a Arc<Metrics>,
-    queues: &'a BTreeMap<String, QueueInfo>,
-    /// Per destination, outliving sessions: streaming or spooling.
-    lanes: BTreeMap<String, Arc<LaneState>>,
+    /// The pipeline's parts, for both sources.
+    parts: Arc<Parts>,
     mode: Mode,
     sharded: bool,
 }
@@ -115,10 +101,10 @@ struct Env<'a> {
 /// Polling relays are all active: SKIP LOCKED keeps them apart.
 async fn run_polling(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let mut table_lanes = spawn_table_path(env, stop_rx.clone());
-    env.metrics.set_ready(true);
-    tracing::info!(destinations = env.queues.len(), "polling the outbox table");
+    env.parts.metrics.set_ready(true);
+    tracing::info!(destinations = env.parts.queues.len(), "polling the outbox table");
     let _ = stop_rx.wait_for(|s| *s).await;
-    env.metrics.set_ready(false);
+    env.parts.metrics.set_ready(false);
     drain_table(&mut table_lanes).await;
 }
 
@@ -127,13 +113,14 @@ async fn run_polling(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
 /// of unknown destinations (not in a shard: other shards' rows are theirs).
 fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::JoinSet<()> {
     let mut set = tokio::task::JoinSet::new();
-    for (name, queue) in env.queues {
+    let poll_interval = env.parts.settings.poll_interval;
+    for (name, queue) in &env.parts.queues {
         let (source, state, poll_interval) = match env.mode {
-            Mode::Polling => (Claims::Poll, None, env.settings.poll_interval),
+            Mode::Polling => (Claims::Poll, None, poll_interval),
             _ => (
                 Claims::Spool,
-                Some(Arc::clone(&env.lanes[name])),
-                env.settings.poll_interval.max(Duration::from_millis(500)),
+                Some(Arc::clone(&env.parts.states[name])),
+                poll_interval.max(Duration::from_millis(500)),
             ),
         };
         let cfg = TableLaneConfig {
@@ -142,15 +129,14 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             source,
             claim_limit: TABLE_CLAIM_LIMIT,
             poll_interval,
-            settings: env.settings.clone(),
         };
-        let (publisher, metrics) = (Arc::clone(env.publisher), Arc::clone(env.metrics));
-        set.spawn(run_table_lane(cfg, env.db.clone(), publisher, metrics, state, stop.clone()));
+        set.spawn(run_table_lane(cfg, env.db.clone(), Arc::clone(&env.parts), state, stop.clone()));
     }
     if !env.sharded {
         let source = if env.mode == Mode::Polling { Claims::Poll } else { Claims::Spool };
-        let known = env.queues.keys().cloned().collect();
-        set.spawn(run_unknown_destination_sweeper(env.db.clone(), known, source, Arc::clone(env.metrics), stop));
+        let known = env.parts.queues.keys().cloned().collect();
+        let metrics = Arc::clone(&env.parts.metrics);
+        set.spawn(run_unknown_destination_sweeper(env.db.clone(), known, source, metrics, stop));
     }
     set
 }
@@ -161,32 +147,28 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
 async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let ctx = StreamContext {
         db: env.db.clone(),
-        settings: env.settings.clone(),
-        queues: env.queues.clone(),
-        publisher: Arc::clone(env.publisher),
-        metrics: Arc::clone(env.metrics),
-        lanes: env.lanes.clone(),
+        parts: Arc::clone(&env.parts),
         slot_seen: AtomicBool::new(false),
-        shard: env.sharded.then(|| env.queues.keys().cloned().collect()),
+        shard: env.sharded.then(|| env.parts.queues.keys().cloned().collect()),
         streaming_since: std::sync::Mutex::new(None),
         handed_until: Arc::default(),
     };
     loop {
         let mut stop = stop_rx.clone();
         let lock = tokio::select! {
-            l = acquire_leadership(env.config, env.db, env.metrics, stop_rx) => l,
+            l = acquire_leadership(env.config, env.db, &env.parts.metrics, stop_rx) => l,
             _ = stop.wait_for(|s| *s) => None,
         };
         let Some(lock) = lock else { break };
         let mut table_lanes = spawn_table_path(env, stop_rx.clone());
         let lost = lead(&ctx, lock, stop_rx).await;
-        env.metrics.set_ready(false);
-        env.metrics.is_leader.set(0);
-        env.metrics.leader_changes.inc();
+        env.parts.metrics.set_ready(false);
+        env.parts.metrics.is_leader.set(0);
+        env.parts.metrics.leader_changes.inc();
         if lost {
             table_lanes.abort_all();
             // The session ended with the lock; the next one is a restart.
-            env.metrics.stream_restarts.inc();
+            env.parts.metrics.stream_restarts.inc();
             tracing::error!(slot = %env.config.slot, "lost the leader lock's connection: stopped publishing; trying to lead again");
             continue;
         }
@@ -200,7 +182,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
 /// lock was lost, false on shutdown.
 async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut watch::Receiver<bool>) -> bool {
     // Polled here, not spawned: if this task goes, the lock goes with it.
-    let watchdog = watch_lock(lock, ctx.settings.slot.takeover_timeout);
+    let watchdog = watch_lock(lock, ctx.parts.settings.slot.takeover_timeout);
     tokio::pin!(watchdog);
     // No session streaming for long: the rows go by the table meanwhile.
     let last_error = std::sync::Mutex::new(None);
@@ -218,7 +200,7 @@ async fn lead(ctx: &StreamContext, lock: tokio_postgres::Client, stop_rx: &mut w
             _ = &mut down => unreachable!("the session watch runs for as long as the relay leads"),
         };
         let Err(e) = r else { return false };
-        ctx.metrics.stream_restarts.inc();
+        ctx.parts.metrics.stream_restarts.inc();
         let streamed_for = ctx.streaming_since.lock().unwrap().take().map(|t| t.elapsed());
         let wait = reconnect.session_ended(streamed_for);
         tracing::error!(error = %e, retry_in = ?wait, "replication session ended; starting a new one");

@@ -27,15 +27,13 @@ use tokio_postgres::Client;
 use crate::db;
 use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
-use crate::pipeline::assemble::publish_claim;
+use crate::pipeline::assemble::{publish_claim, Parts};
 use crate::pipeline::lane::{Flow, LaneState};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
-use crate::pipeline::settings::Settings;
 use crate::pipeline::settle::{record, Due, Outcome};
 use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::entry::QueueInfo;
-use crate::publish::Publisher;
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,10 +52,6 @@ pub struct TableLaneConfig {
     pub claim_limit: usize,
     /// Sleep between claims when the last one was not full.
     pub poll_interval: Duration,
-    /// Lanes, marking and memory bounds; a claim holds at most
-    /// `memory.table_claim_bytes()` of bodies and attributes (the first row
-    /// is taken whatever its size).
-    pub settings: Settings,
 }
 
 /// What one claim did.
@@ -78,8 +72,7 @@ pub struct Round {
 pub async fn run_table_lane(
     cfg: TableLaneConfig,
     db: db::Db,
-    publisher: Arc<dyn Publisher>,
-    metrics: Arc<Metrics>,
+    parts: Arc<Parts>,
     state: Option<Arc<LaneState>>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -91,7 +84,7 @@ pub async fn run_table_lane(
         if *stop.borrow() {
             return;
         }
-        let Some(round) = connect_and_claim(&mut client, &db, &cfg, &publisher, &metrics).await else {
+        let Some(round) = connect_and_claim(&mut client, &db, &cfg, &parts).await else {
             if sleep_or_stop(reconnect.failed(), &mut stop).await {
                 return;
             }
@@ -117,8 +110,7 @@ async fn connect_and_claim(
     client: &mut Option<Client>,
     db: &db::Db,
     cfg: &TableLaneConfig,
-    publisher: &Arc<dyn Publisher>,
-    metrics: &Arc<Metrics>,
+    parts: &Parts,
 ) -> Option<Round> {
     if client.as_ref().is_none_or(|c| c.is_closed()) {
         match db.connect().await {
@@ -130,7 +122,7 @@ async fn connect_and_claim(
         }
     }
     let c = client.as_mut().expect("connected above");
-    match claim_round(c, cfg, publisher, metrics).await {
+    match claim_round(c, cfg, parts).await {
         Ok(r) => Some(r),
         Err(e) => {
             tracing::warn!(destination = %cfg.name, error = %db::describe(&e), "table path round failed; its rows stay NEW and are claimed again");
@@ -273,8 +265,7 @@ fn due_within_budget(locked: &[tokio_postgres::Row], fifo: bool, budget: u64) ->
 pub async fn claim_round(
     client: &mut Client,
     cfg: &TableLaneConfig,
-    publisher: &Arc<dyn Publisher>,
-    metrics: &Arc<Metrics>,
+    parts: &Parts,
 ) -> Result<Round, tokio_postgres::Error> {
     let fifo = cfg.queue.fifo;
     let tx = client.transaction().await?;
@@ -289,7 +280,7 @@ pub async fn claim_round(
     }
     let locked = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
     let mut round = Round { claimed: locked.len(), ..Default::default() };
-    let ids = due_within_budget(&locked, fifo, cfg.settings.memory.table_claim_bytes());
+    let ids = due_within_budget(&locked, fifo, parts.settings.memory.table_claim_bytes());
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     // The database's clock, which the claim judged `deliver_at` by.
     let now_us: i64 = rows.first().map_or(0, |r| r.get(8));
@@ -298,7 +289,7 @@ pub async fn claim_round(
     let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();
     round.handled = events.len();
     let target = (&cfg.name, &cfg.queue);
-    let settled = publish_claim(&tx, &cfg.settings, target, events, now_us, publisher, metrics).await?;
+    let settled = publish_claim(&tx, parts, target, events, now_us).await?;
     for s in &settled {
         match s.outcome {
             Outcome::Published => round.published += 1,
@@ -309,7 +300,7 @@ pub async fn claim_round(
         }
     }
     tx.commit().await?;
-    record(metrics, &settled);
+    record(&parts.metrics, &settled);
     Ok(round)
 }
 

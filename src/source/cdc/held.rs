@@ -315,7 +315,7 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
 /// long as the relay leads; `last_error` is the last session's error.
 pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
     let db = &ctx.db;
-    let after = stream_held_after(ctx.settings.lanes.stall_timeout);
+    let after = stream_held_after(ctx.parts.settings.lanes.stall_timeout);
     let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =
         (None, None, None);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -325,9 +325,9 @@ pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>)
         if ctx.streaming_since.lock().unwrap().is_some() {
             down_since = None;
             if named.take().is_some() {
-                ctx.metrics.release_hold();
-                ctx.lanes.values().for_each(|l| l.release());
-                tracing::info!(slot = %ctx.settings.slot.name, "a replication session streams again; lanes return to streaming as their spools allow");
+                ctx.parts.metrics.release_hold();
+                ctx.parts.states.values().for_each(|l| l.release());
+                tracing::info!(slot = %ctx.parts.settings.slot.name, "a replication session streams again; lanes return to streaming as their spools allow");
             }
             continue;
         }
@@ -358,17 +358,17 @@ async fn down_step(
     last_error: Option<&str>,
     named: &mut Option<(String, Instant)>,
 ) -> Result<(), tokio_postgres::Error> {
-    let cause = diagnose_down(c, &ctx.settings.slot.name, last_error).await?;
+    let cause = diagnose_down(c, &ctx.parts.settings.slot.name, last_error).await?;
     let renamed = named.as_ref().is_none_or(|(n, at)| *n != cause && at.elapsed() >= RENAMED_AFTER);
     if renamed {
-        tracing::warn!(slot = %ctx.settings.slot.name, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
-        ctx.metrics.hold(&cause);
-        for lane in ctx.lanes.values() {
+        tracing::warn!(slot = %ctx.parts.settings.slot.name, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
+        ctx.parts.metrics.hold(&cause);
+        for lane in ctx.parts.states.values() {
             lane.hold(SpoolCause::StreamHeld(cause.clone()));
         }
         *named = Some((cause.clone(), Instant::now()));
     }
-    hand_over(c, &handable(ctx.lanes.values()), &cause, &ctx.handed_until).await?;
+    hand_over(c, &handable(ctx.parts.states.values()), &cause, &ctx.handed_until).await?;
     Ok(())
 }
 

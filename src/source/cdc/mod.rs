@@ -10,7 +10,6 @@
 //! those events, so the next session reads them again (at-least-once), and
 //! rows already marked are filtered out of the replay.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -24,11 +23,7 @@ use tokio_postgres::Client;
 use crate::db;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
-use crate::pipeline::lane::LaneState;
-use crate::pipeline::settings::Settings;
 use crate::pipeline::watermark::Watermark;
-use crate::publish::entry::QueueInfo;
-use crate::publish::Publisher;
 
 mod decode;
 pub mod publication;
@@ -87,13 +82,8 @@ pub enum CdcError {
 pub struct StreamContext {
     /// The database, built once at start-up.
     pub db: crate::db::Db,
-    /// The pipeline's settings, derived once at start-up.
-    pub settings: Settings,
-    pub queues: BTreeMap<String, QueueInfo>,
-    pub publisher: Arc<dyn Publisher>,
-    pub metrics: Arc<Metrics>,
-    /// Per destination, outliving sessions: streaming or spooling.
-    pub lanes: BTreeMap<String, Arc<LaneState>>,
+    /// The pipeline's settings, queues, lane states, publisher and metrics.
+    pub parts: Arc<Parts>,
     /// This process has streamed from the slot: if it is missing now, it was
     /// dropped under us.
     pub slot_seen: AtomicBool,
@@ -118,9 +108,9 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     };
     let Opened { sql, mut repl, start_lsn, startup_lsn } = opened;
     ctx.slot_seen.store(true, Ordering::Relaxed);
-    ctx.metrics.set_ready(true);
+    ctx.parts.metrics.set_ready(true);
     *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
-    tracing::info!(slot = %ctx.settings.slot.name, start = %start_lsn, "streaming");
+    tracing::info!(slot = %ctx.parts.settings.slot.name, start = %start_lsn, "streaming");
 
     let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
     let confirm = Arc::new(Notify::new());
@@ -134,9 +124,10 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     let mut sent = start_lsn;
     let result =
         stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
-    ctx.metrics.set_ready(false);
+    ctx.parts.metrics.set_ready(false);
     if result.is_ok() {
-        sent = drain(pipeline.intake, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.metrics).await;
+        sent = drain(pipeline.intake, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.parts.metrics)
+            .await;
         tracing::info!(confirmed = %sent, "replication stopped");
     }
     pipeline.lanes.abort_all();
@@ -145,8 +136,8 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     pipeline.held_watch.abort();
     // What this session's watch held is released: the next session, or the
     // watch for one, judges afresh.
-    ctx.metrics.release_hold();
-    ctx.lanes.values().for_each(|l| l.release());
+    ctx.parts.metrics.release_hold();
+    ctx.parts.states.values().for_each(|l| l.release());
     let _ = repl.shutdown().await;
     result
 }
@@ -169,33 +160,26 @@ async fn start_pipeline<'a>(
     watermark: &Arc<Mutex<Watermark>>,
     confirm: &Arc<Notify>,
 ) -> Result<(Pipeline<'a>, Settler), CdcError> {
-    let (cfg, db) = (&ctx.settings, &ctx.db);
+    let (cfg, db) = (&ctx.parts.settings, &ctx.db);
     let settler_client = db.connect().await?;
     spool_lanes_with_rows_in_table(ctx, sql).await?;
     let wal_watch = tokio::spawn(watch_wal(
         db.clone(),
         cfg.slot.name.clone(),
         cfg.slot.max_retained_wal,
-        ctx.lanes.values().cloned().collect(),
+        ctx.parts.states.values().cloned().collect(),
     ));
     let progress = Arc::new(StreamProgress::default());
     let held_watch = tokio::spawn(watch_held(HeldWatch {
         db: db.clone(),
         slot: cfg.slot.name.clone(),
-        lanes: ctx.lanes.values().cloned().collect(),
+        lanes: ctx.parts.states.values().cloned().collect(),
         progress: Arc::clone(&progress),
-        metrics: Arc::clone(&ctx.metrics),
+        metrics: Arc::clone(&ctx.parts.metrics),
         lane_stall_timeout: cfg.lanes.stall_timeout,
         handed_until: Arc::clone(&ctx.handed_until),
     }));
-    let parts = Parts {
-        settings: &ctx.settings,
-        queues: &ctx.queues,
-        states: &ctx.lanes,
-        publisher: &ctx.publisher,
-        metrics: &ctx.metrics,
-    };
-    let Streaming { intake, lanes, settler } = Streaming::start(parts, settler_client, watermark, confirm);
+    let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, watermark, confirm);
     Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress }, settler))
 }
 
@@ -215,7 +199,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
         .iter()
         .map(|r| r.get(0))
         .collect();
-    for (name, state) in &ctx.lanes {
+    for (name, state) in &ctx.parts.states {
         state.reset_deferred();
         if spooled.contains(name) {
             state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
@@ -298,7 +282,7 @@ async fn stream(
                 }
             }
         }
-        *sent = confirm_if_advanced(repl, pipeline.intake.confirmable(), *sent, &ctx.metrics);
+        *sent = confirm_if_advanced(repl, pipeline.intake.confirmable(), *sent, &ctx.parts.metrics);
     }
 }
 
@@ -313,7 +297,7 @@ async fn take(
 ) -> Result<bool, CdcError> {
     match decoder.handle(ev, sql).await? {
         Step::Change(change) => intake.take(sql, change).await?,
-        Step::Heartbeat { written_us } => ctx.metrics.heartbeat_returned(written_us),
+        Step::Heartbeat { written_us } => ctx.parts.metrics.heartbeat_returned(written_us),
         Step::Nothing => {}
         Step::Stopped => return Ok(false),
     }

@@ -30,19 +30,19 @@ pub(crate) struct Opened {
 /// Connect, look the slot up (recreating a lost one), open the replication
 /// connection and start streaming; each step within its deadline.
 pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError> {
-    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
+    let (cfg, db) = (&ctx.parts.settings.slot, &ctx.db);
     let sql = db.connect().await?;
     let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
     let slot = db.within("looking up the replication slot", prepare_slot(&sql, &cfg.name)).await?;
     match &slot {
-        SlotState::Lost { reason } => ctx.metrics.slot_recreated.with_label_values(&[reason]).inc(),
+        SlotState::Lost { reason } => ctx.parts.metrics.slot_recreated.with_label_values(&[reason]).inc(),
         SlotState::Missing if ctx.slot_seen.load(Ordering::Relaxed) => {
             tracing::error!(slot = %cfg.name, "replication slot disappeared under the relay (dropped?); creating it again and catching up from the outbox table");
-            ctx.metrics.slot_recreated.with_label_values(&["dropped"]).inc();
+            ctx.parts.metrics.slot_recreated.with_label_values(&["dropped"]).inc();
         }
         _ => {}
     }
-    let mut repl = connect_replication(db, cfg, ctx.settings.memory).await?;
+    let mut repl = connect_replication(db, cfg, ctx.parts.settings.memory).await?;
     // A new slot comes with a snapshot: the rows it will not stream are
     // handed to the table path before anything is published.
     let start_lsn = match slot {
@@ -69,7 +69,7 @@ async fn resume_slot(
     repl: &mut ReplicationClient,
     failover: bool,
 ) -> Result<(), CdcError> {
-    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
+    let (cfg, db) = (&ctx.parts.settings.slot, &ctx.db);
     if cfg.failover && !failover {
         db.within("altering the slot to FAILOVER", make_failover(repl, &cfg.name)).await?;
     }
@@ -84,7 +84,7 @@ async fn resume_slot(
 /// A new slot, and the NEW rows its snapshot sees handed to the table path
 /// (the slot will never stream them); its consistent point.
 async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationClient) -> Result<Lsn, CdcError> {
-    let (cfg, db) = (&ctx.settings.slot, &ctx.db);
+    let (cfg, db) = (&ctx.parts.settings.slot, &ctx.db);
     // Recorded first: a relay stopped before the hand-off ends leaves the
     // record, and the next session finishes it.
     db.within("recording the slot hand-off", hand_off_begins(sql, &cfg.name)).await?;
