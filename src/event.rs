@@ -25,6 +25,11 @@ pub struct OutboxEvent {
     pub transient: bool,
     /// The `deliver_at` column: when the message may be delivered.
     pub deliver_at: DeliverAt,
+    /// Read from a mapped table ([`crate::mapping`]), not the relay's own:
+    /// its `id` is not one of the relay's table (it is 0), so neither the
+    /// replay filter nor a read-back looks it up there, and a write-back
+    /// takes a new id.
+    pub mapped: bool,
 }
 
 /// A row's `deliver_at`, as read.
@@ -93,6 +98,7 @@ impl OutboxEvent {
             commit_lsn: None,
             transient: false,
             deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
+            mapped: false,
         }
     }
 
@@ -123,6 +129,7 @@ impl OutboxEvent {
             commit_lsn: None,
             transient: false,
             deliver_at: DeliverAt::Unset,
+            mapped: false,
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod config;
 pub mod db;
 pub mod event;
 pub mod faults;
+pub mod mapping;
 pub mod metrics;
 pub mod ops;
 pub mod pipeline;

@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub mod keys;
+pub mod outbox;
 
 pub use keys::bytes;
 use keys::{Key, Origin, Raw};
@@ -90,6 +91,8 @@ pub struct FileConfig {
     pub destinations: BTreeMap<String, String>,
     /// `[s3.buckets]`: a destination's own bucket, `bucket` or `bucket/prefix`.
     pub s3_buckets: BTreeMap<String, String>,
+    /// `[[outbox]]`: mapped tables, as written.
+    pub outbox: Vec<outbox::Written>,
 }
 
 impl FileConfig {
@@ -103,6 +106,13 @@ impl FileConfig {
                     for (name, url) in t {
                         let url = url.as_str().ok_or(format!("destinations.{name} must be a string (a queue URL)"))?;
                         file.destinations.insert(name, url.to_string());
+                    }
+                }
+                ("outbox", toml::Value::Table(t)) => file.outbox.push(outbox::Written::from_toml(t, 1)?),
+                ("outbox", toml::Value::Array(a)) => {
+                    for (i, t) in a.into_iter().enumerate() {
+                        let toml::Value::Table(t) = t else { return Err("[[outbox]] must be tables".into()) };
+                        file.outbox.push(outbox::Written::from_toml(t, i + 1)?);
                     }
                 }
                 ("sqs" | "s3", toml::Value::Table(t)) => {
@@ -140,7 +150,7 @@ impl FileConfig {
     pub fn set(&mut self, name: &str, value: impl Into<String>) -> Result<(), String> {
         if keys::find(name).is_none() {
             let known: Vec<&str> = keys::KEYS.iter().map(|k| k.name).collect();
-            return Err(format!("unknown key `{name}`: the keys are {}, [destinations]", known.join(", ")));
+            return Err(format!("unknown key `{name}`: the keys are {}, [destinations], [[outbox]]", known.join(", ")));
         }
         self.values.insert(name.to_string(), value.into());
         Ok(())
@@ -186,6 +196,8 @@ pub struct Config {
     pub sqs_endpoint_url: Option<String>,
     pub sqs_assume_role_arn: Option<String>,
     /// Lane name → queue URL.
+    /// Tables teams already have, read as outbox rows (`[[outbox]]`).
+    pub mapped: Vec<crate::mapping::Mapping>,
     pub destinations: BTreeMap<String, String>,
     /// Bodies through S3; `None`: no bucket configured.
     pub s3: Option<S3Config>,
@@ -332,6 +344,7 @@ impl Config {
         let mut config = Config::connections(&src)?;
         config.tune(&src)?;
         config.s3 = S3Config::resolve(&src, &file)?;
+        config.mapped = outbox::resolve(&file.outbox, env)?;
         config.destinations = file.destinations;
         Ok(config)
     }

@@ -139,6 +139,9 @@ fn settled(ids: &[i64], mut runs: Vec<(i64, i64)>, marked: HashSet<i64>) -> Hash
 
 /// Ask the database which of a replayed chunk's events were settled before.
 async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<i64>, RouteError> {
+    // A mapped table's rows are not in the relay's table: nothing there can
+    // prove them settled (they are sent again: at least once).
+    let events: Vec<&OutboxEvent> = events.iter().filter(|e| !e.mapped).collect();
     let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
     let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(HashSet::new()) };
     // One transaction's chunk: one commit. Read from the table (no commit
@@ -219,7 +222,7 @@ impl Router<'_> {
             let done = replayed_settled(sql, &events).await?;
             if !done.is_empty() {
                 self.metrics.replayed_filtered.inc_by(done.len() as u64);
-                events.retain(|e| !done.contains(&e.id));
+                events.retain(|e| e.mapped || !done.contains(&e.id));
             }
         }
         let ends = chunk_ends(&events);

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::config::Config;
+use crate::mapping::Mapping;
 use crate::publish::offload::Threshold;
 
 use super::budget::Memory;
@@ -57,6 +58,8 @@ pub struct Settings {
     pub poll_interval: Duration,
     /// `None`: no S3; a body over its queue's limit is DEAD.
     pub offload: Option<OffloadSettings>,
+    /// Tables teams already have, read by the stream beside the relay's own.
+    pub mapped: Vec<Mapping>,
 }
 
 impl Settings {
@@ -85,6 +88,7 @@ impl Settings {
             },
             poll_interval: config.poll_interval,
             offload,
+            mapped: config.mapped.clone(),
         }
     }
 }

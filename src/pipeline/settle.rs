@@ -464,9 +464,12 @@ async fn restore_rows<C: GenericClient>(
     batch: &[&Settlement],
     marking: Marking,
 ) -> Result<u64, tokio_postgres::Error> {
-    let written = restore_with(client, RESTORE_SQL.as_str(), batch, marking).await?;
+    // A mapped table's row has no id of the relay's table: a new one.
+    let own: Vec<&Settlement> = batch.iter().copied().filter(|s| !s.event.mapped).collect();
+    let written =
+        if own.is_empty() { HashSet::new() } else { restore_with(client, RESTORE_SQL.as_str(), &own, marking).await? };
     let rest: Vec<&Settlement> =
-        batch.iter().copied().filter(|s| !written.contains(s.event.event_id.as_str())).collect();
+        batch.iter().copied().filter(|s| s.event.mapped || !written.contains(s.event.event_id.as_str())).collect();
     let mut n = written.len() as u64;
     if !rest.is_empty() {
         let again = restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?;

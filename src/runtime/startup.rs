@@ -207,30 +207,66 @@ async fn resolve_mode(
         .await
     };
     let outbox_table = || db.within("checking the outbox table", db::schema::check_outbox_table(sql));
-    match config.mode {
-        Mode::Cdc => Ok((Mode::Cdc, cdc().await.map_err(startup)?)),
+    let (mode, sharded) = match config.mode {
+        Mode::Cdc => (Mode::Cdc, cdc().await.map_err(startup)?),
         Mode::Polling => {
             outbox_table().await.map_err(startup)?;
-            Ok((Mode::Polling, false))
+            (Mode::Polling, false)
         }
         Mode::Auto => {
             outbox_table().await.map_err(startup)?;
-            match cdc().await {
-                Ok(sharded) => {
-                    tracing::info!(
-                        "mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)"
-                    );
-                    Ok((Mode::Cdc, sharded))
-                }
-                Err(db::DbError::CdcUnavailable(why)) => {
-                    tracing::warn!(
-                        reason = %why,
-                        "mode auto: polling, because CDC is not possible here; rows deleted by their own transaction (transient rows) are not seen by polling"
-                    );
-                    Ok((Mode::Polling, false))
-                }
-                Err(e) => Err(startup(e)),
-            }
+            auto_mode(cdc().await).map_err(startup)?
         }
+    };
+    check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
+    Ok((mode, sharded))
+}
+
+/// `auto`: CDC if its checks passed, polling if CDC is not possible here.
+fn auto_mode(cdc: Result<bool, db::DbError>) -> Result<(Mode, bool), db::DbError> {
+    match cdc {
+        Ok(sharded) => {
+            tracing::info!("mode auto: CDC (wal_level=logical, the role may replicate, the publication exists)");
+            Ok((Mode::Cdc, sharded))
+        }
+        Err(db::DbError::CdcUnavailable(why)) => {
+            tracing::warn!(
+                reason = %why,
+                "mode auto: polling, because CDC is not possible here; rows deleted by their own transaction (transient rows) are not seen by polling"
+            );
+            Ok((Mode::Polling, false))
+        }
+        Err(e) => Err(e),
     }
+}
+
+/// Mapped tables are read from the slot: each is checked, and polling is
+/// refused while any is configured.
+async fn check_mapped_tables(
+    sql: &tokio_postgres::Client,
+    settings: &Settings,
+    mode: Mode,
+    sharded: bool,
+    db: &db::Db,
+) -> Result<(), db::DbError> {
+    let Some(first) = settings.mapped.first() else { return Ok(()) };
+    if sharded {
+        return Err(db::DbError::Check(format!(
+            "mapped table {}.{}: a sharded relay (a row-filtered publication) cannot read mapped tables yet: \
+             every shard would send all of its rows",
+            first.schema, first.table
+        )));
+    }
+    if mode == Mode::Polling {
+        return Err(db::DbError::Check(format!(
+            "mapped table {}.{}: polling reads only the relay's own outbox table; a mapped table is read from \
+             the replication slot (mode cdc, which needs wal_level=logical and a role that may replicate)",
+            first.schema, first.table
+        )));
+    }
+    for m in &settings.mapped {
+        let check = crate::source::cdc::mapped::check_mapped(sql, m, &settings.slot.publication);
+        db.within("checking a mapped table", check).await?;
+    }
+    Ok(())
 }

@@ -294,6 +294,7 @@ fn read(id: i64, event_id: &str, commit: u64) -> Arc<OutboxEvent> {
         commit_lsn: Some(replication::Lsn(commit)),
         transient: false,
         deliver_at: Default::default(),
+        mapped: false,
     })
 }
 
@@ -534,14 +535,16 @@ mod workload {
         moved: usize,
         /// Messages received through S3 (the SIGKILL variant).
         offloaded: usize,
+        /// Rows of the mapped (Debezium) table.
+        mapped: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
-                self.delivered, self.transient, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
             )
         }
     }
@@ -649,6 +652,14 @@ mod workload {
             cfg.lane_stall_timeout = Duration::from_secs(1);
             cfg.retry_base = Duration::from_millis(200);
             cfg.retry_max = Duration::from_secs(1);
+            if !sharded {
+                // Debezium's table beside the relay's own ([`produce_debezium`]).
+                cfg.mapped = vec![outbox_relay::mapping::Mapping::preset(
+                    outbox_relay::mapping::Preset::Debezium,
+                    "app",
+                    "outboxevent",
+                )];
+            }
             if sharded {
                 cfg.publication = format!("outbox_shard{i}");
                 cfg.slot = format!("{}_{i}", db.slot);
@@ -712,6 +723,61 @@ mod workload {
         }
         tx.commit().await.ok()?;
         Some(rows.into_iter().map(|(e, d, t)| (e, d, t, due)).collect())
+    }
+
+    /// Debezium's outbox table, mapped by the single relay of [`run`]. Its
+    /// FIFO groups are its own: a group fed by two tables keeps no order
+    /// across them once its lane spools (a row copied into the relay's
+    /// table takes a new id, after rows of the relay's own committed later).
+    async fn debezium_table(db: &TestDb) {
+        db.client()
+            .await
+            .batch_execute(
+                "CREATE SCHEMA app;
+                 CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL,
+                     aggregateid text NOT NULL, type text NOT NULL, payload jsonb);
+                 ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
+            )
+            .await
+            .unwrap();
+    }
+
+    /// One producer transaction on Debezium's table: `n` events, most
+    /// deleted by it (the convention), some kept (a table that is never
+    /// emptied). The committed rows under the event ids the relay gives them.
+    async fn produce_debezium(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        tag: &str,
+        dests: &[&str],
+    ) -> Option<Vec<Row>> {
+        let n = if rng.random_range(0..8) == 0 { rng.random_range(1_000..1_300) } else { rng.random_range(1..40) };
+        let tags: Vec<String> = (0..n).map(|i| format!("{tag}:{i}")).collect();
+        let ds: Vec<&str> = (0..n).map(|_| dests[rng.random_range(0..dests.len())]).collect();
+        let kept: HashSet<usize> = (0..n).filter(|_| rng.random_bool(0.2)).collect();
+        let tx = c.transaction().await.ok()?;
+        let ids: Vec<String> = tx
+            .query(
+                "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
+                 SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e)
+                   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(e, d, o) ORDER BY o
+                 RETURNING id::text",
+                &[&tags, &ds],
+            )
+            .await
+            .ok()?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let gone: Vec<&str> =
+            ids.iter().enumerate().filter(|(i, _)| !kept.contains(i)).map(|(_, id)| id.as_str()).collect();
+        tx.execute("DELETE FROM app.outboxevent WHERE id = ANY($1::text[]::uuid[])", &[&gone]).await.ok()?;
+        tx.commit().await.ok()?;
+        let rows = ids.into_iter().zip(ds).enumerate();
+        Some(
+            rows.map(|(i, (id, d))| (format!("app.outboxevent:{id}"), d.to_string(), !kept.contains(&i), None))
+                .collect(),
+        )
     }
 
     /// One relay process, started again when it ends (a kill, or an exit
@@ -910,6 +976,9 @@ mod workload {
         for (_, q, fifo) in QUEUES {
             p.add_queue(q, fifo, 262_144);
         }
+        if !sharded {
+            debezium_table(&db).await;
+        }
         let mut relays = started_relays(&db, sharded, &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
@@ -948,6 +1017,7 @@ mod workload {
         tally.delivered = expect_sent.len();
         tally.dead = expect_dead.len();
         tally.transient = committed.iter().filter(|r| r.2).count();
+        tally.mapped = committed.iter().filter(|r| r.0.starts_with("app.outboxevent:")).count();
         tally
     }
 
@@ -1015,6 +1085,10 @@ mod workload {
                     let moved = move_held(c).await;
                     self.moved.lock().unwrap().extend(moved);
                 }
+                5 | 6 if relays.configs[0].mapped.len() == 1 => match produce_debezium(c, rng, tag, dests).await {
+                    Some(rows) => return Some(rows),
+                    None => tally.failed_txns += 1,
+                },
                 _ => match produce(c, rng, tag, dests, true).await {
                     Some(rows) => return Some(rows),
                     None => tally.failed_txns += 1,

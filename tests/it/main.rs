@@ -11,6 +11,7 @@ mod failover;
 mod ha;
 mod hardening;
 mod invariants;
+mod mapped;
 mod pipeline;
 mod s3;
 mod slot_invalidation;

@@ -3,13 +3,14 @@
 //! rows is the pipeline's.
 
 use pgwire_replication::ReplicationEvent;
-use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, RelationCache, Tuple};
+use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, Relation, RelationCache, Tuple};
 use tokio_postgres::Client;
 
 use crate::event::OutboxEvent;
+use crate::mapping::Mapping;
 use crate::pipeline::intake::{Change, Chunk};
 
-use super::row::{as_committed, owned_by_table, row_from_tuple, tuple_id, updated_row};
+use super::row::{as_committed, mapped_key, mapped_row, owned_by_table, row_from_tuple, tuple_id, updated_row};
 use std::collections::HashMap;
 
 use super::{from_wire, CdcError, CHUNK, CHUNK_BYTES, HEARTBEAT_PREFIX};
@@ -35,6 +36,17 @@ pub(crate) struct Decoder {
     pub(crate) txn: Option<OpenTxn>,
     pub(crate) startup_lsn: Lsn,
     pub(crate) handed_until: std::sync::Arc<super::held::HandedUntil>,
+    /// The mapped tables read besides the relay's own.
+    pub(crate) mapped: Vec<Mapping>,
+}
+
+/// Whose rows a relation holds.
+#[derive(Clone, Copy)]
+enum Table {
+    /// The relay's own `outbox`.
+    Outbox,
+    /// A mapped table (its index in [`Decoder::mapped`]).
+    Mapped(usize),
 }
 
 impl Decoder {
@@ -44,6 +56,15 @@ impl Decoder {
     /// brought them.
     fn replayed(&self, final_lsn: Lsn) -> bool {
         final_lsn < self.startup_lsn || final_lsn < self.handed_until.get()
+    }
+
+    /// Whose rows `rel` holds, if anyone's the relay reads.
+    fn table(&self, rel: &Relation) -> Option<Table> {
+        match self.mapped.iter().position(|m| m.schema == rel.namespace && m.table == rel.name) {
+            Some(i) => Some(Table::Mapped(i)),
+            None if rel.name == "outbox" => Some(Table::Outbox),
+            None => None,
+        }
     }
 
     /// One replication event: a transaction's rows are buffered and come out
@@ -58,6 +79,7 @@ impl Decoder {
                     buf: Vec::new(),
                     buf_bytes: 0,
                     buffered: HashMap::new(),
+                    mapped_buffered: HashMap::new(),
                 });
                 Change::Begin
             }
@@ -113,11 +135,17 @@ impl Decoder {
             .cache
             .get(relation)
             .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
-        if rel.name != "outbox" || owned_by_table(rel, new) {
-            return Ok(None);
-        }
+        let table = self.table(rel);
         let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
-        let row = row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?;
+        let (row, key) = match table {
+            None => return Ok(None),
+            Some(Table::Outbox) if owned_by_table(rel, new) => return Ok(None),
+            Some(Table::Outbox) => (row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?, None),
+            Some(Table::Mapped(i)) => {
+                let m = &self.mapped[i];
+                (mapped_row(m, rel, new, None, t.commit_time_us)?, mapped_key(m, rel, new).map(|k| (relation, k)))
+            }
+        };
         let mut full = None;
         if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
             // What is left of the transaction may update the chunk's rows,
@@ -125,12 +153,16 @@ impl Decoder {
             let (final_lsn, mut events) = (t.final_lsn, std::mem::take(&mut t.buf));
             t.buf_bytes = 0;
             t.buffered.clear();
+            t.mapped_buffered.clear();
             as_committed(sql, &mut events).await?;
             full = Some(Chunk { events, replayed: self.replayed(final_lsn) });
         }
         let t = self.txn.as_mut().expect("checked above");
         t.buf_bytes += row.size();
-        t.buffered.insert(row.id, t.buf.len());
+        match key {
+            Some(key) => t.mapped_buffered.insert(key, t.buf.len()),
+            None => t.buffered.insert(row.id, t.buf.len()),
+        };
         t.buf.push(row);
         Ok(full)
     }
@@ -140,7 +172,19 @@ impl Decoder {
     /// table). Other updates (later transactions, the relay's own marks)
     /// change nothing here.
     fn on_update(&mut self, relation: u32, new: &Tuple) -> Result<(), CdcError> {
-        let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return Ok(()) };
+        let Some(rel) = self.cache.get(relation) else { return Ok(()) };
+        let table = self.table(rel);
+        if let Some(Table::Mapped(i)) = table {
+            let m = &self.mapped[i];
+            let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
+            if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
+                let row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us)?;
+                t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
+                t.buf[i] = row;
+            }
+            return Ok(());
+        }
+        let Some(Table::Outbox) = table else { return Ok(()) };
         let (Some(t), Some(id)) = (self.txn.as_mut(), tuple_id(rel, new)) else { return Ok(()) };
         if let Some(&i) = t.buffered.get(&id) {
             let row = updated_row(rel, new, &t.buf[i])?;
@@ -152,9 +196,12 @@ impl Decoder {
 
     /// A row deleted by the transaction that inserted it is transient:
     /// published, never settled in the table. Other deletes (later
-    /// transactions, the relay's own settlement) need nothing.
+    /// transactions, the relay's own settlement) need nothing; a mapped
+    /// table's rows are settled as transient whether deleted or not.
     fn on_delete(&mut self, relation: u32, old: Option<Tuple>) {
-        let Some(rel) = self.cache.get(relation).filter(|r| r.name == "outbox") else { return };
+        let Some(rel) = self.cache.get(relation).filter(|r| matches!(self.table(r), Some(Table::Outbox))) else {
+            return;
+        };
         let (Some(t), Some(id)) = (self.txn.as_mut(), old.and_then(|k| tuple_id(rel, &k))) else { return };
         if let Some(&i) = t.buffered.get(&id) {
             t.buf[i].transient = true;
@@ -172,4 +219,7 @@ pub(crate) struct OpenTxn {
     /// already dispatched in an earlier chunk is settled as usual (its
     /// marking finds it gone: one lookup, no wait).
     pub(crate) buffered: HashMap<i64, usize>,
+    /// A mapped table's rows by (relation, key), to find a row its own
+    /// transaction updates.
+    pub(crate) mapped_buffered: HashMap<(u32, String), usize>,
 }

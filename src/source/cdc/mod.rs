@@ -26,6 +26,7 @@ use crate::pipeline::assemble::{Parts, Settler, Streaming};
 use crate::pipeline::watermark::Watermark;
 
 mod decode;
+pub mod mapped;
 pub mod publication;
 mod row;
 mod session;
@@ -253,8 +254,13 @@ async fn stream(
     sent: &mut Lsn,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<(), CdcError> {
-    let mut decoder =
-        Decoder { cache: RelationCache::new(), txn: None, startup_lsn, handed_until: Arc::clone(&ctx.handed_until) };
+    let mut decoder = Decoder {
+        cache: RelationCache::new(),
+        txn: None,
+        startup_lsn,
+        handed_until: Arc::clone(&ctx.handed_until),
+        mapped: ctx.parts.settings.mapped.clone(),
+    };
     loop {
         tokio::select! {
             ev = repl.recv() => {

@@ -4,6 +4,7 @@ use replication::{Lsn, Relation, Tuple, TupleValue};
 
 use crate::db::schema::RowStatus;
 use crate::event::{DeliverAt, OutboxEvent};
+use crate::mapping::{Mapping, MappingError, Value};
 use std::collections::HashMap;
 
 use super::CdcError;
@@ -67,6 +68,7 @@ pub(crate) fn row_from_tuple(
         transient: false,
         // Optional: a table migrated before `deliver_at` existed has none.
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
+        mapped: false,
     })
 }
 
@@ -123,6 +125,42 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// A row of a mapped table, by its mapping ([`Mapping::event`]); `before`:
+/// the event as inserted, for a row its own transaction updated.
+pub(crate) fn mapped_row(
+    mapping: &Mapping,
+    rel: &Relation,
+    t: &Tuple,
+    before: Option<&OutboxEvent>,
+    commit_time_us: i64,
+) -> Result<OutboxEvent, CdcError> {
+    let table = || format!("{}.{}", rel.namespace, rel.name);
+    let col = |name: &str| -> Result<Value<'_>, MappingError> {
+        let i = rel
+            .column_index(name)
+            .ok_or_else(|| MappingError { table: table(), what: format!("no column {name:?} in the stream") })?;
+        match t.0.get(i) {
+            None | Some(TupleValue::Null) => Ok(Value::Null),
+            Some(TupleValue::UnchangedToast) => Ok(Value::Unchanged),
+            Some(v) => match v.as_str() {
+                Some(Ok(s)) => Ok(Value::Text(s.into())),
+                _ => Err(MappingError { table: table(), what: format!("column {name:?}: not a UTF-8 text value") }),
+            },
+        }
+    };
+    let bytea = |name: &str| rel.column_index(name).is_some_and(|i| rel.columns[i].type_oid == BYTEA_OID);
+    mapping.event(col, bytea, before, commit_time_us).map_err(|e| CdcError::Protocol(e.to_string()))
+}
+
+/// The key of a mapped table's row in a tuple (a delete's key, an update's
+/// new row), as text.
+pub(crate) fn mapped_key(mapping: &Mapping, rel: &Relation, t: &Tuple) -> Option<String> {
+    text(rel, t, &mapping.id).map(str::to_owned)
+}
+
+/// PostgreSQL's `bytea` type.
+const BYTEA_OID: u32 = 17;
+
 /// A row its own transaction updated after inserting it: the new tuple's
 /// values over the row held for the transaction. A TOASTed value the update
 /// left unchanged is not in the stream: the held one stays.
@@ -167,8 +205,12 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
 /// it (body, destination, group, attributes). Rows gone from the table keep
 /// what the stream said (deleted by this transaction or a later one).
 pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [OutboxEvent]) -> Result<(), CdcError> {
-    let at: HashMap<i64, usize> = buf.iter().enumerate().map(|(i, e)| (e.id, i)).collect();
-    let ids: Vec<i64> = buf.iter().map(|e| e.id).collect();
+    // A mapped table's rows are not in the relay's table: sent as inserted.
+    let at: HashMap<i64, usize> = buf.iter().enumerate().filter(|(_, e)| !e.mapped).map(|(i, e)| (e.id, i)).collect();
+    if at.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = at.keys().copied().collect();
     let sql_text = format!("SELECT {} FROM outbox WHERE id = ANY($1)", crate::event::OUTBOX_COLUMNS);
     for r in sql.query(&sql_text, &[&ids]).await.map_err(CdcError::Pg)? {
         let table = OutboxEvent::from_row(&r);

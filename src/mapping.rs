@@ -1,0 +1,313 @@
+//! Tables teams already have, read as outbox rows: which column gives each
+//! field of an event, from a preset (Debezium's outbox convention) with
+//! overrides, or named one by one.
+//!
+//! A mapped table is a source the stream reads; it gets no bookkeeping
+//! columns. Its rows are settled like transient rows of the relay's own
+//! table: published from the stream and recorded by the confirmed LSN alone;
+//! a row that cannot go out now (DEAD, deferred, its lane spooling) is
+//! copied into the relay's `outbox` table with its mapped fields, where the
+//! table path (or `dead list`) finds it.
+
+use std::borrow::Cow;
+
+use crate::event::{DeliverAt, OutboxEvent};
+
+/// The attribute a bytea body's message carries: the body is base64.
+pub const BODY_ENCODING_ATTRIBUTE: &str = "content-transfer-encoding";
+
+/// A preset's column names and meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// Debezium's outbox convention (the Outbox Event Router, the Quarkus
+    /// and Spring extensions): `id uuid, aggregatetype, aggregateid, type,
+    /// payload`; routed by `aggregatetype`, grouped by `aggregateid`, `type`
+    /// an attribute, `id` the event id. Rows are usually inserted and
+    /// deleted by one transaction.
+    Debezium,
+}
+
+impl Preset {
+    pub const NAMES: &'static str = "debezium";
+
+    pub fn parse(s: &str) -> Option<Preset> {
+        match s {
+            "debezium" => Some(Preset::Debezium),
+            _ => None,
+        }
+    }
+}
+
+/// Which column gives each field of an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub schema: String,
+    pub table: String,
+    /// The row's key: a delete by the row's own transaction is matched by
+    /// it (it must be in the table's replica identity).
+    pub id: String,
+    /// The idempotency key (FIFO deduplication id), prefixed with
+    /// `schema.table:` so two tables' keys never meet in the relay's table;
+    /// the `id` column unless named.
+    pub event_id: String,
+    /// Routed by this column's value: a `[destinations]` name.
+    pub destination: String,
+    /// text, varchar, json or jsonb as it is; bytea as base64, with the
+    /// [`BODY_ENCODING_ATTRIBUTE`] attribute.
+    pub body: String,
+    /// FIFO `MessageGroupId` (fair-queue group on a standard queue).
+    pub group_key: Option<String>,
+    /// A json or jsonb object of message attributes, as the relay's own
+    /// `attributes` column takes them.
+    pub attributes: Option<String>,
+    /// Columns sent as String attributes named as the column.
+    pub attribute_columns: Vec<String>,
+}
+
+/// A column's value in a row as the source reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value<'a> {
+    Null,
+    Text(Cow<'a, str>),
+    /// Not sent: a TOASTed value an UPDATE left alone (the row's value
+    /// before the update stands).
+    Unchanged,
+}
+
+/// Why a row of a mapped table could not be read at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{table}: {what}")]
+pub struct MappingError {
+    pub table: String,
+    pub what: String,
+}
+
+impl Mapping {
+    /// A preset's mapping of `schema.table`.
+    pub fn preset(preset: Preset, schema: &str, table: &str) -> Mapping {
+        match preset {
+            Preset::Debezium => Mapping {
+                schema: schema.into(),
+                table: table.into(),
+                id: "id".into(),
+                event_id: "id".into(),
+                destination: "aggregatetype".into(),
+                body: "payload".into(),
+                group_key: Some("aggregateid".into()),
+                attributes: None,
+                attribute_columns: vec!["type".into()],
+            },
+        }
+    }
+
+    /// `schema.table`, quoted for SQL.
+    pub fn qualified(&self) -> String {
+        format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.table))
+    }
+
+    /// Every column the mapping reads, each once.
+    pub fn columns(&self) -> Vec<&str> {
+        let mut all: Vec<&str> = vec![&self.id, &self.event_id, &self.destination, &self.body];
+        all.extend(self.group_key.as_deref());
+        all.extend(self.attributes.as_deref());
+        all.extend(self.attribute_columns.iter().map(String::as_str));
+        let mut seen = std::collections::HashSet::new();
+        all.retain(|c| seen.insert(*c));
+        all
+    }
+
+    /// The event of a row: `col` gives a column's value by name and
+    /// `bytea` whether it is a bytea column; `before`, for a row its own
+    /// transaction updated, the event as inserted (for values the update
+    /// did not send). A NULL destination or body makes an event that is
+    /// DEAD when routed, with its reason; a row without its key is refused.
+    pub fn event<'r>(
+        &self,
+        col: impl Fn(&str) -> Result<Value<'r>, MappingError>,
+        bytea: impl Fn(&str) -> bool,
+        before: Option<&OutboxEvent>,
+        commit_time_us: i64,
+    ) -> Result<OutboxEvent, MappingError> {
+        let text = |name: &str, old: Option<&str>| -> Result<Option<String>, MappingError> {
+            Ok(match col(name)? {
+                Value::Null => None,
+                Value::Text(t) => Some(t.into_owned()),
+                Value::Unchanged => old.map(str::to_owned),
+            })
+        };
+        let id =
+            text(&self.id, None)?.ok_or_else(|| self.error(format!("a row without its key column {:?}", self.id)))?;
+        let prefixed = |key: &str| format!("{}.{}:{key}", self.schema, self.table);
+        let event_id = match col(&self.event_id)? {
+            Value::Text(t) => prefixed(&t),
+            // The key did not change: the event's as inserted.
+            Value::Unchanged if before.is_some() => before.map(|b| b.event_id.clone()).unwrap_or_default(),
+            Value::Null | Value::Unchanged => prefixed(&id),
+        };
+        let destination = text(&self.destination, before.map(|b| b.destination.as_str()))?.unwrap_or_default();
+        let mut body = text(&self.body, before.map(|b| b.body.as_str()))?.unwrap_or_default();
+        let fresh_bytea = bytea(&self.body) && !matches!(col(&self.body)?, Value::Unchanged);
+        if fresh_bytea {
+            body = bytea_to_base64(&body).ok_or_else(|| self.error(format!("{:?} is not bytea text", self.body)))?;
+        }
+        let group_key = match &self.group_key {
+            Some(c) => text(c, before.and_then(|b| b.group_key.as_deref()))?,
+            None => None,
+        };
+        let attributes = self.attributes_json(&col, bytea(&self.body), before)?;
+        Ok(OutboxEvent {
+            id: 0,
+            event_id,
+            destination,
+            body,
+            group_key,
+            attributes,
+            commit_time_us,
+            xid: None,
+            commit_lsn: None,
+            // Not in the relay's table: published from the stream, written
+            // there only when it cannot go out now.
+            transient: true,
+            deliver_at: DeliverAt::Unset,
+            mapped: true,
+        })
+    }
+
+    /// The attributes' JSON: the attributes column's object, the attribute
+    /// columns, and the body's encoding when it is bytea.
+    fn attributes_json<'r>(
+        &self,
+        col: &impl Fn(&str) -> Result<Value<'r>, MappingError>,
+        bytea_body: bool,
+        before: Option<&OutboxEvent>,
+    ) -> Result<Option<String>, MappingError> {
+        let old: serde_json::Map<String, serde_json::Value> =
+            before.and_then(|b| b.attributes.as_deref()).and_then(|j| serde_json::from_str(j).ok()).unwrap_or_default();
+        let mut out = serde_json::Map::new();
+        if let Some(c) = &self.attributes {
+            match col(c)? {
+                Value::Null => {}
+                Value::Unchanged => out.extend(old.iter().map(|(k, v)| (k.clone(), v.clone()))),
+                // Not an object: kept as text, so the route makes the row
+                // DEAD (invalid_attributes) with what it holds.
+                Value::Text(t) => match serde_json::from_str::<serde_json::Value>(&t) {
+                    Ok(serde_json::Value::Object(o)) => out.extend(o),
+                    _ => return Ok(Some(t.into_owned())),
+                },
+            }
+        }
+        for c in &self.attribute_columns {
+            match col(c)? {
+                Value::Null => {}
+                Value::Text(t) => {
+                    out.insert(c.clone(), serde_json::Value::String(t.into_owned()));
+                }
+                Value::Unchanged => {
+                    if let Some(v) = old.get(c) {
+                        out.insert(c.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        if bytea_body {
+            out.insert(BODY_ENCODING_ATTRIBUTE.into(), serde_json::Value::String("base64".into()));
+        }
+        Ok((!out.is_empty()).then(|| serde_json::Value::Object(out).to_string()))
+    }
+
+    fn error(&self, what: String) -> MappingError {
+        MappingError { table: format!("{}.{}", self.schema, self.table), what }
+    }
+}
+
+/// A bytea value as PostgreSQL writes it in text (`\x` and hex digits), as
+/// base64.
+fn bytea_to_base64(text: &str) -> Option<String> {
+    use base64::Engine;
+    let hex_digits = text.strip_prefix("\\x")?;
+    let bytes = hex::decode(hex_digits).ok()?;
+    Some(base64::engine::general_purpose::STANDARD.encode(bytes))
+}
+
+/// An identifier quoted for SQL.
+pub fn quote_ident(s: &str) -> String {
+    format!("\"{}\"", s.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn row<'a>(cols: &'a [(&'a str, Option<&'a str>)]) -> impl Fn(&str) -> Result<Value<'a>, MappingError> + 'a {
+        let m: HashMap<&str, Option<&str>> = cols.iter().copied().collect();
+        move |name| {
+            Ok(match m.get(name) {
+                Some(Some(v)) => Value::Text(Cow::Borrowed(*v)),
+                Some(None) | None => Value::Null,
+            })
+        }
+    }
+
+    #[test]
+    fn a_debezium_row_is_routed_by_aggregatetype_and_grouped_by_aggregateid() {
+        let m = Mapping::preset(Preset::Debezium, "public", "outboxevent");
+        let cols = [
+            ("id", Some("7f1c1d7e-0000-4000-8000-000000000001")),
+            ("aggregatetype", Some("orders")),
+            ("aggregateid", Some("42")),
+            ("type", Some("OrderCreated")),
+            ("payload", Some("{\"total\": 3}")),
+        ];
+        let ev = m.event(row(&cols), |_| false, None, 5).unwrap();
+        assert_eq!(ev.event_id, "public.outboxevent:7f1c1d7e-0000-4000-8000-000000000001");
+        assert_eq!(ev.destination, "orders");
+        assert_eq!(ev.group_key.as_deref(), Some("42"));
+        assert_eq!(ev.body, "{\"total\": 3}");
+        assert_eq!(ev.attributes.as_deref(), Some("{\"type\":\"OrderCreated\"}"));
+        assert!(ev.transient && ev.mapped);
+    }
+
+    #[test]
+    fn a_bytea_body_goes_as_base64_and_says_so() {
+        let m = Mapping { attribute_columns: vec![], ..Mapping::preset(Preset::Debezium, "s", "t") };
+        let cols = [("id", Some("1")), ("aggregatetype", Some("d")), ("payload", Some("\\x68690a"))];
+        let ev = m.event(row(&cols), |c| c == "payload", None, 0).unwrap();
+        assert_eq!(ev.body, "aGkK");
+        assert_eq!(ev.attributes.as_deref(), Some("{\"content-transfer-encoding\":\"base64\"}"));
+    }
+
+    #[test]
+    fn nulls_make_an_event_the_route_refuses_and_a_missing_key_is_an_error() {
+        let m = Mapping::preset(Preset::Debezium, "s", "t");
+        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0).unwrap();
+        assert_eq!((ev.destination.as_str(), ev.body.as_str()), ("", ""));
+        assert!(m.event(row(&[("payload", Some("x"))]), |_| false, None, 0).is_err());
+    }
+
+    #[test]
+    fn an_update_keeps_what_it_did_not_send() {
+        let m = Mapping::preset(Preset::Debezium, "s", "t");
+        let cols = [("id", Some("1")), ("aggregatetype", Some("d")), ("type", Some("A")), ("payload", Some("old"))];
+        let before = m.event(row(&cols), |_| false, None, 0).unwrap();
+        let unchanged_body = |name: &str| -> Result<Value<'static>, MappingError> {
+            Ok(match name {
+                "payload" | "type" => Value::Unchanged,
+                "id" => Value::Text("1".into()),
+                "aggregatetype" => Value::Text("e".into()),
+                _ => Value::Null,
+            })
+        };
+        let after = m.event(unchanged_body, |_| false, Some(&before), 0).unwrap();
+        assert_eq!((after.destination.as_str(), after.body.as_str()), ("e", "old"));
+        assert_eq!(after.attributes, before.attributes);
+    }
+
+    #[test]
+    fn an_attributes_column_that_is_not_an_object_is_left_for_the_route_to_refuse() {
+        let m = Mapping { attributes: Some("attrs".into()), ..Mapping::preset(Preset::Debezium, "s", "t") };
+        let cols = [("id", Some("1")), ("attrs", Some("[1]")), ("type", Some("A"))];
+        let ev = m.event(row(&cols), |_| false, None, 0).unwrap();
+        assert_eq!(ev.attributes.as_deref(), Some("[1]"));
+    }
+}
