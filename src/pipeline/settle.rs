@@ -538,7 +538,7 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
                 }
             }
             Outcome::Dead(r) => {
-                tracing::warn!(id = s.id(), destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
+                tracing::warn!(id = s.id(), event_id = %s.event.event_id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
             }
             Outcome::Deferred(_, Due::Held) => {
