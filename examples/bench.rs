@@ -258,6 +258,42 @@ async fn insert_transient_backlog(db: &TestDb, n: usize, d: usize, txn: usize, s
     db.current_lsn().await
 }
 
+/// `n` rows of Debezium's outbox table (`app.outboxevent`, in the relay's
+/// publication), each deleted right after its insert as the convention
+/// does, `txn` per transaction. Returns the end of the WAL afterwards.
+async fn insert_debezium_backlog(db: &TestDb, n: usize, d: usize, txn: usize, size: usize) -> u64 {
+    let c = db.client().await;
+    c.batch_execute(
+        "CREATE SCHEMA app;
+         CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL, aggregateid text NOT NULL,
+                                       type text NOT NULL, payload jsonb);
+         ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
+    )
+    .await
+    .unwrap();
+    let mut done = 0;
+    while done < n {
+        let k = txn.min(n - done);
+        c.batch_execute(&format!(
+            "DO $$
+             DECLARE eid uuid;
+             BEGIN
+                 FOR i IN {done}..{last} LOOP
+                     eid := gen_random_uuid();
+                     INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
+                     VALUES (eid, 'd' || (i % {d}), 'a' || (i % 97), 'Created', to_jsonb(rpad('t' || i || ':', {size}, 'x')));
+                     DELETE FROM app.outboxevent WHERE id = eid;
+                 END LOOP;
+             END $$",
+            last = done + k - 1
+        ))
+        .await
+        .unwrap();
+        done += k;
+    }
+    db.current_lsn().await
+}
+
 async fn create_slot(db: &TestDb, name: &str) {
     db.client().await.execute("SELECT pg_create_logical_replication_slot($1, 'pgoutput')", &[&name]).await.unwrap();
 }
@@ -290,6 +326,13 @@ struct Decode {
     transient_recvlogical_rows_per_s: f64,
     transient_relay_rows_per_s: f64,
     transient_settle_wal_per_row: f64,
+    /// The same count of rows in Debezium's table (a mapped table, the
+    /// debezium preset), each deleted by its own transaction.
+    debezium_recvlogical_rows_per_s: f64,
+    debezium_relay_rows_per_s: f64,
+    debezium_relay_cpu_s_per_100k: f64,
+    debezium_relay_pg_cpu_s_per_100k: f64,
+    debezium_recvlogical_pg_cpu_s_per_100k: f64,
     /// The persistent drain again with `published_rows = "keep"`.
     keep_relay_rows_per_s: f64,
     keep_settle_wal_per_row: f64,
@@ -341,11 +384,23 @@ struct NullDrain {
 
 /// The relay in process, publishing `n` rows to a null publisher.
 async fn relay_null(a: &Args, db: &TestDb, n: usize, published_rows: PublishedRows) -> NullDrain {
+    relay_null_mapped(a, db, n, published_rows, Vec::new()).await
+}
+
+/// [`relay_null`], reading `mapped` tables besides the relay's own.
+async fn relay_null_mapped(
+    a: &Args,
+    db: &TestDb,
+    n: usize,
+    published_rows: PublishedRows,
+    mapped: Vec<outbox_relay::mapping::Mapping>,
+) -> NullDrain {
     let queues: Vec<(String, String)> =
         (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
     let mut cfg = config(db, &dests(&queues));
     cfg.metrics_addr = None;
     cfg.published_rows = published_rows;
+    cfg.mapped = mapped;
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
     let wal_before = db.current_lsn().await;
     let t = Instant::now();
@@ -421,6 +476,15 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
     let (t_recv_s, t_recv_pg) = recvlogical(&db, "recvlogical", end).await;
     let transient = relay_null(a, &db, n, PublishedRows::Delete).await;
     drop(db);
+    // Debezium's table, mapped with its preset.
+    let db = TestDb::new("bench_debezium").await;
+    create_slot(&db, "recvlogical").await;
+    create_slot(&db, &db.slot).await;
+    let end = insert_debezium_backlog(&db, n, a.destinations, a.txn_size, a.row_size).await;
+    let (dbz_recv_s, dbz_recv_pg) = recvlogical(&db, "recvlogical", end).await;
+    let preset = outbox_relay::mapping::Mapping::preset(outbox_relay::mapping::Preset::Debezium, "app", "outboxevent");
+    let debezium = relay_null_mapped(a, &db, n, PublishedRows::Delete, vec![preset]).await;
+    drop(db);
     // The same drain with rows kept as PUBLISHED (the mark of before).
     let db = TestDb::new("bench_keep").await;
     create_slot(&db, &db.slot).await;
@@ -449,6 +513,11 @@ async fn decode_ceiling(a: &Args, n: usize) -> Decode {
         transient_recvlogical_rows_per_s: n as f64 / t_recv_s,
         transient_relay_rows_per_s: n as f64 / transient.secs,
         transient_settle_wal_per_row: r1(transient.wal as f64 / n as f64),
+        debezium_recvlogical_rows_per_s: n as f64 / dbz_recv_s,
+        debezium_relay_rows_per_s: n as f64 / debezium.secs,
+        debezium_relay_cpu_s_per_100k: per_100k(debezium.cpu),
+        debezium_relay_pg_cpu_s_per_100k: per_100k(debezium.pg_cpu),
+        debezium_recvlogical_pg_cpu_s_per_100k: per_100k(dbz_recv_pg),
         keep_relay_rows_per_s: n as f64 / keep.secs,
         keep_settle_wal_per_row: r1(keep.wal as f64 / n as f64),
     }
@@ -486,6 +555,18 @@ fn print_decode_cpu(d: &Decode) {
             d.transient_relay_pg_cpu_s_per_100k,
             Some(d.transient_relay_cpu_s_per_100k),
         ),
+        (
+            "pg_recvlogical, Debezium's table",
+            d.debezium_recvlogical_rows_per_s,
+            d.debezium_recvlogical_pg_cpu_s_per_100k,
+            None,
+        ),
+        (
+            "relay, Debezium's table (debezium preset)",
+            d.debezium_relay_rows_per_s,
+            d.debezium_relay_pg_cpu_s_per_100k,
+            Some(d.debezium_relay_cpu_s_per_100k),
+        ),
     ];
     for (what, rate, pg, relay) in rows {
         let relay = relay.map_or("-".to_string(), |c| c.to_string());
@@ -500,6 +581,8 @@ fn decode_cpu_json(d: &Decode) -> serde_json::Value {
         "relay_keep_pg": d.keep_relay_pg_cpu_s_per_100k, "relay_keep_relay": d.keep_relay_cpu_s_per_100k,
         "transient_recvlogical_pg": d.transient_recvlogical_pg_cpu_s_per_100k,
         "transient_relay_pg": d.transient_relay_pg_cpu_s_per_100k, "transient_relay_relay": d.transient_relay_cpu_s_per_100k,
+        "debezium_recvlogical_pg": d.debezium_recvlogical_pg_cpu_s_per_100k,
+        "debezium_relay_pg": d.debezium_relay_pg_cpu_s_per_100k, "debezium_relay_relay": d.debezium_relay_cpu_s_per_100k,
     })
 }
 
@@ -1353,7 +1436,7 @@ fn r2(x: f64) -> f64 {
 
 fn print_decode_only(d: &Decode) {
     println!(
-        "keep: relay {:.0} rows/s, settle WAL {} B/row; persistent: recvlogical {:.0} relay {:.0} rows/s ({:.2}); transient: recvlogical {:.0} relay {:.0} ({:.2}); WAL per row: insert {} settle {} transient {} keep-mark {}",
+        "keep: relay {:.0} rows/s, settle WAL {} B/row; persistent: recvlogical {:.0} relay {:.0} rows/s ({:.2}); transient: recvlogical {:.0} relay {:.0} ({:.2}); Debezium's table: recvlogical {:.0} relay {:.0} ({:.2}); WAL per row: insert {} settle {} transient {} keep-mark {}",
         d.keep_relay_rows_per_s,
         d.keep_settle_wal_per_row,
         d.recvlogical_rows_per_s,
@@ -1362,6 +1445,9 @@ fn print_decode_only(d: &Decode) {
         d.transient_recvlogical_rows_per_s,
         d.transient_relay_rows_per_s,
         d.transient_relay_rows_per_s / d.transient_recvlogical_rows_per_s,
+        d.debezium_recvlogical_rows_per_s,
+        d.debezium_relay_rows_per_s,
+        d.debezium_relay_rows_per_s / d.debezium_recvlogical_rows_per_s,
         d.insert_wal_per_row,
         d.settle_wal_per_row,
         d.transient_settle_wal_per_row,
@@ -1506,6 +1592,11 @@ fn print_ceilings(a: &Args, r: &Results, x: &Ratios) {
         dec.rows, dec.transient_recvlogical_rows_per_s, dec.transient_relay_rows_per_s, x.transient_vs_recv
     );
     println!(
+        "| decode, {} rows of Debezium's table (debezium preset) | pg_recvlogical {:.0} rows/s | null publisher {:.0} rows/s | {:.2} | >= 0.90 |",
+        dec.rows, dec.debezium_recvlogical_rows_per_s, dec.debezium_relay_rows_per_s,
+        dec.debezium_relay_rows_per_s / dec.debezium_recvlogical_rows_per_s
+    );
+    println!(
         "| settlement WAL per row (persistent; transient {} B) | INSERT {} B | relay's drain {} B (keep-mode mark alone {} B) | {:.2} | <= 0.25 |",
         dec.transient_settle_wal_per_row, dec.insert_wal_per_row, dec.settle_wal_per_row, dec.keep_mark_wal_per_row, x.settle_wal_ratio
     );
@@ -1583,6 +1674,8 @@ fn decode_json(dec: &Decode) -> serde_json::Value {
         "transient_recvlogical_rows_per_s": dec.transient_recvlogical_rows_per_s.round(),
         "transient_relay_null_rows_per_s": dec.transient_relay_rows_per_s.round(),
         "transient_settle_wal_bytes_per_row": dec.transient_settle_wal_per_row,
+        "debezium_recvlogical_rows_per_s": dec.debezium_recvlogical_rows_per_s.round(),
+        "debezium_relay_null_rows_per_s": dec.debezium_relay_rows_per_s.round(),
         "keep_relay_null_rows_per_s": dec.keep_relay_rows_per_s.round(), "keep_settle_wal_bytes_per_row": dec.keep_settle_wal_per_row,
         "cpu_s_per_100k": decode_cpu_json(dec)})
 }
