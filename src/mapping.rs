@@ -62,6 +62,12 @@ pub struct Mapping {
     pub attributes: Option<String>,
     /// Columns sent as String attributes named as the column.
     pub attribute_columns: Vec<String>,
+    /// A timestamptz column: when the message may be delivered
+    /// (`DelaySeconds`, or held in the relay's table until due).
+    pub deliver_at: Option<String>,
+    /// A column holding the producer's W3C `traceparent`: sent as the
+    /// `traceparent` attribute and as `AWSTraceHeader`.
+    pub traceparent: Option<String>,
 }
 
 /// A column's value in a row as the source reads it.
@@ -96,6 +102,8 @@ impl Mapping {
                 group_key: Some("aggregateid".into()),
                 attributes: None,
                 attribute_columns: vec!["type".into()],
+                deliver_at: None,
+                traceparent: None,
             },
         }
     }
@@ -111,6 +119,8 @@ impl Mapping {
         all.extend(self.group_key.as_deref());
         all.extend(self.attributes.as_deref());
         all.extend(self.attribute_columns.iter().map(String::as_str));
+        all.extend(self.deliver_at.as_deref());
+        all.extend(self.traceparent.as_deref());
         let mut seen = std::collections::HashSet::new();
         all.retain(|c| seen.insert(*c));
         all
@@ -155,6 +165,14 @@ impl Mapping {
             None => None,
         };
         let attributes = self.attributes_json(&col, bytea(&self.body), before)?;
+        let deliver_at = match &self.deliver_at {
+            None => DeliverAt::Unset,
+            Some(c) => match col(c)? {
+                Value::Null => DeliverAt::Unset,
+                Value::Text(t) => crate::event::deliver_at(&t),
+                Value::Unchanged => before.map_or(DeliverAt::Unset, |b| b.deliver_at),
+            },
+        };
         Ok(OutboxEvent {
             id: 0,
             event_id,
@@ -168,7 +186,7 @@ impl Mapping {
             // Not in the relay's table: published from the stream, written
             // there only when it cannot go out now.
             transient: true,
-            deliver_at: DeliverAt::Unset,
+            deliver_at,
             mapped: true,
         })
     }
@@ -205,6 +223,20 @@ impl Mapping {
                 Value::Unchanged => {
                     if let Some(v) = old.get(c) {
                         out.insert(c.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        if let Some(c) = &self.traceparent {
+            let name = crate::publish::entry::TRACEPARENT;
+            match col(c)? {
+                Value::Null => {}
+                Value::Text(t) => {
+                    out.insert(name.into(), serde_json::Value::String(t.into_owned()));
+                }
+                Value::Unchanged => {
+                    if let Some(v) = old.get(name) {
+                        out.insert(name.into(), v.clone());
                     }
                 }
             }
@@ -301,6 +333,22 @@ mod tests {
         let after = m.event(unchanged_body, |_| false, Some(&before), 0).unwrap();
         assert_eq!((after.destination.as_str(), after.body.as_str()), ("e", "old"));
         assert_eq!(after.attributes, before.attributes);
+    }
+
+    #[test]
+    fn delay_and_trace_context_columns() {
+        let m = Mapping {
+            deliver_at: Some("due".into()),
+            traceparent: Some("tp".into()),
+            ..Mapping::preset(Preset::Debezium, "s", "t")
+        };
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let cols = [("id", Some("1")), ("due", Some("1970-01-01 00:00:10+00")), ("tp", Some(tp))];
+        let ev = m.event(row(&cols), |_| false, None, 0).unwrap();
+        assert_eq!(ev.deliver_at, DeliverAt::At(10_000_000));
+        assert!(ev.attributes.unwrap().contains(tp));
+        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0).unwrap();
+        assert_eq!((ev.deliver_at, ev.attributes), (DeliverAt::Unset, None));
     }
 
     #[test]

@@ -10,8 +10,19 @@ use crate::mapping::{Mapping, Preset};
 use super::ConfigError;
 
 /// The keys of one table's mapping.
-const KEYS: &[&str] =
-    &["table", "preset", "id", "event_id", "destination", "body", "group_key", "attributes", "attribute_columns"];
+const KEYS: &[&str] = &[
+    "table",
+    "preset",
+    "id",
+    "event_id",
+    "destination",
+    "body",
+    "group_key",
+    "attributes",
+    "attribute_columns",
+    "deliver_at",
+    "traceparent",
+];
 
 /// One table as written: its keys' text (`attribute_columns` as a list).
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -91,6 +102,8 @@ impl Written {
                     group_key: None,
                     attributes: None,
                     attribute_columns: Vec::new(),
+                    deliver_at: None,
+                    traceparent: None,
                 }
             }
         };
@@ -101,6 +114,8 @@ impl Written {
         m.group_key = given("group_key").or(m.group_key);
         m.attributes = given("attributes").or(m.attributes);
         m.attribute_columns = self.attribute_columns.clone().unwrap_or(m.attribute_columns);
+        m.deliver_at = given("deliver_at").or(m.deliver_at);
+        m.traceparent = given("traceparent").or(m.traceparent);
         for c in m.columns() {
             check_name(c).map_err(|e| bad(format!("column {c:?}: {e}")))?;
         }

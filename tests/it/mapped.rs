@@ -183,6 +183,8 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
         group_key: None,
         attributes: None,
         attribute_columns: vec![],
+        deliver_at: None,
+        traceparent: None,
     };
     let e = refused(Mapping { body: "data".into(), ..custom("events") }).await;
     assert!(e.contains("mapped table public.events: no column \"data\""), "{e}");
@@ -201,4 +203,79 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
     polling.mode = outbox_relay::config::Mode::Polling;
     let e = start_up_error(polling, Arc::new(publisher())).await;
     assert!(e.contains("polling reads only the relay's own outbox table"), "{e}");
+}
+
+/// A table of another shape: its own schema, a uuid key, a bytea body, a
+/// jsonb attributes column, an attribute column, a delay and the producer's
+/// trace context; rows kept in the table (never deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_mapping_carries_bytea_attributes_delay_and_trace_context() {
+    const STD: &str = "http://memory.invalid/shop";
+    let db = TestDb::new("mapped_custom").await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE SCHEMA shop;
+             CREATE TABLE shop.events (id uuid PRIMARY KEY, queue text, data bytea, tenant text, attrs jsonb,
+                                       due timestamptz, trace text);
+             ALTER PUBLICATION outbox_relay ADD TABLE shop.events;",
+        )
+        .await
+        .unwrap();
+    let p = MemoryPublisher::new();
+    p.add_queue(STD, false, 262_144);
+    let mut cfg = config(&db, &[("shop", STD)]);
+    cfg.mapped = vec![Mapping {
+        schema: "shop".into(),
+        table: "events".into(),
+        id: "id".into(),
+        event_id: "id".into(),
+        destination: "queue".into(),
+        body: "data".into(),
+        group_key: Some("tenant".into()),
+        attributes: Some("attrs".into()),
+        attribute_columns: vec!["tenant".into()],
+        deliver_at: Some("due".into()),
+        traceparent: Some("trace".into()),
+    }];
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    db.client()
+        .await
+        .execute(
+            "INSERT INTO shop.events VALUES
+               ('00000000-0000-4000-8000-000000000001', 'shop', 'hi'::bytea, 't1', '{\"n\": 7}', NULL, $1),
+               ('00000000-0000-4000-8000-000000000002', 'shop', 'soon'::bytea, 't2', NULL, now() + interval '5 seconds', NULL),
+               ('00000000-0000-4000-8000-000000000003', 'shop', 'later'::bytea, 't3', NULL, now() + interval '20 minutes', NULL)",
+            &[&tp],
+        )
+        .await
+        .unwrap();
+    wait_for("two messages sent", Duration::from_secs(30), || async { p.sent(STD).len() == 2 }).await;
+    let by_id = |suffix: &str| p.sent(STD).into_iter().find(|s| s.event_id.ends_with(suffix)).unwrap();
+    let now = by_id("0001");
+    assert_eq!(now.body, "aGk=");
+    assert_eq!(now.group_id.as_deref(), Some("t1"), "a standard queue's fair-queue group");
+    let attr = |s: &outbox_relay::publish::memory::Sent, n: &str| {
+        s.attributes.iter().find(|a| a.0 == n).map(|a| (a.1.clone(), a.2.clone()))
+    };
+    assert_eq!(attr(&now, "n"), Some(("Number".into(), "7".into())));
+    assert_eq!(attr(&now, "tenant"), Some(("String".into(), "t1".into())));
+    assert_eq!(attr(&now, "content-transfer-encoding"), Some(("String".into(), "base64".into())));
+    assert_eq!(
+        now.trace_header.as_deref(),
+        Some("Root=1-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7;Sampled=1")
+    );
+    let soon = by_id("0002");
+    assert!(soon.delay_seconds.is_some_and(|d| (3..=5).contains(&d)), "{:?}", soon.delay_seconds);
+    // Due in 20 minutes: held in the relay's table until then.
+    wait_for("the later row held in the relay's table", Duration::from_secs(30), || async {
+        db.count("status = 'NEW' AND deliver_at > now() + interval '10 minutes' AND event_id = 'shop.events:00000000-0000-4000-8000-000000000003'").await == 1
+    })
+    .await;
+    db.client().await.batch_execute("UPDATE outbox SET deliver_at = now() WHERE deliver_at IS NOT NULL").await.unwrap();
+    wait_for("the held row sent once due", Duration::from_secs(30), || async { p.sent(STD).len() == 3 }).await;
+    assert_eq!(by_id("0003").body, "bGF0ZXI=");
+    relay.stop().await;
 }

@@ -47,6 +47,11 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: &str) -> Re
             return refuse(format!("attributes column {a:?} is {}; it must be json or jsonb", type_of(a)));
         }
     }
+    if let Some(d) = &m.deliver_at {
+        if type_of(d) != "timestamp with time zone" {
+            return refuse(format!("deliver_at column {d:?} is {}; it must be timestamptz", type_of(d)));
+        }
+    }
     check_identity(client, oid, &identity, &name).await?;
     let published = client
         .query_opt(

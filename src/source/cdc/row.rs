@@ -3,7 +3,9 @@
 use replication::{Lsn, Relation, Tuple, TupleValue};
 
 use crate::db::schema::RowStatus;
-use crate::event::{DeliverAt, OutboxEvent};
+#[cfg(test)]
+use crate::event::parse_iso_timestamptz;
+use crate::event::{deliver_at, DeliverAt, OutboxEvent};
 use crate::mapping::{Mapping, MappingError, Value};
 use std::collections::HashMap;
 
@@ -70,59 +72,6 @@ pub(crate) fn row_from_tuple(
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
         mapped: false,
     })
-}
-
-/// A `deliver_at` value as pgoutput sends it (text, the server's
-/// `DateStyle`; ISO: `2026-12-04 19:04:25.5+01`, `infinity`, `-infinity`).
-pub(crate) fn deliver_at(text: &str) -> DeliverAt {
-    match text {
-        "infinity" => DeliverAt::At(DeliverAt::NEVER),
-        "-infinity" => DeliverAt::At(-DeliverAt::NEVER),
-        _ => parse_iso_timestamptz(text).map_or(DeliverAt::Unreadable, DeliverAt::at),
-    }
-}
-
-/// Microseconds since the Unix epoch of an ISO `timestamptz` text:
-/// `YYYY-MM-DD HH:MM:SS[.ffffff]±HH[:MM[:SS]]`, with ` BC` after it for
-/// years before 1 AD.
-pub(crate) fn parse_iso_timestamptz(s: &str) -> Option<i64> {
-    let (s, bc) = s.strip_suffix(" BC").map_or((s, false), |r| (r, true));
-    let (date, rest) = s.split_once(' ')?;
-    let zone_at = rest.rfind(['+', '-'])?;
-    let (time, zone) = rest.split_at(zone_at);
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
-    let year = if bc { 1 - year } else { year };
-    let (hms, frac) = time.split_once('.').unwrap_or((time, ""));
-    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (h, m, sec) = (t.next()??, t.next()??, t.next()??);
-    let in_range = (0..=300_000).contains(&year.abs()) && (1..=12).contains(&month) && (1..=31).contains(&day);
-    if !in_range || !(0..=24).contains(&h) || !(0..=59).contains(&m) || !(0..=60).contains(&sec) || frac.len() > 6 {
-        return None;
-    }
-    let micros = if frac.is_empty() { 0 } else { frac.parse::<i64>().ok()? * 10i64.pow(6 - frac.len() as u32) };
-    let sign = if zone.starts_with('-') { -1 } else { 1 };
-    let mut z = zone[1..].splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (zh, zm, zs) = (z.next()??, z.next().unwrap_or(Some(0))?, z.next().unwrap_or(Some(0))?);
-    if !(0..=24).contains(&zh) || !(0..=59).contains(&zm) || !(0..=59).contains(&zs) {
-        return None;
-    }
-    let zone_s = zh * 3600 + zm * 60 + zs;
-    let secs = days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + sec - sign * zone_s;
-    // PostgreSQL's last years pass i64 microseconds: [`DeliverAt::at`]
-    // clamps what saturates here to its latest time, never to `infinity`.
-    Some(secs.saturating_mul(1_000_000).saturating_add(micros).clamp(-DeliverAt::LATEST, DeliverAt::LATEST))
-}
-
-/// Days from 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// A row of a mapped table, by its mapping ([`Mapping::event`]); `before`:
