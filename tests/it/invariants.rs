@@ -745,11 +745,15 @@ mod workload {
     /// One producer transaction on Debezium's table: `n` events, most
     /// deleted by it (the convention), some kept (a table that is never
     /// emptied). The committed rows under the event ids the relay gives them.
+    /// `body_ids`: each row is named by its body as sent (the JSON string of
+    /// its tag) instead of its event id, for a variant that reads messages
+    /// from a queue.
     async fn produce_debezium(
         c: &mut tokio_postgres::Client,
         rng: &mut StdRng,
         tag: &str,
         dests: &[&str],
+        body_ids: bool,
     ) -> Option<Vec<Row>> {
         let n = if rng.random_range(0..8) == 0 { rng.random_range(1_000..1_300) } else { rng.random_range(1..40) };
         let tags: Vec<String> = (0..n).map(|i| format!("{tag}:{i}")).collect();
@@ -773,11 +777,10 @@ mod workload {
             ids.iter().enumerate().filter(|(i, _)| !kept.contains(i)).map(|(_, id)| id.as_str()).collect();
         tx.execute("DELETE FROM app.outboxevent WHERE id = ANY($1::text[]::uuid[])", &[&gone]).await.ok()?;
         tx.commit().await.ok()?;
+        let name =
+            |i: usize, id: String| if body_ids { format!("\"{}\"", tags[i]) } else { format!("app.outboxevent:{id}") };
         let rows = ids.into_iter().zip(ds).enumerate();
-        Some(
-            rows.map(|(i, (id, d))| (format!("app.outboxevent:{id}"), d.to_string(), !kept.contains(&i), None))
-                .collect(),
-        )
+        Some(rows.map(|(i, (id, d))| (name(i, id), d.to_string(), !kept.contains(&i), None)).collect())
     }
 
     /// One relay process, started again when it ends (a kill, or an exit
@@ -826,8 +829,10 @@ mod workload {
         let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
         let (sqs_proxy, s3_proxy) = (Proxy::start(&upstream).await, Proxy::start(&upstream).await);
         let bucket = create_bucket("sigkill").await;
+        // Debezium's table too, mapped in the file ([`produce_debezium`]).
+        debezium_table(&db).await;
         let extra = format!(
-            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"",
+            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"",
             s3_proxy.url
         );
         let config = RelayConfig::through(&db, "cdc", &[("a", &a), ("f", &f)], &extra, &sqs_proxy.url);
@@ -862,6 +867,10 @@ mod workload {
                     reset_identity(&c).await;
                     tally.resets += 1;
                 }
+                6 => match produce_debezium(&mut c, &mut rng, &format!("k{seed}t{step}"), &["a", "f"], true).await {
+                    Some(rows) => committed.extend(rows),
+                    None => tally.failed_txns += 1,
+                },
                 _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests, false).await {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
@@ -886,6 +895,7 @@ mod workload {
         tally.delivered = expect.len();
         tally.dead = nowhere.len();
         tally.transient = committed.iter().filter(|r| r.2).count();
+        tally.mapped = committed.iter().filter(|r| r.0.starts_with('"')).count();
         tally
     }
 
@@ -1085,7 +1095,8 @@ mod workload {
                     let moved = move_held(c).await;
                     self.moved.lock().unwrap().extend(moved);
                 }
-                5 | 6 if relays.configs[0].mapped.len() == 1 => match produce_debezium(c, rng, tag, dests).await {
+                5 | 6 if relays.configs[0].mapped.len() == 1 => match produce_debezium(c, rng, tag, dests, false).await
+                {
                     Some(rows) => return Some(rows),
                     None => tally.failed_txns += 1,
                 },
