@@ -155,11 +155,16 @@ impl Mapping {
             Value::Null | Value::Unchanged => prefixed(&id),
         };
         let destination = text(&self.destination, before.map(|b| b.destination.as_str()))?.unwrap_or_default();
-        let mut body = text(&self.body, before.map(|b| b.body.as_str()))?.unwrap_or_default();
-        let fresh_bytea = bytea(&self.body) && !matches!(col(&self.body)?, Value::Unchanged);
-        if fresh_bytea {
-            body = bytea_to_base64(&body).ok_or_else(|| self.error(format!("{:?} is not bytea text", self.body)))?;
-        }
+        // Read once: a bytea value sent now is hex text to decode; one the
+        // update left alone is the event's body already.
+        let body = match col(&self.body)? {
+            Value::Null => String::new(),
+            Value::Text(t) if bytea(&self.body) => {
+                bytea_to_base64(&t).ok_or_else(|| self.error(format!("{:?} is not bytea text", self.body)))?
+            }
+            Value::Text(t) => t.into_owned(),
+            Value::Unchanged => before.map(|b| b.body.clone()).unwrap_or_default(),
+        };
         let group_key = match &self.group_key {
             Some(c) => text(c, before.and_then(|b| b.group_key.as_deref()))?,
             None => None,
@@ -214,32 +219,24 @@ impl Mapping {
                 },
             }
         }
-        for c in &self.attribute_columns {
-            match col(c)? {
-                Value::Null => {}
-                Value::Text(t) => {
-                    out.insert(c.clone(), serde_json::Value::String(t.into_owned()));
-                }
-                Value::Unchanged => {
-                    if let Some(v) = old.get(c) {
-                        out.insert(c.clone(), v.clone());
-                    }
-                }
+        // A column as a String attribute named `name`: an unchanged value
+        // keeps the attribute as inserted.
+        let mut string_attribute = |name: &str, c: &str| -> Result<(), MappingError> {
+            let value = match col(c)? {
+                Value::Null => None,
+                Value::Text(t) => Some(serde_json::Value::String(t.into_owned())),
+                Value::Unchanged => old.get(name).cloned(),
+            };
+            if let Some(v) = value {
+                out.insert(name.to_string(), v);
             }
+            Ok(())
+        };
+        for c in &self.attribute_columns {
+            string_attribute(c, c)?;
         }
         if let Some(c) = &self.traceparent {
-            let name = crate::publish::entry::TRACEPARENT;
-            match col(c)? {
-                Value::Null => {}
-                Value::Text(t) => {
-                    out.insert(name.into(), serde_json::Value::String(t.into_owned()));
-                }
-                Value::Unchanged => {
-                    if let Some(v) = old.get(name) {
-                        out.insert(name.into(), v.clone());
-                    }
-                }
-            }
+            string_attribute(crate::publish::entry::TRACEPARENT, c)?;
         }
         if bytea_body {
             out.insert(BODY_ENCODING_ATTRIBUTE.into(), serde_json::Value::String("base64".into()));
