@@ -232,24 +232,17 @@ async fn insert_backlog(db: &TestDb, prefix: &str, n: usize, d: usize, txn: usiz
     db.current_lsn().await
 }
 
-/// `n` transient rows (each deleted right after its insert, in the same
-/// transaction), `txn` per transaction. Returns the end of the WAL afterwards.
-async fn insert_transient_backlog(db: &TestDb, n: usize, d: usize, txn: usize, size: usize) -> u64 {
+/// `n` rows in transactions of `txn` rows, each transaction one `DO` block
+/// running `each` (PL/pgSQL; `i` is the row's number, `declare` declares
+/// its variables) once per row. Returns the end of the WAL afterwards.
+async fn insert_each(db: &TestDb, n: usize, txn: usize, declare: &str, each: &str) -> u64 {
     let c = db.client().await;
     let mut done = 0;
     while done < n {
         let k = txn.min(n - done);
+        let last = done + k - 1;
         c.batch_execute(&format!(
-            "DO $$
-             DECLARE rid bigint;
-             BEGIN
-                 FOR i IN {done}..{last} LOOP
-                     INSERT INTO outbox (event_id, destination, body)
-                     VALUES ('t' || i, 'd' || (i % {d}), rpad('t' || i || ':', {size}, 'x')) RETURNING id INTO rid;
-                     DELETE FROM outbox WHERE id = rid;
-                 END LOOP;
-             END $$",
-            last = done + k - 1
+            "DO $$ DECLARE {declare}; BEGIN FOR i IN {done}..{last} LOOP {each} END LOOP; END $$"
         ))
         .await
         .unwrap();
@@ -258,40 +251,38 @@ async fn insert_transient_backlog(db: &TestDb, n: usize, d: usize, txn: usize, s
     db.current_lsn().await
 }
 
+/// `n` transient rows (each deleted right after its insert, in the same
+/// transaction), `txn` per transaction. Returns the end of the WAL afterwards.
+async fn insert_transient_backlog(db: &TestDb, n: usize, d: usize, txn: usize, size: usize) -> u64 {
+    let each = format!(
+        "INSERT INTO outbox (event_id, destination, body)
+         VALUES ('t' || i, 'd' || (i % {d}), rpad('t' || i || ':', {size}, 'x')) RETURNING id INTO rid;
+         DELETE FROM outbox WHERE id = rid;"
+    );
+    insert_each(db, n, txn, "rid bigint", &each).await
+}
+
 /// `n` rows of Debezium's outbox table (`app.outboxevent`, in the relay's
 /// publication), each deleted right after its insert as the convention
 /// does, `txn` per transaction. Returns the end of the WAL afterwards.
 async fn insert_debezium_backlog(db: &TestDb, n: usize, d: usize, txn: usize, size: usize) -> u64 {
-    let c = db.client().await;
-    c.batch_execute(
-        "CREATE SCHEMA app;
-         CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL, aggregateid text NOT NULL,
-                                       type text NOT NULL, payload jsonb);
-         ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
-    )
-    .await
-    .unwrap();
-    let mut done = 0;
-    while done < n {
-        let k = txn.min(n - done);
-        c.batch_execute(&format!(
-            "DO $$
-             DECLARE eid uuid;
-             BEGIN
-                 FOR i IN {done}..{last} LOOP
-                     eid := gen_random_uuid();
-                     INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
-                     VALUES (eid, 'd' || (i % {d}), 'a' || (i % 97), 'Created', to_jsonb(rpad('t' || i || ':', {size}, 'x')));
-                     DELETE FROM app.outboxevent WHERE id = eid;
-                 END LOOP;
-             END $$",
-            last = done + k - 1
-        ))
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE SCHEMA app;
+             CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL, aggregateid text NOT NULL,
+                                           type text NOT NULL, payload jsonb);
+             ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
+        )
         .await
         .unwrap();
-        done += k;
-    }
-    db.current_lsn().await
+    let each = format!(
+        "eid := gen_random_uuid();
+         INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
+         VALUES (eid, 'd' || (i % {d}), 'a' || (i % 97), 'Created', to_jsonb(rpad('t' || i || ':', {size}, 'x')));
+         DELETE FROM app.outboxevent WHERE id = eid;"
+    );
+    insert_each(db, n, txn, "eid uuid", &each).await
 }
 
 async fn create_slot(db: &TestDb, name: &str) {
