@@ -29,7 +29,56 @@ pub struct OutboxEvent {
     /// its `id` is not one of the relay's table (it is 0), so neither the
     /// replay filter nor a read-back looks it up there, and a write-back
     /// takes a new id.
-    pub mapped: bool,
+    pub mapped: Option<MappedRow>,
+}
+
+/// A mapped table's row: its key, and the table's published column if it
+/// has one.
+#[derive(Debug, Clone)]
+pub struct MappedRow {
+    /// The key column's value, as text.
+    pub key: String,
+    pub published: Option<std::sync::Arc<PublishedColumn>>,
+}
+
+/// A mapped table whose rows say whether they were published (the
+/// `topic-payload` convention's `published_at`, NULL until then): the relay
+/// sets it once a row is sent or handed to its own table, and a row with
+/// it set is not sent again.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PublishedColumn {
+    /// `"schema"."table"`.
+    pub table: String,
+    /// The key column, quoted.
+    pub id: String,
+    /// The key column's type (`format_type`), read at start-up; `None`:
+    /// compared as text (no index).
+    pub id_type: Option<String>,
+    /// The published column, quoted.
+    pub column: String,
+}
+
+impl PublishedColumn {
+    /// The rows whose key is among `$1` (text[]), by the key's index.
+    fn keys_in(&self) -> String {
+        match &self.id_type {
+            Some(t) => format!("{} = ANY($1::text[]::{t}[])", self.id),
+            None => format!("{}::text = ANY($1::text[])", self.id),
+        }
+    }
+
+    /// Sets the column on the rows whose key is among `$1` and that have it
+    /// NULL; returns their keys.
+    pub fn mark_sql(&self) -> String {
+        let (t, c, id) = (&self.table, &self.column, &self.id);
+        format!("UPDATE {t} SET {c} = now() WHERE {} AND {c} IS NULL RETURNING {id}::text", self.keys_in())
+    }
+
+    /// Of the keys in `$1`, those whose row has the column set.
+    pub fn published_sql(&self) -> String {
+        let (t, c, id) = (&self.table, &self.column, &self.id);
+        format!("SELECT {id}::text FROM {t} WHERE {} AND {c} IS NOT NULL", self.keys_in())
+    }
 }
 
 /// A row's `deliver_at`, as read.
@@ -151,7 +200,7 @@ impl OutboxEvent {
             commit_lsn: None,
             transient: false,
             deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
-            mapped: false,
+            mapped: None,
         }
     }
 
@@ -182,7 +231,7 @@ impl OutboxEvent {
             commit_lsn: None,
             transient: false,
             deliver_at: DeliverAt::Unset,
-            mapped: false,
+            mapped: None,
         }
     }
 }

@@ -7,11 +7,16 @@
 //! table: published from the stream and recorded by the confirmed LSN alone;
 //! a row that cannot go out now (DEAD, deferred, its lane spooling) is
 //! copied into the relay's `outbox` table with its mapped fields, where the
-//! table path (or `dead list`) finds it.
+//! table path (or `dead list`) finds it. A table with a published column
+//! (`topic-payload`'s `published_at`) also has it set on each row settled,
+//! and its rows with it NULL are claimed from the table too: at each
+//! session's start (rows written before the slot, or left by a polling
+//! relay) and, in polling mode, all the time.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
-use crate::event::{DeliverAt, OutboxEvent};
+use crate::event::{DeliverAt, MappedRow, OutboxEvent, PublishedColumn};
 
 /// The attribute a bytea body's message carries: the body is base64.
 pub const BODY_ENCODING_ATTRIBUTE: &str = "content-transfer-encoding";
@@ -25,14 +30,19 @@ pub enum Preset {
     /// an attribute, `id` the event id. Rows are usually inserted and
     /// deleted by one transaction.
     Debezium,
+    /// The minimal polling outbox: `id bigserial, topic, payload,
+    /// published_at` (NULL: not published yet); routed by `topic`, rows
+    /// kept, `published_at` set once published.
+    TopicPayload,
 }
 
 impl Preset {
-    pub const NAMES: &'static str = "debezium";
+    pub const NAMES: &'static str = "debezium, topic-payload";
 
     pub fn parse(s: &str) -> Option<Preset> {
         match s {
             "debezium" => Some(Preset::Debezium),
+            "topic-payload" => Some(Preset::TopicPayload),
             _ => None,
         }
     }
@@ -68,6 +78,13 @@ pub struct Mapping {
     /// A column holding the producer's W3C `traceparent`: sent as the
     /// `traceparent` attribute and as `AWSTraceHeader`.
     pub traceparent: Option<String>,
+    /// A timestamptz (or timestamp) column, NULL until the row is published:
+    /// the relay sets it, sends only rows with it NULL, and claims those
+    /// from the table as well as from the stream.
+    pub published: Option<String>,
+    /// The key column's type, as the database names it: read at start-up
+    /// (so marking and the replay filter use the key's index).
+    pub id_type: Option<String>,
 }
 
 /// A column's value in a row as the source reads it.
@@ -104,8 +121,36 @@ impl Mapping {
                 attribute_columns: vec!["type".into()],
                 deliver_at: None,
                 traceparent: None,
+                published: None,
+                id_type: None,
+            },
+            Preset::TopicPayload => Mapping {
+                schema: schema.into(),
+                table: table.into(),
+                id: "id".into(),
+                event_id: "id".into(),
+                destination: "topic".into(),
+                body: "payload".into(),
+                group_key: None,
+                attributes: None,
+                attribute_columns: vec![],
+                deliver_at: None,
+                traceparent: None,
+                published: Some("published_at".into()),
+                id_type: None,
             },
         }
+    }
+
+    /// The published column's place, if the table has one.
+    pub fn published_column(&self) -> Option<Arc<PublishedColumn>> {
+        let column = self.published.as_deref()?;
+        Some(Arc::new(PublishedColumn {
+            table: self.qualified(),
+            id: quote_ident(&self.id),
+            id_type: self.id_type.clone(),
+            column: quote_ident(column),
+        }))
     }
 
     /// `schema.table`, quoted for SQL.
@@ -121,6 +166,7 @@ impl Mapping {
         all.extend(self.attribute_columns.iter().map(String::as_str));
         all.extend(self.deliver_at.as_deref());
         all.extend(self.traceparent.as_deref());
+        all.extend(self.published.as_deref());
         let mut seen = std::collections::HashSet::new();
         all.retain(|c| seen.insert(*c));
         all
@@ -131,12 +177,14 @@ impl Mapping {
     /// transaction updated, the event as inserted (for values the update
     /// did not send). A NULL destination or body makes an event that is
     /// DEAD when routed, with its reason; a row without its key is refused.
+    /// `published`: the table's published column ([`Self::published_column`]).
     pub fn event<'r>(
         &self,
         col: impl Fn(&str) -> Result<Value<'r>, MappingError>,
         bytea: impl Fn(&str) -> bool,
         before: Option<&OutboxEvent>,
         commit_time_us: i64,
+        published: Option<&Arc<PublishedColumn>>,
     ) -> Result<OutboxEvent, MappingError> {
         let text = |name: &str, old: Option<&str>| -> Result<Option<String>, MappingError> {
             Ok(match col(name)? {
@@ -147,6 +195,7 @@ impl Mapping {
         };
         let id =
             text(&self.id, None)?.ok_or_else(|| self.error(format!("a row without its key column {:?}", self.id)))?;
+        let key = id.clone();
         let prefixed = |key: &str| format!("{}.{}:{key}", self.schema, self.table);
         let event_id = match col(&self.event_id)? {
             Value::Text(t) => prefixed(&t),
@@ -192,7 +241,7 @@ impl Mapping {
             // there only when it cannot go out now.
             transient: true,
             deliver_at,
-            mapped: true,
+            mapped: Some(MappedRow { key, published: published.cloned() }),
         })
     }
 
@@ -288,20 +337,20 @@ mod tests {
             ("type", Some("OrderCreated")),
             ("payload", Some("{\"total\": 3}")),
         ];
-        let ev = m.event(row(&cols), |_| false, None, 5).unwrap();
+        let ev = m.event(row(&cols), |_| false, None, 5, None).unwrap();
         assert_eq!(ev.event_id, "public.outboxevent:7f1c1d7e-0000-4000-8000-000000000001");
         assert_eq!(ev.destination, "orders");
         assert_eq!(ev.group_key.as_deref(), Some("42"));
         assert_eq!(ev.body, "{\"total\": 3}");
         assert_eq!(ev.attributes.as_deref(), Some("{\"type\":\"OrderCreated\"}"));
-        assert!(ev.transient && ev.mapped);
+        assert!(ev.transient && ev.mapped.is_some_and(|m| m.key.starts_with("7f1c")));
     }
 
     #[test]
     fn a_bytea_body_goes_as_base64_and_says_so() {
         let m = Mapping { attribute_columns: vec![], ..Mapping::preset(Preset::Debezium, "s", "t") };
         let cols = [("id", Some("1")), ("aggregatetype", Some("d")), ("payload", Some("\\x68690a"))];
-        let ev = m.event(row(&cols), |c| c == "payload", None, 0).unwrap();
+        let ev = m.event(row(&cols), |c| c == "payload", None, 0, None).unwrap();
         assert_eq!(ev.body, "aGkK");
         assert_eq!(ev.attributes.as_deref(), Some("{\"content-transfer-encoding\":\"base64\"}"));
     }
@@ -309,16 +358,16 @@ mod tests {
     #[test]
     fn nulls_make_an_event_the_route_refuses_and_a_missing_key_is_an_error() {
         let m = Mapping::preset(Preset::Debezium, "s", "t");
-        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0).unwrap();
+        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0, None).unwrap();
         assert_eq!((ev.destination.as_str(), ev.body.as_str()), ("", ""));
-        assert!(m.event(row(&[("payload", Some("x"))]), |_| false, None, 0).is_err());
+        assert!(m.event(row(&[("payload", Some("x"))]), |_| false, None, 0, None).is_err());
     }
 
     #[test]
     fn an_update_keeps_what_it_did_not_send() {
         let m = Mapping::preset(Preset::Debezium, "s", "t");
         let cols = [("id", Some("1")), ("aggregatetype", Some("d")), ("type", Some("A")), ("payload", Some("old"))];
-        let before = m.event(row(&cols), |_| false, None, 0).unwrap();
+        let before = m.event(row(&cols), |_| false, None, 0, None).unwrap();
         let unchanged_body = |name: &str| -> Result<Value<'static>, MappingError> {
             Ok(match name {
                 "payload" | "type" => Value::Unchanged,
@@ -327,7 +376,7 @@ mod tests {
                 _ => Value::Null,
             })
         };
-        let after = m.event(unchanged_body, |_| false, Some(&before), 0).unwrap();
+        let after = m.event(unchanged_body, |_| false, Some(&before), 0, None).unwrap();
         assert_eq!((after.destination.as_str(), after.body.as_str()), ("e", "old"));
         assert_eq!(after.attributes, before.attributes);
     }
@@ -341,10 +390,10 @@ mod tests {
         };
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
         let cols = [("id", Some("1")), ("due", Some("1970-01-01 00:00:10+00")), ("tp", Some(tp))];
-        let ev = m.event(row(&cols), |_| false, None, 0).unwrap();
+        let ev = m.event(row(&cols), |_| false, None, 0, None).unwrap();
         assert_eq!(ev.deliver_at, DeliverAt::At(10_000_000));
         assert!(ev.attributes.unwrap().contains(tp));
-        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0).unwrap();
+        let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0, None).unwrap();
         assert_eq!((ev.deliver_at, ev.attributes), (DeliverAt::Unset, None));
     }
 
@@ -352,7 +401,7 @@ mod tests {
     fn an_attributes_column_that_is_not_an_object_is_left_for_the_route_to_refuse() {
         let m = Mapping { attributes: Some("attrs".into()), ..Mapping::preset(Preset::Debezium, "s", "t") };
         let cols = [("id", Some("1")), ("attrs", Some("[1]")), ("type", Some("A"))];
-        let ev = m.event(row(&cols), |_| false, None, 0).unwrap();
+        let ev = m.event(row(&cols), |_| false, None, 0, None).unwrap();
         assert_eq!(ev.attributes.as_deref(), Some("[1]"));
     }
 }

@@ -22,6 +22,7 @@ const KEYS: &[&str] = &[
     "attribute_columns",
     "deliver_at",
     "traceparent",
+    "published",
 ];
 
 /// One table as written: its keys' text (`attribute_columns` as a list).
@@ -104,6 +105,8 @@ impl Written {
                     attribute_columns: Vec::new(),
                     deliver_at: None,
                     traceparent: None,
+                    published: None,
+                    id_type: None,
                 }
             }
         };
@@ -116,6 +119,7 @@ impl Written {
         m.attribute_columns = self.attribute_columns.clone().unwrap_or(m.attribute_columns);
         m.deliver_at = given("deliver_at").or(m.deliver_at);
         m.traceparent = given("traceparent").or(m.traceparent);
+        m.published = given("published").or(m.published);
         for c in m.columns() {
             check_name(c).map_err(|e| bad(format!("column {c:?}: {e}")))?;
         }
@@ -166,6 +170,16 @@ mod tests {
     }
 
     #[test]
+    fn the_topic_payload_preset_marks_published_at() {
+        let w = file("[[outbox]]\ntable = \"outbox_messages\"\npreset = \"topic-payload\"\n");
+        let m = resolve(&w, &BTreeMap::new()).unwrap();
+        assert_eq!((m[0].destination.as_str(), m[0].body.as_str()), ("topic", "payload"));
+        assert_eq!(m[0].published.as_deref(), Some("published_at"));
+        let p = m[0].published_column().unwrap();
+        assert_eq!(p.mark_sql(), "UPDATE \"public\".\"outbox_messages\" SET \"published_at\" = now() WHERE \"id\"::text = ANY($1::text[]) AND \"published_at\" IS NULL RETURNING \"id\"::text");
+    }
+
+    #[test]
     fn one_outbox_table_is_a_list_of_one() {
         let w = file("[outbox]\ntable = \"events\"\nid = \"id\"\ndestination = \"queue\"\nbody = \"data\"\nattribute_columns = [\"kind\"]\n");
         let m = resolve(&w, &BTreeMap::new()).unwrap();
@@ -177,7 +191,7 @@ mod tests {
     fn refusals_say_where_and_what() {
         let err = |text: &str| resolve(&file(text), &BTreeMap::new()).unwrap_err().to_string();
         assert!(err("[[outbox]]\npreset = \"debezium\"\n").contains("`table` is not set"));
-        assert!(err("[[outbox]]\ntable = \"t\"\npreset = \"kafka\"\n").contains("not one of: debezium"));
+        assert!(err("[[outbox]]\ntable = \"t\"\npreset = \"kafka\"\n").contains("not one of: debezium, topic-payload"));
         assert!(err("[[outbox]]\ntable = \"t\"\nid = \"id\"\n").contains("`destination` must name a column"));
         assert!(err("[[outbox]]\ntable = \"outbox\"\npreset = \"debezium\"\n").contains("the relay's own table"));
         let twice = "[[outbox]]\ntable = \"t\"\npreset = \"debezium\"\n[[outbox]]\ntable = \"public.t\"\npreset = \"debezium\"\n";

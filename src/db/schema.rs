@@ -116,6 +116,18 @@ pub async fn can_delete_outbox(client: &Client) -> Result<bool, DbError> {
     Ok(client.query_one("SELECT has_table_privilege('outbox', 'DELETE')", &[]).await?.get(0))
 }
 
+/// Each column's name and type.
+pub async fn column_types(client: &tokio_postgres::Client, oid: u32) -> Result<Vec<(String, String)>, super::DbError> {
+    let rows = client
+        .query(
+            "SELECT attname::text, format_type(atttypid, NULL) FROM pg_attribute
+              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            &[&oid],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 #[cfg(test)]
 mod row_status_tests {
     use super::RowStatus;

@@ -11,7 +11,7 @@ use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::clock::now_unix_us;
-use crate::event::OutboxEvent;
+use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
 use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
 use crate::pipeline::lane::{Flow, LaneItem, LaneState};
@@ -140,8 +140,8 @@ fn settled(ids: &[i64], mut runs: Vec<(i64, i64)>, marked: HashSet<i64>) -> Hash
 /// Ask the database which of a replayed chunk's events were settled before.
 async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<i64>, RouteError> {
     // A mapped table's rows are not in the relay's table: nothing there can
-    // prove them settled (they are sent again: at least once).
-    let events: Vec<&OutboxEvent> = events.iter().filter(|e| !e.mapped).collect();
+    // prove them settled (see [`mapped_published`]).
+    let events: Vec<&OutboxEvent> = events.iter().filter(|e| e.mapped.is_none()).collect();
     let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
     let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(HashSet::new()) };
     // One transaction's chunk: one commit. Read from the table (no commit
@@ -171,6 +171,27 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
         }
     }
     Ok(settled(&ids, runs, marked))
+}
+
+/// Of a replayed chunk's mapped rows, the indexes of those whose table says
+/// they were published (their published column is set: by an earlier run,
+/// or by the claim at the session's start). A mapped table without such a
+/// column cannot say: its rows are sent again (at least once).
+async fn mapped_published(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<usize>, RouteError> {
+    let mut by_table: HashMap<&PublishedColumn, Vec<(usize, &str)>> = HashMap::new();
+    for (i, e) in events.iter().enumerate() {
+        if let Some(MappedRow { key, published: Some(p) }) = &e.mapped {
+            by_table.entry(p.as_ref()).or_default().push((i, key.as_str()));
+        }
+    }
+    let mut done = HashSet::new();
+    for (table, rows) in by_table {
+        let keys: Vec<&str> = rows.iter().map(|(_, k)| *k).collect();
+        let published: HashSet<String> =
+            sql.query(&table.published_sql(), &[&keys]).await?.iter().map(|r| r.get(0)).collect();
+        done.extend(rows.iter().filter(|(_, k)| published.contains(*k)).map(|(i, _)| *i));
+    }
+    Ok(done)
 }
 
 /// For each event, whether it is the last of `events` bound for its destination.
@@ -220,9 +241,18 @@ impl Router<'_> {
     ) -> Result<(), RouteError> {
         if replayed {
             let done = replayed_settled(sql, &events).await?;
-            if !done.is_empty() {
-                self.metrics.replayed_filtered.inc_by(done.len() as u64);
-                events.retain(|e| e.mapped || !done.contains(&e.id));
+            let mapped_done = mapped_published(sql, &events).await?;
+            if !done.is_empty() || !mapped_done.is_empty() {
+                self.metrics.replayed_filtered.inc_by((done.len() + mapped_done.len()) as u64);
+                let mut i = 0;
+                events.retain(|e| {
+                    let keep = match e.mapped {
+                        Some(_) => !mapped_done.contains(&i),
+                        None => !done.contains(&e.id),
+                    };
+                    i += 1;
+                    keep
+                });
             }
         }
         let ends = chunk_ends(&events);

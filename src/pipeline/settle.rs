@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use crate::config::PublishedRows;
 use crate::db::schema::RowStatus;
-use crate::event::OutboxEvent;
+use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
 use crate::metrics::Metrics;
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
@@ -282,6 +282,8 @@ pub struct MarkReport {
     /// Rows written back to the table, DEAD or deferred: transient ones, and
     /// any other whose row was gone and not proven published.
     pub restored: u64,
+    /// Mapped rows whose published column was set.
+    pub published_marked: u64,
 }
 
 /// Where a row the marking statement did not touch stands.
@@ -325,7 +327,28 @@ pub async fn mark<C: GenericClient>(
         report.restored = restore_rows(client, &restore, marking).await?;
         tracing::debug!(rows = restore.len(), written = report.restored, "rows gone from the table written back");
     }
+    report.published_marked = mark_mapped_published(client, &transient).await?;
     Ok(report)
+}
+
+/// Set the published column of mapped rows settled here (sent, or written
+/// to the relay's table just now, in the same transaction): one statement
+/// per table. Rows set already, or deleted by their producers, are left.
+async fn mark_mapped_published<C: GenericClient>(
+    client: &C,
+    settled: &[&Settlement],
+) -> Result<u64, tokio_postgres::Error> {
+    let mut by_table: std::collections::HashMap<&PublishedColumn, Vec<&str>> = std::collections::HashMap::new();
+    for s in settled {
+        if let Some(MappedRow { key, published: Some(p) }) = &s.event.mapped {
+            by_table.entry(p.as_ref()).or_default().push(key);
+        }
+    }
+    let mut n = 0;
+    for (table, keys) in by_table {
+        n += client.query(&table.mark_sql(), &[&keys]).await?.len() as u64;
+    }
+    Ok(n)
 }
 
 /// Mark rows of the table; returns the settlements whose row is absent. A
@@ -465,11 +488,14 @@ async fn restore_rows<C: GenericClient>(
     marking: Marking,
 ) -> Result<u64, tokio_postgres::Error> {
     // A mapped table's row has no id of the relay's table: a new one.
-    let own: Vec<&Settlement> = batch.iter().copied().filter(|s| !s.event.mapped).collect();
+    let own: Vec<&Settlement> = batch.iter().copied().filter(|s| s.event.mapped.is_none()).collect();
     let written =
         if own.is_empty() { HashSet::new() } else { restore_with(client, RESTORE_SQL.as_str(), &own, marking).await? };
-    let rest: Vec<&Settlement> =
-        batch.iter().copied().filter(|s| s.event.mapped || !written.contains(s.event.event_id.as_str())).collect();
+    let rest: Vec<&Settlement> = batch
+        .iter()
+        .copied()
+        .filter(|s| s.event.mapped.is_some() || !written.contains(s.event.event_id.as_str()))
+        .collect();
     let mut n = written.len() as u64;
     if !rest.is_empty() {
         let again = restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?;

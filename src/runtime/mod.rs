@@ -30,6 +30,7 @@ use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
+use crate::source::mapped_table::run_mapped_poller;
 use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};
 
 #[derive(Debug, thiserror::Error)]
@@ -55,14 +56,17 @@ pub async fn run(
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
-    let settings = Settings::of(&config);
+    let mut settings = Settings::of(&config);
     let Some(started) =
         start_up_until_done(&config, &settings, &db, publisher.as_ref(), &metrics, &mut stop_rx).await?
     else {
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
     };
-    let Started { mode, sharded, queues, listener, retention } = started;
+    let Started { mode, sharded, queues, listener, retention, mapped_id_types } = started;
+    for (m, t) in settings.mapped.iter_mut().zip(mapped_id_types) {
+        m.id_type = Some(t);
+    }
     let metrics_server = listener.map(|listener| {
         let mut stop = stop_rx.clone();
         let m = Arc::clone(&metrics);
@@ -131,6 +135,12 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
             poll_interval,
         };
         set.spawn(run_table_lane(cfg, env.db.clone(), Arc::clone(&env.parts), state, stop.clone()));
+    }
+    if env.mode == Mode::Polling {
+        for m in &env.parts.settings.mapped {
+            let (db, parts) = (env.db.clone(), Arc::clone(&env.parts));
+            set.spawn(run_mapped_poller(m.clone(), db, parts, poll_interval, stop.clone()));
+        }
     }
     if !env.sharded {
         let source = if env.mode == Mode::Polling { Claims::Poll } else { Claims::Spool };

@@ -25,6 +25,8 @@ pub(crate) struct Started {
     pub(crate) queues: BTreeMap<String, crate::publish::entry::QueueInfo>,
     pub(crate) listener: Option<tokio::net::TcpListener>,
     pub(crate) retention: Option<Duration>,
+    /// Each mapped table's key type, in `settings.mapped`'s order.
+    pub(crate) mapped_id_types: Vec<String>,
 }
 
 /// Why start-up did not finish.
@@ -102,7 +104,7 @@ async fn start_up(
     db.within("checking the server", db::server::check_server(&sql, &db.server(), config.failover))
         .await
         .map_err(startup)?;
-    let (mode, sharded) = resolve_mode(&sql, config, settings, db).await?;
+    let (mode, sharded, mapped_id_types) = resolve_mode(&sql, config, settings, db).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
@@ -145,7 +147,7 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    Ok(Started { mode, sharded, queues, listener, retention })
+    Ok(Started { mode, sharded, queues, listener, retention, mapped_id_types })
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.
@@ -187,13 +189,14 @@ fn offload_target(
 
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
 /// CDC when the server and role allow it, polling otherwise, and says why.
-/// Also returns whether this CDC relay is one shard (a filtered publication).
+/// Also returns whether this CDC relay is one shard (a filtered publication),
+/// and each mapped table's key type.
 async fn resolve_mode(
     sql: &tokio_postgres::Client,
     config: &Config,
     settings: &Settings,
     db: &db::Db,
-) -> Result<(Mode, bool), NotStarted> {
+) -> Result<(Mode, bool, Vec<String>), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
@@ -218,8 +221,8 @@ async fn resolve_mode(
             auto_mode(cdc().await).map_err(startup)?
         }
     };
-    check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
-    Ok((mode, sharded))
+    let id_types = check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
+    Ok((mode, sharded, id_types))
 }
 
 /// `auto`: CDC if its checks passed, polling if CDC is not possible here.
@@ -240,16 +243,17 @@ fn auto_mode(cdc: Result<bool, db::DbError>) -> Result<(Mode, bool), db::DbError
     }
 }
 
-/// Mapped tables are read from the slot: each is checked, and polling is
-/// refused while any is configured.
+/// Mapped tables are read from the slot, and polled only by their published
+/// column: each is checked, and polling is refused for a table without one.
+/// Returns each table's key type.
 async fn check_mapped_tables(
     sql: &tokio_postgres::Client,
     settings: &Settings,
     mode: Mode,
     sharded: bool,
     db: &db::Db,
-) -> Result<(), db::DbError> {
-    let Some(first) = settings.mapped.first() else { return Ok(()) };
+) -> Result<Vec<String>, db::DbError> {
+    let Some(first) = settings.mapped.first() else { return Ok(Vec::new()) };
     if sharded {
         return Err(db::DbError::Check(format!(
             "mapped table {}.{}: a sharded relay (a row-filtered publication) cannot read mapped tables yet: \
@@ -257,16 +261,20 @@ async fn check_mapped_tables(
             first.schema, first.table
         )));
     }
-    if mode == Mode::Polling {
+    if let Some(m) = settings.mapped.iter().find(|m| m.published.is_none() && mode == Mode::Polling) {
         return Err(db::DbError::Check(format!(
-            "mapped table {}.{}: polling reads only the relay's own outbox table; a mapped table is read from \
-             the replication slot (mode cdc, which needs wal_level=logical and a role that may replicate)",
-            first.schema, first.table
+            "mapped table {}.{}: polling finds a mapped table's rows by its published column, and this mapping \
+             has none (its rows may be deleted as they are written, as Debezium's convention does): read it from \
+             the replication slot (mode cdc, which needs wal_level=logical and a role that may replicate), or \
+             name a `published` timestamptz column",
+            m.schema, m.table
         )));
     }
+    let publication = (mode != Mode::Polling).then_some(settings.slot.publication.as_str());
+    let mut id_types = Vec::with_capacity(settings.mapped.len());
     for m in &settings.mapped {
-        let check = crate::source::cdc::mapped::check_mapped(sql, m, &settings.slot.publication);
-        db.within("checking a mapped table", check).await?;
+        let check = crate::source::cdc::mapped::check_mapped(sql, m, publication);
+        id_types.push(db.within("checking a mapped table", check).await?);
     }
-    Ok(())
+    Ok(id_types)
 }

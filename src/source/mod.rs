@@ -9,4 +9,5 @@
 //! and commits the claim. Routing, lanes and settlement are the pipeline's.
 
 pub mod cdc;
+pub mod mapped_table;
 pub mod table;

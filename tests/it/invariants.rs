@@ -294,7 +294,7 @@ fn read(id: i64, event_id: &str, commit: u64) -> Arc<OutboxEvent> {
         commit_lsn: Some(replication::Lsn(commit)),
         transient: false,
         deliver_at: Default::default(),
-        mapped: false,
+        mapped: None,
     })
 }
 

@@ -18,6 +18,7 @@ mod slot_invalidation;
 mod table_path;
 mod telemetry;
 mod tls;
+mod topic_payload;
 // Fail points in the relay: `--features outbox-relay/failpoints`.
 #[cfg(feature = "failpoints")]
 mod transient;

@@ -185,6 +185,8 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
         attribute_columns: vec![],
         deliver_at: None,
         traceparent: None,
+        published: None,
+        id_type: None,
     };
     let e = refused(Mapping { body: "data".into(), ..custom("events") }).await;
     assert!(e.contains("mapped table public.events: no column \"data\""), "{e}");
@@ -202,7 +204,9 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
     polling.mapped = vec![Mapping { body: "topic".into(), ..custom("events") }];
     polling.mode = outbox_relay::config::Mode::Polling;
     let e = start_up_error(polling, Arc::new(publisher())).await;
-    assert!(e.contains("polling reads only the relay's own outbox table"), "{e}");
+    assert!(e.contains("polling finds a mapped table's rows by its published column"), "{e}");
+    let e = refused(Mapping { body: "topic".into(), published: Some("topic".into()), ..custom("events") }).await;
+    assert!(e.contains("published column \"topic\" is text; it must be timestamptz or timestamp"), "{e}");
 }
 
 /// A table of another shape: its own schema, a uuid key, a bytea body, a
@@ -237,6 +241,8 @@ async fn a_custom_mapping_carries_bytea_attributes_delay_and_trace_context() {
         attribute_columns: vec!["tenant".into()],
         deliver_at: Some("due".into()),
         traceparent: Some("trace".into()),
+        published: None,
+        id_type: None,
     }];
     let relay = start(cfg, Arc::new(p.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;

@@ -401,7 +401,7 @@ fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::O
         commit_lsn: Some(replication::Lsn(1)),
         transient: false,
         deliver_at: Default::default(),
-        mapped: false,
+        mapped: None,
     })
 }
 

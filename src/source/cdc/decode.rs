@@ -6,12 +6,15 @@ use pgwire_replication::ReplicationEvent;
 use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, Relation, RelationCache, Tuple};
 use tokio_postgres::Client;
 
-use crate::event::OutboxEvent;
+use crate::event::{OutboxEvent, PublishedColumn};
 use crate::mapping::Mapping;
 use crate::pipeline::intake::{Change, Chunk};
 
-use super::row::{as_committed, mapped_key, mapped_row, owned_by_table, row_from_tuple, tuple_id, updated_row};
+use super::row::{
+    as_committed, inserted_published, mapped_key, mapped_row, owned_by_table, row_from_tuple, tuple_id, updated_row,
+};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use super::{from_wire, CdcError, CHUNK, CHUNK_BYTES, HEARTBEAT_PREFIX};
 
@@ -36,8 +39,9 @@ pub(crate) struct Decoder {
     pub(crate) txn: Option<OpenTxn>,
     pub(crate) startup_lsn: Lsn,
     pub(crate) handed_until: std::sync::Arc<super::held::HandedUntil>,
-    /// The mapped tables read besides the relay's own.
-    pub(crate) mapped: Vec<Mapping>,
+    /// The mapped tables read besides the relay's own, each with its
+    /// published column ([`Mapping::published_column`]).
+    pub(crate) mapped: Vec<(Mapping, Option<Arc<PublishedColumn>>)>,
 }
 
 /// Whose rows a relation holds.
@@ -60,7 +64,7 @@ impl Decoder {
 
     /// Whose rows `rel` holds, if anyone's the relay reads.
     fn table(&self, rel: &Relation) -> Option<Table> {
-        match self.mapped.iter().position(|m| m.schema == rel.namespace && m.table == rel.name) {
+        match self.mapped.iter().position(|(m, _)| m.schema == rel.namespace && m.table == rel.name) {
             Some(i) => Some(Table::Mapped(i)),
             None if rel.name == "outbox" => Some(Table::Outbox),
             None => None,
@@ -141,9 +145,11 @@ impl Decoder {
             None => return Ok(None),
             Some(Table::Outbox) if owned_by_table(rel, new) => return Ok(None),
             Some(Table::Outbox) => (row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?, None),
+            Some(Table::Mapped(i)) if inserted_published(&self.mapped[i].0, rel, new) => return Ok(None),
             Some(Table::Mapped(i)) => {
-                let m = &self.mapped[i];
-                (mapped_row(m, rel, new, None, t.commit_time_us)?, mapped_key(m, rel, new).map(|k| (relation, k)))
+                let (m, published) = &self.mapped[i];
+                let row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref())?;
+                (row, mapped_key(m, rel, new).map(|k| (relation, k)))
             }
         };
         let mut full = None;
@@ -175,10 +181,10 @@ impl Decoder {
         let Some(rel) = self.cache.get(relation) else { return Ok(()) };
         let table = self.table(rel);
         if let Some(Table::Mapped(i)) = table {
-            let m = &self.mapped[i];
+            let (m, published) = &self.mapped[i];
             let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
             if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
-                let row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us)?;
+                let row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref())?;
                 t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                 t.buf[i] = row;
             }

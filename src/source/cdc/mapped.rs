@@ -12,8 +12,9 @@ const BODY_TYPES: &[&str] = &["text", "character varying", "character", "json", 
 /// The table exists with every mapped column, the body and attributes
 /// columns have types that carry them, producers' UPDATE and DELETE keep
 /// working once it is published (a replica identity), and `publication`
-/// carries it.
-pub async fn check_mapped(client: &Client, m: &Mapping, publication: &str) -> Result<(), DbError> {
+/// carries it (`None`: polling, no publication). Returns the key column's
+/// type.
+pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<String, DbError> {
     let name = format!("{}.{}", m.schema, m.table);
     let refuse = |what: String| Err(DbError::Check(format!("mapped table {name}: {what}")));
     let Some(table) = client
@@ -27,7 +28,7 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: &str) -> Re
         return refuse("no such table: fix `table` in [[outbox]] (schema.table), or create it".into());
     };
     let (oid, identity): (u32, String) = (table.get(0), table.get(1));
-    let types = column_types(client, oid).await?;
+    let types = crate::db::schema::column_types(client, oid).await?;
     for c in m.columns() {
         if !types.iter().any(|(n, _)| n == c) {
             let have: Vec<&str> = types.iter().map(|(n, _)| n.as_str()).collect();
@@ -52,6 +53,13 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: &str) -> Re
             return refuse(format!("deliver_at column {d:?} is {}; it must be timestamptz", type_of(d)));
         }
     }
+    if let Some(p) = &m.published {
+        if !["timestamp with time zone", "timestamp without time zone"].contains(&type_of(p)) {
+            return refuse(format!("published column {p:?} is {}; it must be timestamptz or timestamp", type_of(p)));
+        }
+    }
+    let id_type = type_of(&m.id).to_string();
+    let Some(publication) = publication else { return Ok(id_type) };
     check_identity(client, oid, &identity, &name).await?;
     let published = client
         .query_opt(
@@ -65,19 +73,7 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: &str) -> Re
             m.qualified()
         ));
     }
-    Ok(())
-}
-
-/// Each column's name and type.
-async fn column_types(client: &Client, oid: u32) -> Result<Vec<(String, String)>, DbError> {
-    let rows = client
-        .query(
-            "SELECT attname::text, format_type(atttypid, NULL) FROM pg_attribute
-              WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-            &[&oid],
-        )
-        .await?;
-    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    Ok(id_type)
 }
 
 /// A published table without a replica identity refuses its producers'

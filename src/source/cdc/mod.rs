@@ -103,8 +103,9 @@ pub struct StreamContext {
 /// every await: opening, catching up, and handing events to a full lane or
 /// budget.
 pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool>) -> Result<(), CdcError> {
+    let stop = shutdown.clone();
     let opened = tokio::select! {
-        o = open_session(ctx) => o?,
+        o = open_session(ctx, &stop) => o?,
         _ = shutdown.wait_for(|s| *s) => return Ok(()),
     };
     let Opened { sql, mut repl, start_lsn, startup_lsn } = opened;
@@ -259,7 +260,7 @@ async fn stream(
         txn: None,
         startup_lsn,
         handed_until: Arc::clone(&ctx.handed_until),
-        mapped: ctx.parts.settings.mapped.clone(),
+        mapped: ctx.parts.settings.mapped.iter().map(|m| (m.clone(), m.published_column())).collect(),
     };
     loop {
         tokio::select! {

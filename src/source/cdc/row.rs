@@ -5,7 +5,7 @@ use replication::{Lsn, Relation, Tuple, TupleValue};
 use crate::db::schema::RowStatus;
 #[cfg(test)]
 use crate::event::parse_iso_timestamptz;
-use crate::event::{deliver_at, DeliverAt, OutboxEvent};
+use crate::event::{deliver_at, DeliverAt, OutboxEvent, PublishedColumn};
 use crate::mapping::{Mapping, MappingError, Value};
 use std::collections::HashMap;
 
@@ -70,7 +70,7 @@ pub(crate) fn row_from_tuple(
         transient: false,
         // Optional: a table migrated before `deliver_at` existed has none.
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
-        mapped: false,
+        mapped: None,
     })
 }
 
@@ -82,6 +82,7 @@ pub(crate) fn mapped_row(
     t: &Tuple,
     before: Option<&OutboxEvent>,
     commit_time_us: i64,
+    published: Option<&std::sync::Arc<PublishedColumn>>,
 ) -> Result<OutboxEvent, CdcError> {
     let table = || format!("{}.{}", rel.namespace, rel.name);
     let col = |name: &str| -> Result<Value<'_>, MappingError> {
@@ -98,7 +99,13 @@ pub(crate) fn mapped_row(
         }
     };
     let bytea = |name: &str| rel.column_index(name).is_some_and(|i| rel.columns[i].type_oid == BYTEA_OID);
-    mapping.event(col, bytea, before, commit_time_us).map_err(|e| CdcError::Protocol(e.to_string()))
+    mapping.event(col, bytea, before, commit_time_us, published).map_err(|e| CdcError::Protocol(e.to_string()))
+}
+
+/// A mapped table's row inserted with its published column set: not one to
+/// send (copied in as it was, or published by whoever wrote it).
+pub(crate) fn inserted_published(mapping: &Mapping, rel: &Relation, t: &Tuple) -> bool {
+    mapping.published.as_deref().is_some_and(|c| text(rel, t, c).is_some())
 }
 
 /// The key of a mapped table's row in a tuple (a delete's key, an update's
@@ -155,7 +162,8 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
 /// what the stream said (deleted by this transaction or a later one).
 pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [OutboxEvent]) -> Result<(), CdcError> {
     // A mapped table's rows are not in the relay's table: sent as inserted.
-    let at: HashMap<i64, usize> = buf.iter().enumerate().filter(|(_, e)| !e.mapped).map(|(i, e)| (e.id, i)).collect();
+    let at: HashMap<i64, usize> =
+        buf.iter().enumerate().filter(|(_, e)| e.mapped.is_none()).map(|(i, e)| (e.id, i)).collect();
     if at.is_empty() {
         return Ok(());
     }

@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig};
 use replication::Lsn;
+use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::db;
 use crate::db::Db;
 use crate::pipeline::budget::Memory;
 use crate::pipeline::settings::{Settings, SlotSettings};
+use crate::source::mapped_table::catch_up_all;
 
 use super::slot::{create_slot_exporting, hand_off_begins, hand_off_done, import_snapshot, prepare_slot, SlotState};
 use super::slot::{drop_unfinished_slot, finish_hand_off, hand_to_table, make_failover};
@@ -28,8 +30,9 @@ pub(crate) struct Opened {
 }
 
 /// Connect, look the slot up (recreating a lost one), open the replication
-/// connection and start streaming; each step within its deadline.
-pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError> {
+/// connection, catch mapped tables up, and start streaming; each step within
+/// its deadline.
+pub(crate) async fn open_session(ctx: &StreamContext, stop: &watch::Receiver<bool>) -> Result<Opened, CdcError> {
     let (cfg, db) = (&ctx.parts.settings.slot, &ctx.db);
     let sql = db.connect().await?;
     let startup_lsn = db.within("reading the current WAL position", current_wal_lsn(&sql)).await?;
@@ -51,6 +54,15 @@ pub(crate) async fn open_session(ctx: &StreamContext) -> Result<Opened, CdcError
             confirmed_flush
         }
         SlotState::Missing | SlotState::Lost { .. } => create_slot(ctx, &sql, &mut repl).await?,
+    };
+    // Mapped tables' rows their published column says were not published
+    // (a polling relay's, or older than a new slot), now that the slot
+    // streams everything after: the replay filter skips what this sent, for
+    // the session's start position is read again after it.
+    let startup_lsn = if catch_up_all(db, &ctx.parts, stop).await? > 0 {
+        db.within("reading the current WAL position", current_wal_lsn(&sql)).await?
+    } else {
+        startup_lsn
     };
     db.within("starting replication", async {
         repl.start().await?;

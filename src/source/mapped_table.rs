@@ -1,0 +1,337 @@
+//! A mapped table's unpublished rows read from the table itself, for a
+//! mapping with a published column (`topic-payload`'s `published_at`, NULL
+//! until published): what a polling relay left, and rows written before the
+//! slot existed, are sent at each stream session's start
+//! ([`catch_up`], before the session reads its start position, so the
+//! replay filter skips what it sent); in polling mode, all the time
+//! ([`run_mapped_poller`]).
+//!
+//! One claim at a time per table (a transaction-scoped advisory lock), in
+//! key order, `FOR UPDATE SKIP LOCKED`: each row's event goes through
+//! [`publish_claim`] for its destination; settlement writes a row that
+//! cannot go out now into the relay's own table and sets the published
+//! column of every row it settled, in the claiming transaction.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_postgres::{Client, GenericClient};
+
+use crate::db;
+use crate::event::{OutboxEvent, PublishedColumn};
+use crate::mapping::{quote_ident, Mapping, MappingError, Value};
+use crate::pipeline::assemble::{publish_claim, Parts};
+use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
+use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
+use crate::policy::dead::DeadReason;
+
+/// Rows one claim locks.
+const CLAIM_LIMIT: i64 = 500;
+
+/// A mapped table as its claims read it: the statements, made once.
+pub struct MappedClaim {
+    mapping: Mapping,
+    published: Arc<PublishedColumn>,
+    /// The rows not published yet, in key order, locked: key and body size.
+    lock_sql: String,
+    /// The locked rows' columns as text ([`Mapping::columns`]' order), then
+    /// the database's clock.
+    fetch_sql: String,
+    /// Which of [`Mapping::columns`] are bytea (read as `\x` hex).
+    bytea: Vec<bool>,
+}
+
+impl MappedClaim {
+    /// The claims of `mapping` (with a published column), reading its
+    /// columns' types from the database.
+    pub async fn new(client: &Client, mapping: &Mapping) -> Result<MappedClaim, db::DbError> {
+        let published = mapping.published_column().ok_or_else(|| {
+            db::DbError::Check(format!("mapped table {}.{} has no published column", mapping.schema, mapping.table))
+        })?;
+        let oid: u32 = client
+            .query_one("SELECT $1::text::regclass::oid", &[&mapping.qualified()])
+            .await
+            .map_err(db::DbError::from)?
+            .get(0);
+        let types = db::schema::column_types(client, oid).await?;
+        let type_of = |c: &str| types.iter().find(|(n, _)| n == c).map(|(_, t)| t.as_str()).unwrap_or("text");
+        let columns = mapping.columns();
+        let exprs: Vec<String> = columns.iter().map(|c| as_text(c, type_of(c))).collect();
+        let (t, id, p) = (&published.table, &published.id, &published.column);
+        let lock_sql = format!(
+            "SELECT {id}::text, octet_length({}::text) FROM {t} WHERE {p} IS NULL AND {id} IS NOT NULL ORDER BY {id} LIMIT $1 \
+             FOR UPDATE SKIP LOCKED",
+            quote_ident(&mapping.body)
+        );
+        let keys_in = match &mapping.id_type {
+            Some(ty) => format!("{id} = ANY($1::text[]::{ty}[])"),
+            None => format!("{id}::text = ANY($1::text[])"),
+        };
+        let fetch_sql = format!(
+            "SELECT {}, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint FROM {t} WHERE {keys_in} ORDER BY {id}",
+            exprs.join(", ")
+        );
+        let bytea = columns.iter().map(|c| type_of(c) == "bytea").collect();
+        Ok(MappedClaim { mapping: mapping.clone(), published, lock_sql, fetch_sql, bytea })
+    }
+
+    fn name(&self) -> String {
+        format!("{}.{}", self.mapping.schema, self.mapping.table)
+    }
+}
+
+/// A column as text the mapping reads as the stream gives it: bytea as
+/// `\x` hex, timestamptz in ISO at UTC, whatever the session's settings.
+fn as_text(column: &str, ty: &str) -> String {
+    let c = quote_ident(column);
+    match ty {
+        "bytea" => format!("'\\x' || encode({c}, 'hex')"),
+        "timestamp with time zone" => format!(
+            "CASE WHEN isfinite({c}) THEN to_char({c} AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS.US') || '+00' \
+             ELSE {c}::text END"
+        ),
+        _ => format!("{c}::text"),
+    }
+}
+
+/// What one claim did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MappedRound {
+    pub claimed: usize,
+    pub published: usize,
+    /// DEAD or deferred: written into the relay's table.
+    pub handed: usize,
+}
+
+/// One claim: lock unpublished rows, send them, settle them, commit.
+pub async fn claim_mapped(
+    client: &mut Client,
+    claim: &MappedClaim,
+    parts: &Parts,
+) -> Result<MappedRound, tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    let lock = format!("outbox_relay:mapped:{}", claim.name());
+    let got: bool = tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&lock]).await?.get(0);
+    if !got {
+        tx.commit().await?;
+        return Ok(MappedRound::default());
+    }
+    let locked = tx.query(&claim.lock_sql, &[&CLAIM_LIMIT]).await?;
+    let mut round = MappedRound { claimed: locked.len(), ..MappedRound::default() };
+    let keys = within_budget(&locked, parts.settings.memory.table_claim_bytes());
+    if keys.is_empty() {
+        tx.commit().await?;
+        return Ok(round);
+    }
+    let rows = tx.query(&claim.fetch_sql, &[&keys]).await?;
+    let now_us: i64 = rows.first().map_or(0, |r| r.get(claim.bytea.len()));
+    let events = rows.iter().filter_map(|r| row_event(claim, r, now_us)).collect();
+    let settled = settle_claim(&tx, parts, events, now_us).await?;
+    for s in &settled {
+        match s.outcome {
+            Outcome::Published => round.published += 1,
+            _ => round.handed += 1,
+        }
+    }
+    tx.commit().await?;
+    record(&parts.metrics, &settled);
+    Ok(round)
+}
+
+/// The keys of `locked` (key, body size) in order, as many as fit in
+/// `budget` bytes (one at least).
+fn within_budget(locked: &[tokio_postgres::Row], budget: u64) -> Vec<String> {
+    let mut used = 0u64;
+    let mut keys = Vec::new();
+    for r in locked {
+        let (Some(key), size) = (r.get::<_, Option<String>>(0), r.get::<_, Option<i32>>(1).unwrap_or(0)) else {
+            continue;
+        };
+        used += size.max(0) as u64;
+        if !keys.is_empty() && used > budget {
+            break;
+        }
+        keys.push(key);
+    }
+    keys
+}
+
+/// A fetched row's event; a row the mapping cannot read is logged and left
+/// (it has no key: nothing could mark it).
+fn row_event(claim: &MappedClaim, r: &tokio_postgres::Row, now_us: i64) -> Option<Arc<OutboxEvent>> {
+    let columns = claim.mapping.columns();
+    let col = |name: &str| -> Result<Value<'_>, MappingError> {
+        let i = columns.iter().position(|c| *c == name).expect("a column of the mapping");
+        Ok(r.get::<_, Option<&str>>(i).map_or(Value::Null, |s| Value::Text(s.into())))
+    };
+    let bytea = |name: &str| columns.iter().position(|c| *c == name).is_some_and(|i| claim.bytea[i]);
+    match claim.mapping.event(col, bytea, None, now_us, Some(&claim.published)) {
+        Ok(ev) => Some(Arc::new(ev)),
+        Err(e) => {
+            tracing::warn!(table = %claim.name(), error = %e, "a mapped row the relay cannot read is left unpublished");
+            None
+        }
+    }
+}
+
+/// A claim's events, per destination through [`publish_claim`] (which
+/// settles them in `tx`). Those for destinations this relay does not know
+/// are DEAD, and those behind their group's row in the relay's table are
+/// deferred there ([`behind_waiting_groups`]): both written into the
+/// relay's table at once.
+async fn settle_claim<C: GenericClient>(
+    tx: &C,
+    parts: &Parts,
+    events: Vec<Arc<OutboxEvent>>,
+    now_us: i64,
+) -> Result<Vec<Settlement>, tokio_postgres::Error> {
+    let mut by_destination: BTreeMap<String, Vec<Arc<OutboxEvent>>> = BTreeMap::new();
+    for ev in events {
+        by_destination.entry(ev.destination.clone()).or_default().push(ev);
+    }
+    let (mut settled, mut here) = (Vec::new(), Vec::new());
+    for (destination, events) in by_destination {
+        let Some((name, queue)) = parts.queues.get_key_value(&destination) else {
+            let label: Arc<str> = Arc::from(UNKNOWN_DESTINATION_LABEL);
+            here.extend(events.into_iter().map(|ev| {
+                let reason = DeadReason::unknown_destination(&ev.destination);
+                Settlement::new(ev, None, Arc::clone(&label), Outcome::Dead(reason))
+            }));
+            continue;
+        };
+        let name: Arc<str> = Arc::from(name.as_str());
+        let events = if queue.fifo { behind_waiting_groups(tx, &name, events, &mut here).await? } else { events };
+        settled.extend(publish_claim(tx, parts, (&name, queue), events, now_us).await?);
+    }
+    if !here.is_empty() {
+        mark(tx, &here, parts.settings.marking).await?;
+        settled.append(&mut here);
+    }
+    Ok(settled)
+}
+
+/// On a FIFO destination, an event whose group has a row waiting in the
+/// relay's table (deferred, spooled) goes there behind it rather than
+/// overtake it: its settlement (deferred, due now) goes to `behind`.
+/// Returns the others.
+async fn behind_waiting_groups<C: GenericClient>(
+    tx: &C,
+    destination: &Arc<str>,
+    events: Vec<Arc<OutboxEvent>>,
+    behind: &mut Vec<Settlement>,
+) -> Result<Vec<Arc<OutboxEvent>>, tokio_postgres::Error> {
+    let groups: Vec<&str> = events.iter().filter_map(|e| e.group_key.as_deref()).collect();
+    if groups.is_empty() {
+        return Ok(events);
+    }
+    let waiting: std::collections::HashSet<String> = tx
+        .query(
+            "SELECT DISTINCT group_key FROM outbox WHERE destination = $1 AND status = 'NEW' AND group_key = ANY($2)",
+            &[&&**destination, &groups],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let (wait, go): (Vec<_>, Vec<_>) =
+        events.into_iter().partition(|e| e.group_key.as_deref().is_some_and(|g| waiting.contains(g)));
+    behind.extend(wait.into_iter().map(|ev| {
+        let outcome = Outcome::Deferred("behind its group's earlier row in the table".into(), Due::Now);
+        Settlement::new(ev, None, Arc::clone(destination), outcome)
+    }));
+    Ok(go)
+}
+
+/// Claims until a claim finds nothing more to send, or `stop`.
+pub async fn catch_up(
+    client: &mut Client,
+    claim: &MappedClaim,
+    parts: &Parts,
+    stop: &watch::Receiver<bool>,
+) -> Result<u64, tokio_postgres::Error> {
+    let mut sent = 0u64;
+    loop {
+        if *stop.borrow() {
+            return Ok(sent);
+        }
+        let round = claim_mapped(client, claim, parts).await?;
+        sent += (round.published + round.handed) as u64;
+        if round.claimed < CLAIM_LIMIT as usize || round.published + round.handed == 0 {
+            return Ok(sent);
+        }
+    }
+}
+
+/// Before a stream session starts: every mapped table with a published
+/// column caught up ([`catch_up`]), on one connection. Returns the rows
+/// settled.
+pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<bool>) -> Result<u64, db::DbError> {
+    let tables: Vec<&Mapping> = parts.settings.mapped.iter().filter(|m| m.published.is_some()).collect();
+    if tables.is_empty() {
+        return Ok(0);
+    }
+    let mut client = db.connect().await?;
+    let mut settled = 0;
+    for m in tables {
+        let claim = MappedClaim::new(&client, m).await?;
+        let n = catch_up(&mut client, &claim, parts, stop).await?;
+        if n > 0 {
+            tracing::info!(table = %claim.name(), rows = n, "mapped table caught up: rows its published column said were not published");
+        }
+        settled += n;
+    }
+    Ok(settled)
+}
+
+/// Polling mode: claims of `mapping`'s table every `poll_interval` (at once
+/// after a full one) until `stop`; errors are logged and retried on a new
+/// connection (an aborted claim leaves its rows unpublished).
+pub async fn run_mapped_poller(
+    mapping: Mapping,
+    db: db::Db,
+    parts: Arc<Parts>,
+    poll_interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut reconnect = crate::policy::retry::Reconnect::default();
+    let name = format!("{}.{}", mapping.schema, mapping.table);
+    let mut conn: Option<(Client, MappedClaim)> = None;
+    loop {
+        let wait = match poll_once(&mut conn, &mapping, &db, &parts, &stop).await {
+            Ok(()) => {
+                reconnect.succeeded();
+                poll_interval
+            }
+            Err(e) => {
+                tracing::warn!(table = %name, error = %e, "mapped table claim failed; its rows stay unpublished and are claimed again");
+                conn = None;
+                reconnect.failed()
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
+}
+
+/// Claims on `conn` (connected first if it is not) until the table has
+/// nothing more to send.
+async fn poll_once(
+    conn: &mut Option<(Client, MappedClaim)>,
+    mapping: &Mapping,
+    db: &db::Db,
+    parts: &Parts,
+    stop: &watch::Receiver<bool>,
+) -> Result<(), String> {
+    if conn.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+        let client = db.connect().await.map_err(|e| e.to_string())?;
+        let claim = MappedClaim::new(&client, mapping).await.map_err(|e| e.to_string())?;
+        *conn = Some((client, claim));
+    }
+    let (client, claim) = conn.as_mut().expect("connected above");
+    catch_up(client, claim, parts, stop).await.map_err(|e| db::describe(&e))?;
+    Ok(())
+}
