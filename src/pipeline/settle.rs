@@ -498,20 +498,70 @@ async fn restore_rows<C: GenericClient>(
         .collect();
     let mut n = written.len() as u64;
     if !rest.is_empty() {
-        let again = restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &rest, marking).await?;
-        n += again.len() as u64;
-        let skipped: Vec<&str> = rest.iter().map(|s| s.key()).filter(|k| !again.contains(*k)).take(5).collect();
-        if !skipped.is_empty() {
+        n += restore_under_new_ids(client, rest, marking).await?;
+    }
+    Ok(n)
+}
+
+/// Write rows back under new ids. A row whose event is in the table
+/// already is skipped (its copy stands for it). A row whose new id was in
+/// use (ids given again after `RESTART IDENTITY`, while rows written back
+/// under their own id keep theirs) is written again once the identity is
+/// moved past every id in the table: never dropped.
+async fn restore_under_new_ids<C: GenericClient>(
+    client: &C,
+    mut todo: Vec<&Settlement>,
+    marking: Marking,
+) -> Result<u64, tokio_postgres::Error> {
+    let mut n = 0;
+    for _ in 0..RESTORE_ATTEMPTS {
+        let written = restore_with(client, RESTORE_NEW_ID_SQL.as_str(), &todo, marking).await?;
+        n += written.len() as u64;
+        todo.retain(|s| !written.contains(s.key()));
+        if todo.is_empty() {
+            return Ok(n);
+        }
+        let keys: Vec<&str> = todo.iter().map(|s| s.key()).collect();
+        let present: HashSet<String> = client
+            .query("SELECT event_id FROM outbox WHERE event_id = ANY($1)", &[&keys])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let copies: Vec<&str> = keys.iter().copied().filter(|k| present.contains(*k)).take(5).collect();
+        if !copies.is_empty() {
             tracing::warn!(
-                rows = rest.len() - again.len(),
-                event_ids = ?skipped,
+                event_ids = ?copies,
                 "rows gone from the table not written back: their event_id is in the table already (a replay's \
                  earlier write-back, or another row under the same idempotency key, whose message stands for it)"
             );
         }
+        todo.retain(|s| !present.contains(s.key()));
+        if todo.is_empty() {
+            return Ok(n);
+        }
+        tracing::warn!(
+            rows = todo.len(),
+            "new ids for rows written back were in use (the identity was reset): moving it past the table's ids"
+        );
+        client.batch_execute(BUMP_IDENTITY_SQL).await?;
     }
-    Ok(n)
+    // Never settled unwritten: the flush fails, and its events are sent again.
+    client.batch_execute(RESTORE_FAILED_SQL).await?;
+    unreachable!("RESTORE_FAILED_SQL raises")
 }
+
+/// Rounds of [`restore_under_new_ids`] before the flush fails.
+const RESTORE_ATTEMPTS: usize = 5;
+
+/// The identity moved past every id in the table, never back (it needs
+/// UPDATE on the identity's sequence; without it the flush fails, and is
+/// made again).
+const BUMP_IDENTITY_SQL: &str = "SELECT setval(s, greatest((SELECT max(id) FROM outbox), pg_sequence_last_value(s), 1))
+    FROM CAST(pg_get_serial_sequence('outbox', 'id') AS regclass) s";
+
+const RESTORE_FAILED_SQL: &str = "DO $$ BEGIN RAISE EXCEPTION
+    'outbox rows to write back kept getting ids already in use: the flush fails and its events are sent again'; END $$";
 
 async fn restore_with<C: GenericClient>(
     client: &C,

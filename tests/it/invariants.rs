@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
-use outbox_relay::pipeline::settle::{mark, Marking, Outcome, Settlement};
+use outbox_relay::pipeline::settle::{mark, Due, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
 use outbox_relay::publish::memory::MemoryPublisher;
 use outbox_relay::publish::CallError;
@@ -329,6 +329,38 @@ async fn settling_a_row_whose_id_was_reused_leaves_the_new_row_alone() {
     let s = Settlement::new(read(7, "old", commit), None, Arc::from("orders"), dead);
     mark(&c, &[s], marking(PublishedRows::Delete)).await.unwrap();
     assert_eq!(db.count("event_id = 'old'").await, 1);
+}
+
+/// After `RESTART IDENTITY`, rows written back under their own ids sit
+/// where the identity will give ids again: a row written back under a new id
+/// that collides is written once the identity is moved past them, never
+/// dropped (a deferred one would be lost: nothing else holds it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_back_whose_new_id_is_taken_is_written_past_it() {
+    let db = TestDb::new("reuse_new_id").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "TRUNCATE outbox RESTART IDENTITY;
+         INSERT INTO outbox (id, event_id, destination, body) OVERRIDING SYSTEM VALUE
+         SELECT i, 'own' || i, 'orders', 'x' FROM generate_series(1, 3) i;",
+    )
+    .await
+    .unwrap();
+    let mut batch = Vec::new();
+    for (i, outcome) in
+        [Outcome::Deferred("down".into(), Due::Backoff), Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, "no"))]
+            .into_iter()
+            .enumerate()
+    {
+        let mut ev = (*read(0, &format!("public.t:{i}"), 1)).clone();
+        ev.transient = true;
+        ev.mapped = Some(outbox_relay::event::MappedRow { key: i.to_string(), published: None });
+        batch.push(Settlement::new(Arc::new(ev), None, Arc::from("orders"), outcome));
+    }
+    let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
+    assert_eq!(report.restored, 2, "{report:?}");
+    assert_eq!(db.count("event_id LIKE 'public.t:%' AND id > 3").await, 2);
+    assert_eq!(db.count("event_id LIKE 'own%'").await, 3);
 }
 
 /// A deferred row that is gone and that a run written after its commit
@@ -654,11 +686,11 @@ mod workload {
             cfg.retry_max = Duration::from_secs(1);
             if !sharded {
                 // Debezium's table beside the relay's own ([`produce_debezium`]).
-                cfg.mapped = vec![outbox_relay::mapping::Mapping::preset(
-                    outbox_relay::mapping::Preset::Debezium,
-                    "app",
-                    "outboxevent",
-                )];
+                use outbox_relay::mapping::{Mapping, Preset};
+                cfg.mapped = vec![
+                    Mapping::preset(Preset::Debezium, "app", "outboxevent"),
+                    Mapping::preset(Preset::TopicPayload, "public", "outbox_messages"),
+                ];
             }
             if sharded {
                 cfg.publication = format!("outbox_shard{i}");
@@ -740,6 +772,89 @@ mod workload {
             )
             .await
             .unwrap();
+    }
+
+    /// The seed article's polling outbox (`topic-payload`), mapped beside
+    /// Debezium's: rows kept, `published_at` set by whoever published them.
+    async fn topic_payload_table(db: &TestDb) {
+        db.client()
+            .await
+            .batch_execute(
+                "CREATE TABLE outbox_messages (id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
+                     published_at timestamptz);
+                 ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
+            )
+            .await
+            .unwrap();
+    }
+
+    /// One producer transaction on the `topic-payload` table: `n` rows to
+    /// standard queues (the preset has no group) or nowhere, a few inserted
+    /// as published already (`{"pre": true}`: never to be sent). The rows
+    /// to send, under their event ids (`body_ids`: their bodies as sent).
+    async fn produce_topic_payload(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        tag: &str,
+        dests: &[&str],
+        body_ids: bool,
+    ) -> Option<Vec<Row>> {
+        let n = if rng.random_range(0..8) == 0 { rng.random_range(600..900) } else { rng.random_range(1..30) };
+        let tags: Vec<String> = (0..n).map(|i| format!("{tag}:{i}")).collect();
+        let ds: Vec<&str> = (0..n).map(|_| dests[rng.random_range(0..dests.len())]).collect();
+        let pre: Vec<bool> = (0..n).map(|_| rng.random_bool(0.05)).collect();
+        let tx = c.transaction().await.ok()?;
+        let ids: Vec<i64> = tx
+            .query(
+                "INSERT INTO outbox_messages (topic, payload, published_at)
+                 SELECT d, CASE WHEN p THEN jsonb_build_object('e', e, 'pre', true) ELSE to_jsonb(e) END,
+                        CASE WHEN p THEN now() END
+                   FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(e, d, p, o) ORDER BY o
+                 RETURNING id",
+                &[&tags, &ds, &pre],
+            )
+            .await
+            .ok()?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        tx.commit().await.ok()?;
+        let name = |i: usize, id: i64| {
+            if body_ids {
+                format!("\"{}\"", tags[i])
+            } else {
+                format!("public.outbox_messages:{id}")
+            }
+        };
+        let rows = ids.into_iter().zip(ds).enumerate().filter(|(i, _)| !pre[*i]);
+        Some(rows.map(|(i, (id, d))| (name(i, id), d.to_string(), false, None)).collect())
+    }
+
+    /// Every `topic-payload` row has its `published_at` set, and none
+    /// inserted as published already was sent (`sent`: event ids or bodies).
+    async fn topic_payload_settled(db: &TestDb, sent: &HashSet<String>, seed: u64) {
+        let c = db.client().await;
+        wait_for(&format!("seed {seed}: every topic-payload row published"), Duration::from_secs(60), || async {
+            let n: i64 = c
+                .query_one("SELECT count(*) FROM outbox_messages WHERE published_at IS NULL", &[])
+                .await
+                .unwrap()
+                .get(0);
+            n == 0
+        })
+        .await;
+        let pre: Vec<(String, String)> = c
+            .query(
+                "SELECT 'public.outbox_messages:' || id, payload::text FROM outbox_messages WHERE payload ? 'pre'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let resent: Vec<&(String, String)> = pre.iter().filter(|(e, b)| sent.contains(e) || sent.contains(b)).collect();
+        assert!(resent.is_empty(), "seed {seed}: rows inserted as published were sent: {resent:?}");
     }
 
     /// One producer transaction on Debezium's table: `n` events, most
@@ -829,10 +944,15 @@ mod workload {
         let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
         let (sqs_proxy, s3_proxy) = (Proxy::start(&upstream).await, Proxy::start(&upstream).await);
         let bucket = create_bucket("sigkill").await;
-        // Debezium's table too, mapped in the file ([`produce_debezium`]).
+        // Debezium's table and the topic-payload one too, mapped in the
+        // file ([`produce_debezium`], [`produce_topic_payload`]); rows of the
+        // latter written before the slot exists are caught up.
         debezium_table(&db).await;
+        topic_payload_table(&db).await;
+        let mut c = db.client().await;
+        let before_slot = produce_topic_payload(&mut c, &mut rng, &format!("k{seed}pre"), &["a"], true).await.unwrap();
         let extra = format!(
-            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"",
+            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"\n[[outbox]]\ntable = \"outbox_messages\"\npreset = \"topic-payload\"",
             s3_proxy.url
         );
         let config = RelayConfig::through(&db, "cdc", &[("a", &a), ("f", &f)], &extra, &sqs_proxy.url);
@@ -840,9 +960,8 @@ mod workload {
         relay.keep_running();
         wait_for("the slot exists", Duration::from_secs(60), || async { confirmed(&db, &db.slot).await > 0 }).await;
         let dests = ["a", "f", "nowhere"];
-        let mut c = db.client().await;
         let mut tally = Tally::default();
-        let mut committed = Vec::new();
+        let mut committed = before_slot;
         for step in 0..steps {
             match rng.random_range(0..12) {
                 4 | 5 => {
@@ -871,6 +990,10 @@ mod workload {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
                 },
+                7 => match produce_topic_payload(&mut c, &mut rng, &format!("k{seed}t{step}"), &["a"], true).await {
+                    Some(rows) => committed.extend(rows),
+                    None => tally.failed_txns += 1,
+                },
                 _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests, false).await {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
@@ -879,7 +1002,9 @@ mod workload {
             relay.keep_running();
         }
         let expect: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
-        tally.offloaded = all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
+        let got;
+        (tally.offloaded, got) = all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
+        topic_payload_settled(&db, &got, seed).await;
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
         })
@@ -901,14 +1026,15 @@ mod workload {
 
     /// Receive from `urls` (keeping the relay running, 180 s at most) until
     /// every row of `expect` came; panics naming missing ones, or a pointer
-    /// whose object is not there. Returns the messages that came through S3.
+    /// whose object is not there. Returns the messages that came through S3,
+    /// and the bodies received.
     async fn all_received(
         sqs: &outbox_relay::publish::sqs::SqsPublisher,
         urls: &[&str],
         relay: &mut Supervised,
         expect: &HashSet<&str>,
         seed: u64,
-    ) -> usize {
+    ) -> (usize, HashSet<String>) {
         let mut got: HashSet<String> = HashSet::new();
         let mut through_s3 = 0;
         let s3 = s3_client().await;
@@ -926,7 +1052,7 @@ mod workload {
         }
         let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
         assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
-        through_s3
+        (through_s3, got)
     }
 
     /// Every row of `nowhere` (counted once) is DEAD with the unknown
@@ -986,8 +1112,14 @@ mod workload {
         for (_, q, fifo) in QUEUES {
             p.add_queue(q, fifo, 262_144);
         }
+        let mut before_slot = Vec::new();
         if !sharded {
             debezium_table(&db).await;
+            topic_payload_table(&db).await;
+            // Written before the slot: caught up from the table.
+            let mut c = db.client().await;
+            before_slot =
+                produce_topic_payload(&mut c, &mut rng, &format!("s{seed}pre"), &["a", "b"], false).await.unwrap();
         }
         let mut relays = started_relays(&db, sharded, &p).await;
         // Shards see only their destinations: an unknown one would wait for
@@ -999,7 +1131,7 @@ mod workload {
         let env = InProcess { node: &node, db: &db, p: &p, moved: Mutex::default() };
         let mut c = db.client().await;
         let mut tally = Tally::default();
-        let mut committed = Vec::new();
+        let mut committed = before_slot;
         for step in 0..steps {
             let tag = format!("s{seed}t{step}");
             if let Some(rows) = env.step(&mut rng, &mut relays, &mut c, &mut tally, &tag, &dests).await {
@@ -1015,6 +1147,10 @@ mod workload {
         })
         .await;
         unknown_destinations_dead(&db, &expect_dead, seed).await;
+        if !sharded {
+            let sent = QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect();
+            topic_payload_settled(&db, &sent, seed).await;
+        }
         let moved = env.moved.lock().unwrap().clone();
         none_early(&p, &committed, &moved, seed);
         fifo_order_kept(&p, &committed, seed);
@@ -1027,7 +1163,8 @@ mod workload {
         tally.delivered = expect_sent.len();
         tally.dead = expect_dead.len();
         tally.transient = committed.iter().filter(|r| r.2).count();
-        tally.mapped = committed.iter().filter(|r| r.0.starts_with("app.outboxevent:")).count();
+        let mapped = |e: &str| e.starts_with("app.outboxevent:") || e.starts_with("public.outbox_messages:");
+        tally.mapped = committed.iter().filter(|r| mapped(&r.0)).count();
         tally
     }
 
@@ -1095,11 +1232,19 @@ mod workload {
                     let moved = move_held(c).await;
                     self.moved.lock().unwrap().extend(moved);
                 }
-                5 | 6 if relays.configs[0].mapped.len() == 1 => match produce_debezium(c, rng, tag, dests, false).await
-                {
-                    Some(rows) => return Some(rows),
-                    None => tally.failed_txns += 1,
-                },
+                5 | 6 if !relays.configs[0].mapped.is_empty() => {
+                    match produce_debezium(c, rng, tag, dests, false).await {
+                        Some(rows) => return Some(rows),
+                        None => tally.failed_txns += 1,
+                    }
+                }
+                7 if !relays.configs[0].mapped.is_empty() => {
+                    let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
+                    match produce_topic_payload(c, rng, tag, &standard, false).await {
+                        Some(rows) => return Some(rows),
+                        None => tally.failed_txns += 1,
+                    }
+                }
                 _ => match produce(c, rng, tag, dests, true).await {
                     Some(rows) => return Some(rows),
                     None => tally.failed_txns += 1,
@@ -1157,11 +1302,25 @@ mod workload {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let not_dead: Vec<&&str> = expect_dead.iter().filter(|e| !dead.contains(**e)).take(10).collect();
-        assert!(
-            not_dead.is_empty(),
-            "seed {seed}: rows for an unknown destination not DEAD with their reason: {not_dead:?}"
-        );
+        let not_dead: Vec<&str> = expect_dead.iter().filter(|e| !dead.contains(**e)).take(10).copied().collect();
+        if !not_dead.is_empty() {
+            let rows: Vec<String> = db
+                .client()
+                .await
+                .query(
+                    "SELECT format('%s id=%s %s err=%s', event_id, id, status, last_error) FROM outbox
+                      WHERE event_id = ANY($1)
+                     UNION ALL SELECT format('mapped %s %s published_at=%s', id, topic, published_at) FROM outbox_messages
+                      WHERE 'public.outbox_messages:' || id = ANY($1)",
+                    &[&not_dead],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            panic!("seed {seed}: rows for an unknown destination not DEAD with their reason: {not_dead:?}; in the table: {rows:?}");
+        }
     }
 
     /// Every slot of `slots` confirmed past the last commit (60 s at most each).
