@@ -153,6 +153,12 @@ pub const SQS_REGION: Key =
     key("sqs.region", Kind::Text, Some("us-east-1"), "the AWS region (else AWS_REGION, else us-east-1)");
 pub const SQS_ENDPOINT_URL: Key =
     key("sqs.endpoint_url", Kind::Text, None, "an SQS-compatible endpoint; unset for AWS");
+pub const SQS_QUEUE_URL_TEMPLATE: Key = key(
+    "sqs.queue_url_template",
+    Kind::Text,
+    None,
+    "a queue URL with {destination} (and {region}): a destination not in [destinations] is looked up there on first use",
+);
 pub const SQS_ASSUME_ROLE_ARN: Key =
     key("sqs.assume_role_arn", Kind::Text, None, "an IAM role to assume (STS) on top of the credential chain");
 pub const S3_BUCKET: Key = key(
@@ -206,6 +212,7 @@ pub const KEYS: &[Key] = &[
     SQS_REGION,
     SQS_ENDPOINT_URL,
     SQS_ASSUME_ROLE_ARN,
+    SQS_QUEUE_URL_TEMPLATE,
     S3_BUCKET,
     S3_KEY_PREFIX,
     S3_ENDPOINT_URL,

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::publish::queue_url::QueueUrlTemplate;
+
 pub mod keys;
 pub mod outbox;
 
@@ -199,6 +201,8 @@ pub struct Config {
     /// Tables teams already have, read as outbox rows (`[[outbox]]`).
     pub mapped: Vec<crate::mapping::Mapping>,
     pub destinations: BTreeMap<String, String>,
+    /// `sqs.queue_url_template`: destinations beyond `destinations`.
+    pub queue_url_template: Option<QueueUrlTemplate>,
     /// Bodies through S3; `None`: no bucket configured.
     pub s3: Option<S3Config>,
     /// How often a transactional logical message is written so the slot moves
@@ -260,6 +264,7 @@ impl fmt::Debug for Config {
             .field("sqs_region", &self.sqs_region)
             .field("sqs_endpoint_url", &self.sqs_endpoint_url)
             .field("destinations", &self.destinations)
+            .field("queue_url_template", &self.queue_url_template)
             .finish_non_exhaustive()
     }
 }
@@ -339,9 +344,13 @@ impl Config {
                 file.s3_buckets.insert(name.to_ascii_lowercase(), v.clone());
             }
         }
-        check_destinations(&file.destinations)?;
         let src = Sources { cli: o.by_key(), env, file: &file };
         let mut config = Config::connections(&src)?;
+        if let Some(t) = src.get(&keys::SQS_QUEUE_URL_TEMPLATE).string()?.filter(|t| !t.is_empty()) {
+            let template = QueueUrlTemplate::new(&t, &config.sqs_region).map_err(ConfigError::Invalid)?;
+            config.queue_url_template = Some(template);
+        }
+        check_destinations(&file.destinations, config.queue_url_template.is_some())?;
         config.tune(&src)?;
         config.s3 = S3Config::resolve(&src, &file)?;
         config.mapped = outbox::resolve(&file.outbox, env)?;
@@ -518,9 +527,10 @@ fn metrics_addr(v: Option<String>) -> Result<Option<SocketAddr>, ConfigError> {
     }
 }
 
-/// At least one destination, each with an http(s) queue URL.
-fn check_destinations(destinations: &BTreeMap<String, String>) -> Result<(), ConfigError> {
-    if destinations.is_empty() {
+/// At least one destination (or a queue-URL template), each with an
+/// http(s) queue URL.
+fn check_destinations(destinations: &BTreeMap<String, String>, templated: bool) -> Result<(), ConfigError> {
+    if destinations.is_empty() && !templated {
         return Err(ConfigError::Invalid(
             "no destinations configured: add a [destinations] table mapping each lane name to its queue URL, e.g. orders = \"https://sqs.us-east-1.amazonaws.com/123456789012/orders\"".into(),
         ));

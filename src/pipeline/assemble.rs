@@ -6,7 +6,7 @@
 //!   their own, their settlements marked in the claiming transaction
 //!   ([`publish_claim`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, Notify};
@@ -19,26 +19,13 @@ use crate::publish::entry::QueueInfo;
 use crate::publish::Publisher;
 
 use super::intake::Intake;
-use super::lane::{run_lane, LaneConfig, LaneItem, LaneState};
+use super::lane::{run_lane, LaneConfig, LaneItem};
 use super::route::{judge_for, Router};
 use super::settings::Settings;
 use super::settle::{mark, run_settler, Settlement};
 use super::watermark::Watermark;
 
-/// Items a lane's channel holds (each holds its share of the budget).
-const LANE_CHANNEL: usize = 4_096;
-
-/// What every pipeline is made of and sends through: built once at
-/// start-up, shared by both sources (the stream's sessions and every table
-/// lane).
-pub struct Parts {
-    pub settings: Settings,
-    pub queues: BTreeMap<String, QueueInfo>,
-    /// Per destination, outliving sessions: streaming or spooling.
-    pub states: BTreeMap<String, Arc<LaneState>>,
-    pub publisher: Arc<dyn Publisher>,
-    pub metrics: Arc<Metrics>,
-}
+pub use super::parts::Parts;
 
 /// The settler's task: it ends when every lane and the router are gone.
 pub type Settler = JoinHandle<Result<(), tokio_postgres::Error>>;
@@ -46,7 +33,8 @@ pub type Settler = JoinHandle<Result<(), tokio_postgres::Error>>;
 /// A stream's running pipeline.
 pub struct Streaming<'a> {
     pub intake: Intake<'a>,
-    pub lanes: JoinSet<()>,
+    /// Every lane's task, those the router opens later included.
+    pub lanes: Arc<Mutex<JoinSet<()>>>,
     pub settler: Settler,
 }
 
@@ -68,29 +56,18 @@ impl<'a> Streaming<'a> {
             Arc::clone(&parts.metrics),
             parts.settings.marking,
         ));
-        let mut lanes = JoinSet::new();
-        let mut senders = HashMap::new();
-        for (name, queue) in &parts.queues {
-            let (tx, rx) = mpsc::channel(LANE_CHANNEL);
-            senders.insert(name.clone(), tx);
-            lanes.spawn(run_lane(
-                LaneConfig::streaming(name, queue, &parts.settings.lanes),
-                Arc::clone(&parts.publisher),
-                rx,
-                settle_tx.clone(),
-                Arc::clone(&parts.metrics),
-                Some(Arc::clone(&parts.states[name])),
-            ));
-        }
-        let router = Router {
-            queues: &parts.queues,
-            lanes: senders,
-            states: &parts.states,
+        let lanes = Arc::new(Mutex::new(JoinSet::new()));
+        let mut router = Router {
+            parts,
+            lanes: HashMap::new(),
+            lane_tasks: Arc::clone(&lanes),
             settle: settle_tx,
             budget: parts.settings.memory.budget(),
             watermark: Arc::clone(watermark),
-            metrics: Arc::clone(&parts.metrics),
         };
+        for d in parts.destinations.all() {
+            router.open(d);
+        }
         Streaming { intake: Intake::new(router, Arc::clone(watermark)), lanes, settler }
     }
 }

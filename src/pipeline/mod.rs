@@ -4,8 +4,10 @@
 pub mod assemble;
 pub mod batch;
 pub mod budget;
+pub mod destinations;
 pub mod intake;
 pub mod lane;
+pub mod parts;
 pub mod route;
 pub mod settings;
 pub mod settle;

@@ -3,18 +3,20 @@
 //! spools, or straight to the settler when DEAD. [`judge`] is the one rule,
 //! used by the stream's [`Router`] and by the table path alike.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::clock::now_unix_us;
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
-use crate::metrics::Metrics;
 use crate::pipeline::budget::Budget;
-use crate::pipeline::lane::{Flow, LaneItem, LaneState};
+use crate::pipeline::destinations::{Destination, Resolved};
+use crate::pipeline::lane::{run_lane, Flow, LaneConfig, LaneItem};
+use crate::pipeline::parts::Parts;
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
@@ -81,14 +83,6 @@ pub fn judge_for(queue: &QueueInfo, ev: &Arc<OutboxEvent>, now_us: i64) -> Judge
         (Timing::Hold, Ok(_)) => Judged::Hold(if queue.fifo { HELD_FIFO } else { HELD_LATER }),
         (Timing::Now, Ok(entry)) => Judged::Send(entry),
         (Timing::Delay(s), Ok(entry)) => Judged::Send(Entry { delay_seconds: Some(s), ..entry }),
-    }
-}
-
-/// The verdict on one event: its metric label, and what becomes of it.
-pub fn judge<'a>(queues: &BTreeMap<String, QueueInfo>, ev: &'a Arc<OutboxEvent>, now_us: i64) -> (&'a str, Judged) {
-    match queues.get(&ev.destination) {
-        None => (UNKNOWN_DESTINATION_LABEL, Judged::Dead(DeadReason::unknown_destination(&ev.destination))),
-        Some(q) => (ev.destination.as_str(), judge_for(q, ev, now_us)),
     }
 }
 
@@ -202,18 +196,42 @@ fn chunk_ends(events: &[OutboxEvent]) -> Vec<bool> {
     ends
 }
 
-/// Routes events to their lanes, or straight to the settler as DEAD.
+/// Routes events to their lanes, or straight to the settler as DEAD. A
+/// destination met for the first time gets its lane here, once it is
+/// looked up ([`Destinations::resolve`]).
 pub struct Router<'a> {
-    pub queues: &'a BTreeMap<String, QueueInfo>,
-    pub lanes: HashMap<String, mpsc::Sender<LaneItem>>,
-    pub states: &'a BTreeMap<String, Arc<LaneState>>,
+    pub parts: &'a Parts,
+    pub lanes: HashMap<String, Open>,
+    /// Every lane's task, started here or before routing began: the
+    /// session's end waits on them once the router is gone.
+    pub lane_tasks: Arc<Mutex<JoinSet<()>>>,
     pub settle: mpsc::UnboundedSender<Settlement>,
     pub budget: Budget,
     pub watermark: Arc<Mutex<Watermark>>,
-    pub metrics: Arc<Metrics>,
 }
 
-impl Router<'_> {
+/// A destination's lane, open for this session.
+pub struct Open {
+    pub destination: Arc<Destination>,
+    pub tx: mpsc::Sender<LaneItem>,
+}
+
+impl<'a> Router<'a> {
+    /// Start `destination`'s lane for this session.
+    pub fn open(&mut self, destination: Arc<Destination>) {
+        let (tx, rx) = mpsc::channel(LANE_CHANNEL);
+        let parts = self.parts;
+        self.lane_tasks.lock().unwrap().spawn(run_lane(
+            LaneConfig::streaming(&destination.name, &destination.queue, &parts.settings.lanes),
+            Arc::clone(&parts.publisher),
+            rx,
+            self.settle.clone(),
+            Arc::clone(&parts.metrics),
+            Some(Arc::clone(&destination.state)),
+        ));
+        self.lanes.insert(destination.name.to_string(), Open { destination, tx });
+    }
+
     /// Dispatch a chunk of one transaction's events. `replayed`: the chunk was
     /// committed before this session started, so rows already settled by an
     /// earlier run are filtered out first (one indexed query).
@@ -243,7 +261,7 @@ impl Router<'_> {
             let done = replayed_settled(sql, &events).await?;
             let mapped_done = mapped_published(sql, &events).await?;
             if !done.is_empty() || !mapped_done.is_empty() {
-                self.metrics.replayed_filtered.inc_by((done.len() + mapped_done.len()) as u64);
+                self.parts.metrics.replayed_filtered.inc_by((done.len() + mapped_done.len()) as u64);
                 let mut i = 0;
                 events.retain(|e| {
                     let keep = match e.mapped {
@@ -262,6 +280,20 @@ impl Router<'_> {
         Ok(())
     }
 
+    /// The lane of `name`, opened if it was not; or how its events settle
+    /// without one (DEAD, or deferred to the table while it cannot be
+    /// looked up).
+    async fn lane(&mut self, name: &str) -> Result<&Open, Outcome> {
+        if !self.lanes.contains_key(name) {
+            match self.parts.destinations.resolve(name).await {
+                Resolved::Ready(d) => self.open(d),
+                Resolved::Dead(reason) => return Err(Outcome::Dead(reason)),
+                Resolved::Unavailable(why) => return Err(Outcome::Deferred(why, Due::Backoff)),
+            }
+        }
+        Ok(&self.lanes[name])
+    }
+
     /// Route one event; `chunk_end`: the last of its chunk for its lane.
     async fn route(&mut self, seq: Option<TxnSeq>, ev: OutboxEvent, chunk_end: bool) -> Result<(), RouteError> {
         let permit = self.budget.acquire(ev.size()).await;
@@ -269,29 +301,37 @@ impl Router<'_> {
             self.watermark.lock().unwrap().add(seq, 1);
         }
         let ev = Arc::new(ev);
-        let (label, judged) = judge(self.queues, &ev, now_unix_us());
-        self.metrics.in_flight_events.with_label_values(&[label]).inc();
-        let state = self.states.get(&ev.destination);
-        let (outcome, unmarked) = match judged.unsent() {
-            Ok(_) if state.is_some_and(|s| s.flow() == Flow::Spooling && !s.fifo) => {
-                // A spooling lane's new events go straight to the table; a
-                // FIFO lane's go through the lane, which keeps those of a
-                // group with an entry in flight until it is settled.
-                let state = &self.states[&ev.destination];
-                (Outcome::Deferred(state.deferral("spooled"), Due::Now), Some(state.deferring()))
+        let metrics = Arc::clone(&self.parts.metrics);
+        let (label, outcome, unmarked): (&str, Outcome, _) = match self.lane(&ev.destination).await {
+            Err(outcome) => (UNKNOWN_DESTINATION_LABEL, outcome, None),
+            Ok(open) => {
+                let d = &open.destination;
+                match judge_for(&d.queue, &ev, now_unix_us()).unsent() {
+                    // A spooling lane's new events go straight to the table; a
+                    // FIFO lane's go through the lane, which keeps those of a
+                    // group with an entry in flight until it is settled.
+                    Ok(_) if d.state.flow() == Flow::Spooling && !d.state.fifo => {
+                        let deferred = Outcome::Deferred(d.state.deferral("spooled"), Due::Now);
+                        (ev.destination.as_str(), deferred, Some(d.state.deferring()))
+                    }
+                    Ok(entry) => {
+                        metrics.in_flight_events.with_label_values(&[&ev.destination]).inc();
+                        let item = LaneItem::new(entry, seq, Some(permit)).ending_chunk(chunk_end);
+                        return open.tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
+                    }
+                    Err(outcome) => (ev.destination.as_str(), outcome, None),
+                }
             }
-            Ok(entry) => {
-                let tx = self.lanes.get(&ev.destination).expect("a lane per configured destination");
-                let item = LaneItem::new(entry, seq, Some(permit)).ending_chunk(chunk_end);
-                return tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
-            }
-            Err(outcome) => (outcome, None),
         };
+        metrics.in_flight_events.with_label_values(&[label]).inc();
         let destination = Arc::from(label);
         let settlement = Settlement::new(ev, seq, destination, outcome).holding(Some(permit), unmarked);
         self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
     }
 }
+
+/// Items a lane's channel holds (each holds its share of the budget).
+pub const LANE_CHANNEL: usize = 4_096;
 
 #[cfg(test)]
 mod tests {

@@ -23,10 +23,13 @@ pub enum DeadCode {
     SqsRejected,
     /// `deliver_at` is `infinity` (never due) or unreadable.
     InvalidDeliverAt,
+    /// Routed by a queue-URL template to a queue that does not exist, or by
+    /// a name no queue can have.
+    QueueNotFound,
 }
 
 impl DeadCode {
-    pub const ALL: [DeadCode; 9] = [
+    pub const ALL: [DeadCode; 10] = [
         DeadCode::UnknownDestination,
         DeadCode::EmptyBody,
         DeadCode::InvalidCharacters,
@@ -36,6 +39,7 @@ impl DeadCode {
         DeadCode::InvalidGroupKey,
         DeadCode::SqsRejected,
         DeadCode::InvalidDeliverAt,
+        DeadCode::QueueNotFound,
     ];
 
     /// The code as stored and labelled.
@@ -50,6 +54,7 @@ impl DeadCode {
             DeadCode::InvalidGroupKey => "invalid_group_key",
             DeadCode::SqsRejected => "sqs_rejected",
             DeadCode::InvalidDeliverAt => "invalid_deliver_at",
+            DeadCode::QueueNotFound => "queue_not_found",
         }
     }
 }

@@ -109,6 +109,25 @@ pub fn classify_start_up(failure: DbFailure, connected: bool) -> StartUpFailure 
     }
 }
 
+/// What a failed queue lookup (`GetQueueAttributes` of a destination seen
+/// for the first time) means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// There is no such queue: its rows are DEAD (`queue_not_found`).
+    Missing,
+    /// Anything else (the network, the credentials, throttling): its rows
+    /// wait and it is looked up again.
+    Retry,
+}
+
+/// A failed lookup's error code.
+pub fn classify_lookup(code: &str) -> Lookup {
+    match code {
+        "AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist" => Lookup::Missing,
+        _ => Lookup::Retry,
+    }
+}
+
 /// A failed entry of a `SendMessageBatch` response.
 pub fn classify_entry(code: &str, sender_fault: bool) -> Remedy {
     if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {

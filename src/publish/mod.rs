@@ -8,6 +8,7 @@ pub mod entry;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
 pub mod offload;
+pub mod queue_url;
 pub mod sqs;
 
 use async_trait::async_trait;

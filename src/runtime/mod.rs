@@ -26,6 +26,7 @@ use crate::config::{Config, Mode};
 use crate::db::Db;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::Parts;
+use crate::pipeline::destinations::{Destination, Destinations};
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
 use crate::publish::Publisher;
@@ -63,7 +64,7 @@ pub async fn run(
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
     };
-    let Started { mode, sharded, queues, listener, retention, mapped_id_types } = started;
+    let Started { mode, sharded, queues, listener, retention, mapped_id_types, prepare } = started;
     for (m, t) in settings.mapped.iter_mut().zip(mapped_id_types) {
         m.id_type = Some(t);
     }
@@ -76,8 +77,9 @@ pub async fn run(
     });
     let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
-    let states = queues.iter().map(|(n, q)| (n.clone(), LaneState::new(n, q.fifo, Arc::clone(&metrics)))).collect();
-    let parts = Arc::new(Parts { settings, queues, states, publisher, metrics: Arc::clone(&metrics) });
+    let template = config.queue_url_template.clone();
+    let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));
+    let parts = Arc::new(Parts { settings, destinations, publisher, metrics: Arc::clone(&metrics) });
     let env = Env { config: &config, db: &db, parts, mode, sharded };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
@@ -106,36 +108,21 @@ struct Env<'a> {
 async fn run_polling(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
     let mut table_lanes = spawn_table_path(env, stop_rx.clone());
     env.parts.metrics.set_ready(true);
-    tracing::info!(destinations = env.parts.queues.len(), "polling the outbox table");
+    tracing::info!(destinations = env.parts.destinations.len(), "polling the outbox table");
     let _ = stop_rx.wait_for(|s| *s).await;
     env.parts.metrics.set_ready(false);
     drain_table(&mut table_lanes).await;
 }
 
 /// The table path: every destination in polling mode; the spool drain of
-/// every destination in CDC mode (while this relay leads); and the sweeper
-/// of unknown destinations (not in a shard: other shards' rows are theirs).
+/// every destination in CDC mode (while this relay leads), each destination
+/// looked up since included ([`run_table_lanes`]); mapped tables' polling;
+/// and the sweeper of unknown destinations (not in a shard: other shards'
+/// rows are theirs).
 fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::JoinSet<()> {
     let mut set = tokio::task::JoinSet::new();
     let poll_interval = env.parts.settings.poll_interval;
-    for (name, queue) in &env.parts.queues {
-        let (source, state, poll_interval) = match env.mode {
-            Mode::Polling => (Claims::Poll, None, poll_interval),
-            _ => (
-                Claims::Spool,
-                Some(Arc::clone(&env.parts.states[name])),
-                poll_interval.max(Duration::from_millis(500)),
-            ),
-        };
-        let cfg = TableLaneConfig {
-            name: Arc::from(name.as_str()),
-            queue: queue.clone(),
-            source,
-            claim_limit: TABLE_CLAIM_LIMIT,
-            poll_interval,
-        };
-        set.spawn(run_table_lane(cfg, env.db.clone(), Arc::clone(&env.parts), state, stop.clone()));
-    }
+    set.spawn(run_table_lanes(env.db.clone(), Arc::clone(&env.parts), env.mode, stop.clone()));
     if env.mode == Mode::Polling {
         for m in &env.parts.settings.mapped {
             let (db, parts) = (env.db.clone(), Arc::clone(&env.parts));
@@ -144,11 +131,49 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
     }
     if !env.sharded {
         let source = if env.mode == Mode::Polling { Claims::Poll } else { Claims::Spool };
-        let known = env.parts.queues.keys().cloned().collect();
-        let metrics = Arc::clone(&env.parts.metrics);
-        set.spawn(run_unknown_destination_sweeper(env.db.clone(), known, source, metrics, stop));
+        set.spawn(run_unknown_destination_sweeper(env.db.clone(), Arc::clone(&env.parts), source, stop));
     }
     set
+}
+
+/// A table lane per destination, one more each time a destination is added,
+/// until `stop`; then they finish their claims (within the grace).
+async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch::Receiver<bool>) {
+    let mut lanes = tokio::task::JoinSet::new();
+    let mut started = std::collections::HashSet::new();
+    loop {
+        let added = parts.destinations.added().notified();
+        tokio::pin!(added);
+        added.as_mut().enable();
+        for d in parts.destinations.all() {
+            if started.insert(Arc::clone(&d.name)) {
+                let (cfg, state) = table_lane(&parts, mode, &d);
+                lanes.spawn(run_table_lane(cfg, db.clone(), Arc::clone(&parts), state, stop.clone()));
+            }
+        }
+        tokio::select! {
+            _ = &mut added => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+    }
+    drain_table(&mut lanes).await;
+}
+
+/// A destination's table lane: polling every NEW row, or draining the spool.
+fn table_lane(parts: &Parts, mode: Mode, d: &Destination) -> (TableLaneConfig, Option<Arc<LaneState>>) {
+    let poll_interval = parts.settings.poll_interval;
+    let (source, state, poll_interval) = match mode {
+        Mode::Polling => (Claims::Poll, None, poll_interval),
+        _ => (Claims::Spool, Some(Arc::clone(&d.state)), poll_interval.max(Duration::from_millis(500))),
+    };
+    let cfg = TableLaneConfig {
+        name: Arc::clone(&d.name),
+        queue: d.queue.clone(),
+        source,
+        claim_limit: TABLE_CLAIM_LIMIT,
+        poll_interval,
+    };
+    (cfg, state)
 }
 
 /// One relay per slot streams: the leader holds an advisory lock on a
@@ -159,7 +184,7 @@ async fn run_cdc(env: &Env<'_>, stop_rx: &mut watch::Receiver<bool>) {
         db: env.db.clone(),
         parts: Arc::clone(&env.parts),
         slot_seen: AtomicBool::new(false),
-        shard: env.sharded.then(|| env.parts.queues.keys().cloned().collect()),
+        shard: env.sharded.then(|| env.parts.destinations.all().iter().map(|d| d.name.to_string()).collect()),
         streaming_since: std::sync::Mutex::new(None),
         handed_until: Arc::default(),
     };

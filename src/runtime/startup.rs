@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::config::{Config, Mode, S3Config};
 use crate::db;
 use crate::metrics::Metrics;
+use crate::pipeline::destinations::Prepare;
 use crate::pipeline::settings::Settings;
 use crate::policy::retry::{classify_start_up, StartUpFailure};
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
@@ -27,6 +28,8 @@ pub(crate) struct Started {
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type, in `settings.mapped`'s order.
     pub(crate) mapped_id_types: Vec<String>,
+    /// How a queue looked up later is prepared, as the configured ones were.
+    pub(crate) prepare: Prepare,
 }
 
 /// Why start-up did not finish.
@@ -108,15 +111,15 @@ async fn start_up(
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
+    let prepare = prepare_queues(config, settings, store.cloned());
     let mut queues = BTreeMap::new();
     for (name, url) in &config.destinations {
-        let mut info = publisher.queue_info(url).await.map_err(|e| {
+        let info = publisher.queue_info(url).await.map_err(|e| {
             RelayError::Startup(format!(
                 "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
             ))
         })?;
-        info.fair = config.fair_queues;
-        info.offload = offload_target(config, settings, name, store);
+        let info = prepare(name, info);
         tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
         queues.insert(name.clone(), info);
     }
@@ -147,14 +150,18 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    Ok(Started { mode, sharded, queues, listener, retention, mapped_id_types })
+    Ok(Started { mode, sharded, queues, listener, retention, mapped_id_types, prepare })
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.
 async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectStore>, RelayError> {
     let store =
         S3Store::new(&config.sqs_region, s3.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
-    let buckets: BTreeSet<&str> = config.destinations.keys().filter_map(|d| s3.target(d)).map(|(b, _)| b).collect();
+    let mut buckets: BTreeSet<&str> = config.destinations.keys().filter_map(|d| s3.target(d)).map(|(b, _)| b).collect();
+    // Destinations looked up on first use take the default bucket.
+    if config.queue_url_template.is_some() {
+        buckets.extend(s3.bucket.as_deref());
+    }
     for bucket in buckets {
         store.check_bucket(bucket).await.map_err(|e| {
             RelayError::Startup(format!(
@@ -166,25 +173,29 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
     Ok(Arc::new(store))
 }
 
-/// `destination`'s S3 settings, if its bodies may go through S3.
-/// `destination`'s S3 target, if its bodies may go through S3: its bucket
-/// and key prefix from the configuration, the rest from the settings.
-fn offload_target(
-    config: &Config,
-    settings: &Settings,
-    destination: &str,
-    store: Option<&Arc<dyn ObjectStore>>,
-) -> Option<Arc<OffloadTarget>> {
-    let offload = settings.offload?;
-    let (bucket, key_prefix) = config.s3.as_ref()?.target(destination)?;
-    Some(Arc::new(OffloadTarget {
-        store: Arc::clone(store?),
-        bucket: bucket.to_string(),
-        key_prefix: key_prefix.to_string(),
-        threshold: offload.threshold,
-        max_body: offload.max_body as usize,
-        stall_timeout: settings.lanes.stall_timeout,
-    }))
+/// How every queue is prepared for sending, configured or looked up on
+/// first use: fair-queue groups as configured, and its S3 target (bucket
+/// and key prefix from the configuration, the rest from the settings) if
+/// its bodies may go through S3.
+fn prepare_queues(config: &Config, settings: &Settings, store: Option<Arc<dyn ObjectStore>>) -> Prepare {
+    let (s3, offload, fair) = (config.s3.clone(), settings.offload, config.fair_queues);
+    let stall_timeout = settings.lanes.stall_timeout;
+    Box::new(move |destination, mut info| {
+        info.fair = fair;
+        info.offload = (|| {
+            let offload = offload?;
+            let (bucket, key_prefix) = s3.as_ref()?.target(destination)?;
+            Some(Arc::new(OffloadTarget {
+                store: Arc::clone(store.as_ref()?),
+                bucket: bucket.to_string(),
+                key_prefix: key_prefix.to_string(),
+                threshold: offload.threshold,
+                max_body: offload.max_body as usize,
+                stall_timeout,
+            }))
+        })();
+        info
+    })
 }
 
 /// `cdc` needs its prerequisites; `polling` the outbox table; `auto` takes
@@ -221,6 +232,13 @@ async fn resolve_mode(
             auto_mode(cdc().await).map_err(startup)?
         }
     };
+    if sharded && config.queue_url_template.is_some() {
+        return Err(startup(db::DbError::Check(format!(
+            "publication {:?} is a shard (filtered to its destinations), and a shard sends only its [destinations]: \
+             remove sqs.queue_url_template, or read an unfiltered publication",
+            config.publication
+        ))));
+    }
     let id_types = check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
     Ok((mode, sharded, id_types))
 }

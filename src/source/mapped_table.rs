@@ -23,9 +23,9 @@ use crate::db;
 use crate::event::{OutboxEvent, PublishedColumn};
 use crate::mapping::{quote_ident, Mapping, MappingError, Value};
 use crate::pipeline::assemble::{publish_claim, Parts};
+use crate::pipeline::destinations::Resolved;
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
-use crate::policy::dead::DeadReason;
 
 /// Rows one claim locks.
 const CLAIM_LIMIT: i64 = 500;
@@ -178,7 +178,7 @@ fn row_event(claim: &MappedClaim, r: &tokio_postgres::Row, now_us: i64) -> Optio
 
 /// A claim's events, per destination through [`publish_claim`] (which
 /// settles them in `tx`). Those for destinations this relay does not know
-/// are DEAD, and those behind their group's row in the relay's table are
+/// are DEAD (or wait, while one cannot be looked up), and those behind their group's row in the relay's table are
 /// deferred there ([`behind_waiting_groups`]): both written into the
 /// relay's table at once.
 async fn settle_claim<C: GenericClient>(
@@ -193,17 +193,23 @@ async fn settle_claim<C: GenericClient>(
     }
     let (mut settled, mut here) = (Vec::new(), Vec::new());
     for (destination, events) in by_destination {
-        let Some((name, queue)) = parts.queues.get_key_value(&destination) else {
-            let label: Arc<str> = Arc::from(UNKNOWN_DESTINATION_LABEL);
-            here.extend(events.into_iter().map(|ev| {
-                let reason = DeadReason::unknown_destination(&ev.destination);
-                Settlement::new(ev, None, Arc::clone(&label), Outcome::Dead(reason))
-            }));
-            continue;
+        let d = match parts.destinations.resolve(&destination).await {
+            Resolved::Ready(d) => d,
+            unsent => {
+                let label: Arc<str> = Arc::from(UNKNOWN_DESTINATION_LABEL);
+                let outcome = match unsent {
+                    Resolved::Dead(reason) => Outcome::Dead(reason),
+                    Resolved::Unavailable(why) => Outcome::Deferred(why, Due::Backoff),
+                    Resolved::Ready(_) => unreachable!("matched above"),
+                };
+                here.extend(
+                    events.into_iter().map(|ev| Settlement::new(ev, None, Arc::clone(&label), outcome.clone())),
+                );
+                continue;
+            }
         };
-        let name: Arc<str> = Arc::from(name.as_str());
-        let events = if queue.fifo { behind_waiting_groups(tx, &name, events, &mut here).await? } else { events };
-        settled.extend(publish_claim(tx, parts, (&name, queue), events, now_us).await?);
+        let events = if d.queue.fifo { behind_waiting_groups(tx, &d.name, events, &mut here).await? } else { events };
+        settled.extend(publish_claim(tx, parts, (&d.name, &d.queue), events, now_us).await?);
     }
     if !here.is_empty() {
         mark(tx, &here, parts.settings.marking).await?;

@@ -28,10 +28,10 @@ use crate::db;
 use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{publish_claim, Parts};
+use crate::pipeline::destinations::{Destinations, Resolved};
 use crate::pipeline::lane::{Flow, LaneState};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{record, Due, Outcome};
-use crate::policy::dead::DeadReason;
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::entry::QueueInfo;
 
@@ -318,14 +318,15 @@ WITH RECURSIVE d AS (
 SELECT destination FROM d WHERE destination IS NOT NULL";
 
 /// Rows for destinations this relay does not know reach no lane of the table
-/// path: mark them DEAD (`unknown_destination`), as the stream does. In CDC
-/// mode only rows handed to the table are this sweeper's (the stream judges
-/// the rest itself). Runs every few seconds until `stop`.
+/// path: with a queue-URL template each is looked up (found, its table lane
+/// starts; no such queue, DEAD `queue_not_found`; the lookup failed, they
+/// wait); without one they are DEAD (`unknown_destination`), as the stream
+/// does. In CDC mode only rows handed to the table are this sweeper's (the
+/// stream judges the rest itself). Runs every few seconds until `stop`.
 pub async fn run_unknown_destination_sweeper(
     db: db::Db,
-    configured: Vec<String>,
+    parts: Arc<Parts>,
     source: Claims,
-    metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut client: Option<Client> = None;
@@ -337,7 +338,7 @@ pub async fn run_unknown_destination_sweeper(
             client = db.connect().await.ok();
         }
         let Some(c) = client.as_ref() else { continue };
-        if let Err(e) = sweep_unknown_destinations(c, &configured, source, &metrics).await {
+        if let Err(e) = sweep_unknown_destinations(c, &parts.destinations, source, &parts.metrics).await {
             tracing::warn!(error = %e, "unknown-destination sweep failed; retrying");
             client = None;
         }
@@ -347,17 +348,24 @@ pub async fn run_unknown_destination_sweeper(
 /// One sweep; returns the rows marked DEAD.
 pub async fn sweep_unknown_destinations(
     c: &Client,
-    configured: &[String],
+    destinations: &Destinations,
     source: Claims,
     metrics: &Metrics,
 ) -> Result<u64, tokio_postgres::Error> {
     let mut total = 0;
     for row in c.query(NEW_DESTINATIONS_SQL, &[]).await? {
         let destination: String = row.get(0);
-        if configured.contains(&destination) {
+        if destinations.get(&destination).is_some() {
             continue;
         }
-        let reason = DeadReason::unknown_destination(&destination);
+        let reason = match destinations.resolve(&destination).await {
+            Resolved::Ready(_) => continue,
+            Resolved::Unavailable(why) => {
+                tracing::warn!(destination = %destination, error = %why, "destination not looked up; its rows wait");
+                continue;
+            }
+            Resolved::Dead(reason) => reason,
+        };
         let error = reason.last_error();
         let n = c
             .execute(

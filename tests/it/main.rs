@@ -13,6 +13,7 @@ mod hardening;
 mod invariants;
 mod mapped;
 mod pipeline;
+mod routing;
 mod s3;
 mod slot_invalidation;
 mod table_path;

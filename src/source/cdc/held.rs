@@ -74,7 +74,9 @@ const HAND_OVER_BATCH: i64 = 10_000;
 pub(crate) struct HeldWatch {
     pub db: db::Db,
     pub slot: String,
-    pub lanes: Vec<Arc<LaneState>>,
+    /// Every lane's state is read from here at each use (destinations are
+    /// added while the session runs).
+    pub parts: Arc<crate::pipeline::parts::Parts>,
     pub progress: Arc<StreamProgress>,
     pub metrics: Arc<Metrics>,
     pub lane_stall_timeout: Duration,
@@ -146,7 +148,7 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
             s.sent = None;
             if s.held.take().is_some() {
                 w.metrics.release_hold();
-                w.lanes.iter().for_each(|l| l.release());
+                w.parts.destinations.states().iter().for_each(|l| l.release());
                 tracing::info!(slot = %w.slot, "the server streams again; lanes return to streaming as their spools allow");
             }
         }
@@ -161,13 +163,13 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
                 let cause = diagnose(c, &w.slot).await?;
                 tracing::warn!(slot = %w.slot, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
                 w.metrics.hold(&cause);
-                for lane in &w.lanes {
+                for lane in &w.parts.destinations.states() {
                     lane.hold(SpoolCause::StreamHeld(cause.clone()));
                 }
                 s.held = Some(cause);
             }
             let cause = s.held.as_deref().unwrap_or_default();
-            hand_over(c, &handable(&w.lanes), cause, &w.handed_until).await?;
+            hand_over(c, &handable(&w.parts.destinations.states()), cause, &w.handed_until).await?;
         }
         Some(_) => {}
         None if quiet => {
@@ -326,7 +328,7 @@ pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>)
             down_since = None;
             if named.take().is_some() {
                 ctx.parts.metrics.release_hold();
-                ctx.parts.states.values().for_each(|l| l.release());
+                ctx.parts.destinations.states().iter().for_each(|l| l.release());
                 tracing::info!(slot = %ctx.parts.settings.slot.name, "a replication session streams again; lanes return to streaming as their spools allow");
             }
             continue;
@@ -363,12 +365,12 @@ async fn down_step(
     if renamed {
         tracing::warn!(slot = %ctx.parts.settings.slot.name, %cause, "no replication session streams: this relay's rows go by the outbox table until one does");
         ctx.parts.metrics.hold(&cause);
-        for lane in ctx.parts.states.values() {
+        for lane in &ctx.parts.destinations.states() {
             lane.hold(SpoolCause::StreamHeld(cause.clone()));
         }
         *named = Some((cause.clone(), Instant::now()));
     }
-    hand_over(c, &handable(ctx.parts.states.values()), &cause, &ctx.handed_until).await?;
+    hand_over(c, &handable(&ctx.parts.destinations.states()), &cause, &ctx.handed_until).await?;
     Ok(())
 }
 

@@ -128,18 +128,17 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
     ctx.parts.metrics.set_ready(false);
     if result.is_ok() {
-        sent = drain(pipeline.intake, &mut pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.parts.metrics)
-            .await;
+        sent = drain(pipeline.intake, &pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.parts.metrics).await;
         tracing::info!(confirmed = %sent, "replication stopped");
     }
-    pipeline.lanes.abort_all();
+    pipeline.lanes.lock().unwrap().abort_all();
     settler.abort();
     pipeline.wal_watch.abort();
     pipeline.held_watch.abort();
     // What this session's watch held is released: the next session, or the
     // watch for one, judges afresh.
     ctx.parts.metrics.release_hold();
-    ctx.parts.states.values().for_each(|l| l.release());
+    ctx.parts.destinations.states().iter().for_each(|l| l.release());
     let _ = repl.shutdown().await;
     result
 }
@@ -148,7 +147,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 /// the WAL and held-stream watches.
 struct Pipeline<'a> {
     intake: Intake<'a>,
-    lanes: JoinSet<()>,
+    lanes: Arc<Mutex<JoinSet<()>>>,
     wal_watch: tokio::task::JoinHandle<()>,
     held_watch: tokio::task::JoinHandle<()>,
     progress: Arc<StreamProgress>,
@@ -165,17 +164,13 @@ async fn start_pipeline<'a>(
     let (cfg, db) = (&ctx.parts.settings, &ctx.db);
     let settler_client = db.connect().await?;
     spool_lanes_with_rows_in_table(ctx, sql).await?;
-    let wal_watch = tokio::spawn(watch_wal(
-        db.clone(),
-        cfg.slot.name.clone(),
-        cfg.slot.max_retained_wal,
-        ctx.parts.states.values().cloned().collect(),
-    ));
+    let wal_watch =
+        tokio::spawn(watch_wal(db.clone(), cfg.slot.name.clone(), cfg.slot.max_retained_wal, Arc::clone(&ctx.parts)));
     let progress = Arc::new(StreamProgress::default());
     let held_watch = tokio::spawn(watch_held(HeldWatch {
         db: db.clone(),
         slot: cfg.slot.name.clone(),
-        lanes: ctx.parts.states.values().cloned().collect(),
+        parts: Arc::clone(&ctx.parts),
         progress: Arc::clone(&progress),
         metrics: Arc::clone(&ctx.parts.metrics),
         lane_stall_timeout: cfg.lanes.stall_timeout,
@@ -201,10 +196,15 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
         .iter()
         .map(|r| r.get(0))
         .collect();
-    for (name, state) in &ctx.parts.states {
-        state.reset_deferred();
-        if spooled.contains(name) {
-            state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
+    // A destination looked up on first use by an earlier run: looked up
+    // again, so its lane spools behind its rows (or they wait, or are DEAD).
+    for name in spooled.iter().filter(|n| ctx.parts.destinations.get(n).is_none()) {
+        let _ = ctx.parts.destinations.resolve(name).await;
+    }
+    for d in ctx.parts.destinations.all() {
+        d.state.reset_deferred();
+        if spooled.contains(&d.name.to_string()) {
+            d.state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
         }
     }
     Ok(())
@@ -215,7 +215,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
 /// confirmed. Returns the confirmed position.
 async fn drain(
     intake: Intake<'_>,
-    lanes: &mut JoinSet<()>,
+    lanes: &Mutex<JoinSet<()>>,
     settler: &mut Settler,
     repl: &ReplicationClient,
     watermark: &Mutex<Watermark>,
@@ -223,6 +223,8 @@ async fn drain(
     metrics: &Metrics,
 ) -> Lsn {
     drop(intake);
+    // The router is gone: no lane opens now.
+    let mut lanes = std::mem::take(&mut *lanes.lock().unwrap());
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
         while lanes.join_next().await.is_some() {}
         let _ = settler.await;

@@ -7,12 +7,12 @@ use std::time::Duration;
 use tokio_postgres::Client;
 
 use crate::db;
-use crate::pipeline::lane::LaneState;
+use crate::pipeline::parts::Parts;
 use crate::policy::spool::lane_to_spool;
 
 /// Four times a second: the slot's WAL held (current WAL minus confirmed
 /// flush), and the lane [`lane_to_spool`] picks, spooled.
-pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, lanes: Vec<Arc<LaneState>>) {
+pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, parts: Arc<Parts>) {
     let mut client: Option<Client> = None;
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -39,6 +39,8 @@ pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, l
                 continue;
             }
         };
+        // Every lane now: destinations looked up since the session began too.
+        let lanes = parts.destinations.states();
         let ages: Vec<Option<Duration>> =
             lanes.iter().map(|l| if l.is_spooling() { None } else { l.oldest_unsettled_age() }).collect();
         if let Some(i) = lane_to_spool(held, max_retained_wal, &ages) {

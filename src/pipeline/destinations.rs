@@ -1,0 +1,217 @@
+//! Every destination the relay sends to: the configured ones, looked up at
+//! start-up, and, with a queue-URL template, any other name a row routes to,
+//! looked up the first time it is seen (`GetQueueAttributes`) and kept.
+//!
+//! A name whose queue does not exist is DEAD (`queue_not_found`) and the
+//! verdict is kept for a while, so its rows cost no call each; a lookup that
+//! fails otherwise (the network, the credentials) leaves the row to wait in
+//! the table. Nothing else waits for either.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use crate::metrics::Metrics;
+use crate::pipeline::lane::LaneState;
+use crate::policy::dead::{DeadCode, DeadReason};
+use crate::policy::retry::{classify_lookup, Lookup};
+use crate::publish::entry::QueueInfo;
+use crate::publish::queue_url::QueueUrlTemplate;
+use crate::publish::Publisher;
+
+/// A destination ready to send to: its queue and its lane's state.
+#[derive(Debug)]
+pub struct Destination {
+    pub name: Arc<str>,
+    pub queue: QueueInfo,
+    /// Streaming or spooling; outlives sessions.
+    pub state: Arc<LaneState>,
+}
+
+/// What a name comes to.
+#[derive(Debug, Clone)]
+pub enum Resolved {
+    Ready(Arc<Destination>),
+    /// Its rows are DEAD with this reason.
+    Dead(DeadReason),
+    /// The lookup failed for a reason that may pass: its rows wait.
+    Unavailable(String),
+}
+
+/// How long a "no such queue" verdict is kept before the queue is looked
+/// up again (it may have been created since).
+const MISSING_FOR: Duration = Duration::from_secs(60);
+
+/// A lookup that has not answered in this long is a failure that may pass.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Turns a queue as SQS describes it into the relay's view of it (fair
+/// queues, its S3 target): the same for configured and looked-up ones.
+pub type Prepare = Box<dyn Fn(&str, QueueInfo) -> QueueInfo + Send + Sync>;
+
+/// The destinations, and how to find more.
+pub struct Destinations {
+    ready: RwLock<BTreeMap<String, Arc<Destination>>>,
+    missing: Mutex<HashMap<String, (DeadReason, Instant)>>,
+    /// `None`: only the configured destinations exist.
+    template: Option<QueueUrlTemplate>,
+    prepare: Prepare,
+    publisher: Arc<dyn Publisher>,
+    metrics: Arc<Metrics>,
+    /// Wakes whoever starts work per destination (the table path) when one
+    /// is added.
+    added: Notify,
+}
+
+impl Destinations {
+    /// The configured destinations (already looked up, already prepared).
+    pub fn new(
+        configured: BTreeMap<String, QueueInfo>,
+        template: Option<QueueUrlTemplate>,
+        prepare: Prepare,
+        publisher: Arc<dyn Publisher>,
+        metrics: Arc<Metrics>,
+    ) -> Destinations {
+        let ready = configured
+            .into_iter()
+            .map(|(name, queue)| {
+                let state = LaneState::new(&name, queue.fifo, Arc::clone(&metrics));
+                let d = Destination { name: Arc::from(name.as_str()), queue, state };
+                (name, Arc::new(d))
+            })
+            .collect();
+        Destinations {
+            ready: RwLock::new(ready),
+            missing: Mutex::default(),
+            template,
+            prepare,
+            publisher,
+            metrics,
+            added: Notify::new(),
+        }
+    }
+
+    /// A destination ready to send to, if it is.
+    pub fn get(&self, name: &str) -> Option<Arc<Destination>> {
+        self.ready.read().unwrap().get(name).cloned()
+    }
+
+    /// Every destination ready now, in name order.
+    pub fn all(&self) -> Vec<Arc<Destination>> {
+        self.ready.read().unwrap().values().cloned().collect()
+    }
+
+    /// Every ready destination's lane state.
+    pub fn states(&self) -> Vec<Arc<LaneState>> {
+        self.ready.read().unwrap().values().map(|d| Arc::clone(&d.state)).collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.ready.read().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether names beyond the configured ones may exist.
+    pub fn templated(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Notified each time a destination is added.
+    pub fn added(&self) -> &Notify {
+        &self.added
+    }
+
+    /// `name` as a destination: ready, DEAD (no template and not configured,
+    /// a name no queue can have, no such queue), or unavailable for now.
+    pub async fn resolve(&self, name: &str) -> Resolved {
+        if let Some(d) = self.get(name) {
+            return Resolved::Ready(d);
+        }
+        let Some(template) = &self.template else {
+            return Resolved::Dead(DeadReason::unknown_destination(name));
+        };
+        if let Some(reason) = self.still_missing(name) {
+            return Resolved::Dead(reason);
+        }
+        let url = match template.url(name) {
+            Ok(url) => url,
+            Err(reason) => return Resolved::Dead(reason),
+        };
+        let answer = tokio::time::timeout(LOOKUP_TIMEOUT, self.publisher.queue_info(&url)).await;
+        match answer {
+            Ok(Ok(info)) => Resolved::Ready(self.add(name, (self.prepare)(name, info))),
+            Ok(Err(e)) => match classify_lookup(&e.code) {
+                Lookup::Missing => {
+                    let reason = DeadReason::new(
+                        DeadCode::QueueNotFound,
+                        format!("destination {name:?}: no queue at {url} ({}: {})", e.code, e.message),
+                    );
+                    self.missing.lock().unwrap().insert(name.to_string(), (reason.clone(), Instant::now()));
+                    Resolved::Dead(reason)
+                }
+                Lookup::Retry => Resolved::Unavailable(format!("looking up {url}: {}: {}", e.code, e.message)),
+            },
+            Err(_) => Resolved::Unavailable(format!("looking up {url}: no answer within {LOOKUP_TIMEOUT:?}")),
+        }
+    }
+
+    /// A recent "no such queue" verdict on `name`.
+    fn still_missing(&self, name: &str) -> Option<DeadReason> {
+        let mut missing = self.missing.lock().unwrap();
+        match missing.get(name) {
+            Some((reason, at)) if at.elapsed() < MISSING_FOR => Some(reason.clone()),
+            Some(_) => {
+                missing.remove(name);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Keep a looked-up destination (the first one added wins a race).
+    fn add(&self, name: &str, queue: QueueInfo) -> Arc<Destination> {
+        let mut ready = self.ready.write().unwrap();
+        if let Some(d) = ready.get(name) {
+            return Arc::clone(d);
+        }
+        tracing::info!(destination = %name, url = %queue.url, fifo = queue.fifo, "destination looked up on first use");
+        let state = LaneState::new(name, queue.fifo, Arc::clone(&self.metrics));
+        let d = Arc::new(Destination { name: Arc::from(name), queue, state });
+        ready.insert(name.to_string(), Arc::clone(&d));
+        drop(ready);
+        self.added.notify_waiters();
+        d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::publish::memory::MemoryPublisher;
+
+    fn destinations(p: &MemoryPublisher) -> Destinations {
+        let t = QueueUrlTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
+        Destinations::new(BTreeMap::new(), Some(t), Box::new(|_, q| q), Arc::new(p.clone()), Metrics::new())
+    }
+
+    #[tokio::test]
+    async fn a_name_is_looked_up_once_and_a_missing_queue_is_dead() {
+        let p = MemoryPublisher::new();
+        p.add_queue("http://memory.invalid/r1/orders", false, 1024);
+        let d = destinations(&p);
+        let Resolved::Ready(orders) = d.resolve("orders").await else { panic!("orders is there") };
+        assert_eq!(orders.queue.max_message_size, 1024);
+        assert!(Arc::ptr_eq(&orders, &d.get("orders").unwrap()));
+        let Resolved::Dead(r) = d.resolve("billing").await else { panic!("billing has no queue") };
+        assert_eq!(r.code, DeadCode::QueueNotFound);
+        // Created since: still DEAD until the verdict expires.
+        p.add_queue("http://memory.invalid/r1/billing", false, 1024);
+        assert!(matches!(d.resolve("billing").await, Resolved::Dead(_)));
+        assert_eq!(d.len(), 1);
+    }
+}

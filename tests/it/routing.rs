@@ -1,0 +1,158 @@
+//! Routing by a queue-URL template: a destination that is not configured is
+//! looked up on first use (its lane, and its table lane, made then); one
+//! whose queue does not exist, or whose name no queue can have, is DEAD with
+//! that reason and holds nothing else back.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_relay::config::Mode;
+use outbox_relay::mapping::{Mapping, Preset};
+use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_relay::publish::queue_url::QueueUrlTemplate;
+use outbox_relay::publish::CallError;
+use testkit::*;
+
+const BASE: &str = "http://memory.invalid/q/";
+
+fn url(name: &str) -> String {
+    format!("{BASE}{name}")
+}
+
+/// A relay with no `[destinations]`, every queue from the template.
+fn templated(db: &TestDb, mode: Mode) -> outbox_relay::config::Config {
+    // testkit's config wants a destination: none is kept.
+    let mut cfg = config(db, &[("none", &url("none"))]);
+    cfg.destinations.clear();
+    cfg.queue_url_template = Some(QueueUrlTemplate::new(&format!("{BASE}{{destination}}"), "r").unwrap());
+    cfg.mode = mode;
+    cfg.lane_stall_timeout = Duration::from_secs(1);
+    cfg.retry_base = Duration::from_millis(100);
+    cfg.retry_max = Duration::from_millis(500);
+    cfg.poll_interval = Duration::from_millis(100);
+    cfg
+}
+
+fn publisher(names: &[&str]) -> MemoryPublisher {
+    let p = MemoryPublisher::new();
+    for n in names {
+        p.add_queue(&url(n), n.ends_with(".fifo"), 262_144);
+    }
+    p
+}
+
+fn bodies(p: &MemoryPublisher, name: &str) -> HashSet<String> {
+    p.sent(&url(name)).into_iter().map(|s| s.body).collect()
+}
+
+async fn settled(db: &TestDb) {
+    let after = db.current_lsn().await;
+    wait_for("the slot confirmed past every row", Duration::from_secs(60), || async {
+        db.confirmed_flush_lsn().await >= after
+    })
+    .await;
+}
+
+/// From the stream: rows of the relay's table and of a `topic-payload`
+/// table routed to queues named by their value; the missing queue and the
+/// impossible name DEAD with `queue_not_found`, without holding the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_routes_each_new_destination_to_its_queue() {
+    let db = TestDb::new("route_tmpl").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "CREATE TABLE outbox_messages (id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
+                                       published_at timestamptz);
+         ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
+    )
+    .await
+    .unwrap();
+    let names: Vec<String> = (0..20).map(|i| format!("tenant-{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let p = publisher(&refs);
+    let mut cfg = templated(&db, Mode::Cdc);
+    cfg.mapped = vec![Mapping::preset(Preset::TopicPayload, "public", "outbox_messages")];
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    for n in &names {
+        insert_rows(&c, &format!("own-{n}"), n, 5, None).await;
+    }
+    insert_rows(&c, "lost", "nosuch", 3, None).await;
+    insert_rows(&c, "bad", "a/../b", 2, None).await;
+    c.batch_execute(
+        "INSERT INTO outbox_messages (topic, payload)
+         SELECT 'tenant-' || (i % 20), jsonb_build_object('e', 'tp:' || i) FROM generate_series(1, 100) i;
+         INSERT INTO outbox_messages (topic, payload) VALUES ('nosuch', '{\"e\": \"tp:lost\"}');",
+    )
+    .await
+    .unwrap();
+    settled(&db).await;
+    for (i, n) in names.iter().enumerate() {
+        let got = bodies(&p, n);
+        for k in 1..=5 {
+            assert!(got.contains(&format!("own-{n}:{k}")), "{n}: own-{n}:{k}");
+        }
+        let tp = got.iter().filter(|b| b.contains("\"tp:")).count();
+        assert_eq!(tp, 5, "{n} (tenant {i}): its topic-payload rows");
+    }
+    let dead = "status = 'DEAD' AND last_error LIKE 'queue_not_found%";
+    assert_eq!(db.count(&format!("{dead}nosuch%'")).await, 4, "the missing queue's rows, both tables");
+    assert_eq!(db.count(&format!("{dead}cannot name a queue%'")).await, 2);
+    assert_eq!(db.count("status = 'NEW'").await, 0);
+    relay.stop().await;
+}
+
+/// A destination looked up on first use whose queue fails: its lane spools
+/// to the table, a table lane made for it drains the rows once the queue is
+/// back, and a relay started again finds its rows and looks it up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_looked_up_destination_spools_and_drains_like_a_configured_one() {
+    let db = TestDb::new("route_spool").await;
+    let c = db.client().await;
+    let p = publisher(&["alpha", "beta"]);
+    let relay = start(templated(&db, Mode::Cdc), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    insert_rows(&c, "a0", "alpha", 10, None).await;
+    insert_rows(&c, "b0", "beta", 10, None).await;
+    settled(&db).await;
+    p.break_queue(&url("beta"), CallError::transport("connection refused"));
+    insert_rows(&c, "b1", "beta", 50, None).await;
+    insert_rows(&c, "a1", "alpha", 50, None).await;
+    wait_for("beta's rows wait in the table", Duration::from_secs(30), || async {
+        db.count("destination = 'beta' AND status = 'NEW' AND next_attempt_at IS NOT NULL").await > 0
+    })
+    .await;
+    settled(&db).await;
+    relay.stop().await;
+    insert_rows(&c, "b2", "beta", 20, None).await;
+    p.fix_queue(&url("beta"));
+    let relay = start(templated(&db, Mode::Cdc), Arc::new(p.clone()));
+    wait_for("every beta row sent", Duration::from_secs(60), || async {
+        let got = bodies(&p, "beta");
+        (1..=50).all(|k| got.contains(&format!("b1:{k}"))) && (1..=20).all(|k| got.contains(&format!("b2:{k}")))
+    })
+    .await;
+    wait_for("the table drained", Duration::from_secs(30), || async { db.count("status = 'NEW'").await == 0 }).await;
+    let alpha = bodies(&p, "alpha");
+    assert!((1..=50).all(|k| alpha.contains(&format!("a1:{k}"))), "alpha went on while beta spooled");
+    relay.stop().await;
+}
+
+/// Polling mode: destinations found in the table are looked up by the
+/// sweeper, and each gets its table lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_looks_destinations_up_from_the_table() {
+    let db = TestDb::new("route_poll").await;
+    let c = db.client().await;
+    let p = publisher(&["alpha", "beta.fifo"]);
+    insert_rows(&c, "a", "alpha", 30, None).await;
+    insert_rows(&c, "f", "beta.fifo", 30, Some(3)).await;
+    insert_rows(&c, "x", "nosuch", 2, None).await;
+    let relay = start(templated(&db, Mode::Polling), Arc::new(p.clone()));
+    wait_for("every row settled", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
+    assert_eq!(bodies(&p, "alpha").len(), 30);
+    assert_eq!(bodies(&p, "beta.fifo").len(), 30);
+    assert_eq!(db.count("status = 'DEAD' AND last_error LIKE 'queue_not_found%'").await, 2);
+    relay.stop().await;
+}
