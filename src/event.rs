@@ -74,6 +74,14 @@ impl PublishedColumn {
         format!("UPDATE {t} SET {c} = now() WHERE {} AND {c} IS NULL RETURNING {id}::text", self.keys_in())
     }
 
+    /// `row`'s key (`row` an alias of the table) equals the text `key`.
+    pub fn key_is(&self, row: &str, key: &str) -> String {
+        match &self.id_type {
+            Some(t) => format!("{row}.{} = {key}::{t}", self.id),
+            None => format!("{row}.{}::text = {key}", self.id),
+        }
+    }
+
     /// Of the keys in `$1`, those whose row has the column set.
     pub fn published_sql(&self) -> String {
         let (t, c, id) = (&self.table, &self.column, &self.id);

@@ -333,22 +333,83 @@ pub async fn mark<C: GenericClient>(
 
 /// Set the published column of mapped rows settled here (sent, or written
 /// to the relay's table just now, in the same transaction): one statement
-/// per table. Rows set already, or deleted by their producers, are left.
+/// per table. Rows set already, or deleted by their producers, are left. A
+/// row whose transaction the stream decoded before it became visible to new
+/// snapshots is waited for and marked then, as [`mark_rows`] does for the
+/// relay's own.
 async fn mark_mapped_published<C: GenericClient>(
     client: &C,
     settled: &[&Settlement],
 ) -> Result<u64, tokio_postgres::Error> {
-    let mut by_table: std::collections::HashMap<&PublishedColumn, Vec<&str>> = std::collections::HashMap::new();
+    let mut by_table: std::collections::HashMap<&PublishedColumn, Vec<(&str, Option<i64>)>> =
+        std::collections::HashMap::new();
     for s in settled {
         if let Some(MappedRow { key, published: Some(p) }) = &s.event.mapped {
-            by_table.entry(p.as_ref()).or_default().push(key);
+            by_table.entry(p.as_ref()).or_default().push((key, s.event.xid.map(i64::from)));
         }
     }
     let mut n = 0;
-    for (table, keys) in by_table {
-        n += client.query(&table.mark_sql(), &[&keys]).await?.len() as u64;
+    for (table, mut rows) in by_table {
+        let started = std::time::Instant::now();
+        let mut waits = 0;
+        loop {
+            let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).collect();
+            let marked: HashSet<String> =
+                client.query(&table.mark_sql(), &[&keys]).await?.iter().map(|r| r.get(0)).collect();
+            n += marked.len() as u64;
+            rows.retain(|(k, _)| !marked.contains(*k));
+            let invisible = not_visible_yet(client, table, &rows).await?;
+            let done: Vec<&str> = rows.iter().map(|(k, _)| *k).filter(|k| !invisible.contains(*k)).collect();
+            if !done.is_empty() {
+                tracing::debug!(table = %table.table, keys = ?done, "mapped rows published already or gone: not marked");
+            }
+            rows.retain(|(k, _)| invisible.contains(*k));
+            if rows.is_empty() {
+                break;
+            }
+            if started.elapsed() > VISIBILITY_DEADLINE {
+                let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).take(5).collect();
+                tracing::warn!(table = %table.table, ?keys, "mapped rows to mark published did not become visible; their published column stays NULL (they may be sent again)");
+                break;
+            }
+            tokio::time::sleep(crate::policy::retry::backoff(
+                waits,
+                Duration::from_millis(1),
+                Duration::from_millis(100),
+            ))
+            .await;
+            waits += 1;
+        }
     }
     Ok(n)
+}
+
+/// Of (key, inserting xid) pairs not marked, those to try again, in one
+/// snapshot: the row is there with the column NULL (it became visible after
+/// the marking statement's snapshot), or its transaction is not visible yet.
+/// A row with the column set, or gone, is done.
+async fn not_visible_yet<C: GenericClient>(
+    client: &C,
+    table: &PublishedColumn,
+    rows: &[(&str, Option<i64>)],
+) -> Result<HashSet<String>, tokio_postgres::Error> {
+    if rows.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let (keys, xids): (Vec<&str>, Vec<Option<i64>>) = rows.iter().copied().unzip();
+    let sql = format!(
+        "SELECT u.key FROM unnest($1::text[], $2::bigint[]) AS u(key, xid)
+          CROSS JOIN (SELECT pg_current_snapshot() AS snap,
+                             pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
+          CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d
+          WHERE (u.xid IS NOT NULL AND NOT (d.delta > 0 AND d.delta < 2147483648
+                                            AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)))
+             OR EXISTS (SELECT 1 FROM {} x WHERE {} AND x.{} IS NULL)",
+        table.table,
+        table.key_is("x", "u.key"),
+        table.column
+    );
+    Ok(client.query(&sql, &[&keys, &xids]).await?.iter().map(|r| r.get(0)).collect())
 }
 
 /// Mark rows of the table; returns the settlements whose row is absent. A

@@ -79,8 +79,20 @@ async fn unpublished(c: &tokio_postgres::Client) -> i64 {
 }
 
 async fn all_published(db: &TestDb) {
+    let left = left_unpublished(db).await;
+    assert!(left.is_empty(), "rows left with published_at NULL, e.g. {left:?}");
+}
+
+/// Waits (60 s at most) for every row's `published_at`; the rows (payload
+/// tags) still without one.
+async fn left_unpublished(db: &TestDb) -> Vec<String> {
     let c = db.client().await;
-    wait_for("every row's published_at set", Duration::from_secs(60), || async { unpublished(&c).await == 0 }).await;
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    while unpublished(&c).await > 0 && std::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let sql = "SELECT payload->>'e' FROM outbox_messages WHERE published_at IS NULL ORDER BY id LIMIT 10";
+    c.query(sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
 }
 
 /// Rows written before the relay's slot existed and rows written while it
@@ -211,7 +223,14 @@ async fn switching_from_a_polling_relay_loses_nothing_and_resends_nothing() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     producing.store(false, Ordering::SeqCst);
     let batches = producer.await.unwrap();
-    all_published(&db).await;
+    let left = left_unpublished(&db).await;
+    if !left.is_empty() {
+        let ours = arrivals(&p);
+        let old = old_sent.lock().unwrap().clone();
+        let seen: Vec<(&String, Option<usize>, bool)> =
+            left.iter().map(|t| (t, ours.get(t).copied(), old.contains(t))).collect();
+        panic!("rows left with published_at NULL (tag, sent by us, sent by the old relay): {seen:?}");
+    }
     let after = db.current_lsn().await;
     wait_for("the slot confirmed", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await >= after }).await;
     let ours = arrivals(&p);

@@ -148,7 +148,9 @@ impl Decoder {
             Some(Table::Mapped(i)) if inserted_published(&self.mapped[i].0, rel, new) => return Ok(None),
             Some(Table::Mapped(i)) => {
                 let (m, published) = &self.mapped[i];
-                let row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref())?;
+                let mut row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref())?;
+                // Its published column is set once the transaction is visible.
+                row.xid = Some(t.xid);
                 (row, mapped_key(m, rel, new).map(|k| (relation, k)))
             }
         };
@@ -184,7 +186,8 @@ impl Decoder {
             let (m, published) = &self.mapped[i];
             let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
             if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
-                let row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref())?;
+                let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref())?;
+                row.xid = Some(t.xid);
                 t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                 t.buf[i] = row;
             }
