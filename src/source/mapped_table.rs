@@ -279,6 +279,7 @@ pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<boo
         return Ok(0);
     }
     let mut client = db.connect().await?;
+    committed_visible(&client).await?;
     let mut settled = 0;
     for m in tables {
         let claim = MappedClaim::new(&client, m).await?;
@@ -289,6 +290,32 @@ pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<boo
         settled += n;
     }
     Ok(settled)
+}
+
+/// Waits (10 s at most) until no transaction that has committed is still
+/// invisible to new snapshots: one that committed before a new slot's
+/// consistent point is not streamed, and the catch-up must see its rows
+/// (the window between a commit's record and its visibility is brief).
+async fn committed_visible(client: &Client) -> Result<(), db::DbError> {
+    const SQL: &str =
+        "SELECT count(*) FROM pg_snapshot_xip(pg_current_snapshot()) x WHERE pg_xact_status(x) = 'committed'";
+    let started = std::time::Instant::now();
+    for waits in 0.. {
+        let pending: i64 = client.query_one(SQL, &[]).await.map_err(db::DbError::from)?.get(0);
+        if pending == 0 {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            tracing::warn!(
+                transactions = pending,
+                "committed transactions still invisible after 10 s; catching up without waiting for them"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(crate::policy::retry::backoff(waits, Duration::from_millis(1), Duration::from_millis(100)))
+            .await;
+    }
+    Ok(())
 }
 
 /// Polling mode: claims of `mapping`'s table every `poll_interval` (at once
