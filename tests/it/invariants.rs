@@ -542,11 +542,17 @@ mod workload {
     use testkit::process::{RelayConfig, RelayProcess};
     use testkit::proxy::Proxy;
 
-    const QUEUES: [(&str, &str, bool); 3] = [
+    /// The in-process workload's queues. The unsharded relay is configured
+    /// with the first three and finds `t1` and `t2` by its queue-URL template
+    /// ([`TEMPLATE`]), on first use; the shards are configured with all.
+    const QUEUES: [(&str, &str, bool); 5] = [
         ("a", "http://memory.invalid/a", false),
         ("b", "http://memory.invalid/b", false),
         ("f", "http://memory.invalid/f.fifo", true),
+        ("t1", "http://memory.invalid/t1", false),
+        ("t2", "http://memory.invalid/t2", false),
     ];
+    const TEMPLATE: &str = "http://memory.invalid/{destination}";
 
     /// What the workload committed, and what became of it.
     #[derive(Default)]
@@ -681,6 +687,11 @@ mod workload {
             if sharded { vec![all[..2].to_vec(), all[2..].to_vec()] } else { vec![all] };
         for (i, g) in groups.iter().enumerate() {
             let mut cfg = config(db, g);
+            if !sharded {
+                cfg.destinations.retain(|d, _| !d.starts_with('t'));
+                cfg.queue_url_template =
+                    Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(TEMPLATE, "r").unwrap());
+            }
             cfg.lane_stall_timeout = Duration::from_secs(1);
             cfg.retry_base = Duration::from_millis(200);
             cfg.retry_max = Duration::from_secs(1);
@@ -1126,7 +1137,8 @@ mod workload {
         // a relay that serves it, so only the single relay gets those.
         let mut dests = vec!["a", "b", "f"];
         if !sharded {
-            dests.push("nowhere");
+            // Looked up by the template: two queues, and one that is not.
+            dests.extend(["t1", "t2", "nowhere"]);
         }
         let env = InProcess { node: &node, db: &db, p: &p, moved: Mutex::default() };
         let mut c = db.client().await;
@@ -1146,7 +1158,7 @@ mod workload {
             db.count("status = 'NEW'").await == 0
         })
         .await;
-        unknown_destinations_dead(&db, &expect_dead, seed).await;
+        unknown_destinations_dead(&db, &expect_dead, "queue_not_found", seed).await;
         if !sharded {
             let sent = QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect();
             topic_payload_settled(&db, &sent, seed).await;
@@ -1290,13 +1302,13 @@ mod workload {
         }
     }
 
-    /// Every row of `expect_dead` is DEAD with the unknown destination as
-    /// its reason.
-    async fn unknown_destinations_dead(db: &TestDb, expect_dead: &HashSet<&str>, seed: u64) {
+    /// Every row of `expect_dead` is DEAD with `reason` (its queue is not
+    /// there).
+    async fn unknown_destinations_dead(db: &TestDb, expect_dead: &HashSet<&str>, reason: &str, seed: u64) {
         let dead: HashSet<String> = db
             .client()
             .await
-            .query("SELECT event_id FROM outbox WHERE status = 'DEAD' AND last_error LIKE 'unknown_destination%'", &[])
+            .query("SELECT event_id FROM outbox WHERE status = 'DEAD' AND last_error LIKE $1 || '%'", &[&reason])
             .await
             .unwrap()
             .iter()
