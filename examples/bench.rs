@@ -75,6 +75,10 @@ struct Args {
     /// comma-separated): CDC, polling and the fixed linger at each.
     #[arg(long, value_delimiter = ',')]
     latency_only: Option<Vec<u64>>,
+    /// Run only the drain of this many rows over 100 destinations, listed in
+    /// [destinations] and routed by a queue-URL template, side by side.
+    #[arg(long)]
+    routing_only: Option<usize>,
 }
 
 fn now_us() -> i64 {
@@ -386,12 +390,26 @@ async fn relay_null_mapped(
     published_rows: PublishedRows,
     mapped: Vec<outbox_relay::mapping::Mapping>,
 ) -> NullDrain {
+    relay_null_with(db, n, a.destinations, |cfg| {
+        cfg.published_rows = published_rows;
+        cfg.mapped = mapped;
+    })
+    .await
+}
+
+/// The relay in process draining `n` rows over `destinations` queues
+/// (`d0`, `d1`, ...) to a null publisher, its configuration edited by `edit`.
+async fn relay_null_with(
+    db: &TestDb,
+    n: usize,
+    destinations: usize,
+    edit: impl FnOnce(&mut outbox_relay::config::Config),
+) -> NullDrain {
     let queues: Vec<(String, String)> =
-        (0..a.destinations).map(|i| (format!("d{i}"), format!("http://null.invalid/000000000000/d{i}"))).collect();
+        (0..destinations).map(|i| (format!("d{i}"), format!("{NULL_QUEUES}d{i}"))).collect();
     let mut cfg = config(db, &dests(&queues));
     cfg.metrics_addr = None;
-    cfg.published_rows = published_rows;
-    cfg.mapped = mapped;
+    edit(&mut cfg);
     let null = Arc::new(NullPublisher { entries: AtomicU64::new(0) });
     let wal_before = db.current_lsn().await;
     let t = Instant::now();
@@ -408,6 +426,61 @@ async fn relay_null_mapped(
     let wal = db.current_lsn().await - wal_before;
     relay.stop().await;
     NullDrain { secs, cpu, pg_cpu, busy, wal }
+}
+
+/// The null publisher's queue URLs: a destination's name after this.
+const NULL_QUEUES: &str = "http://null.invalid/000000000000/";
+
+/// One drain over many destinations: listed in `[destinations]`, or each
+/// looked up on first use by a queue-URL template.
+#[derive(serde::Serialize)]
+struct RoutingDrain {
+    how: &'static str,
+    rows: usize,
+    destinations: usize,
+    rows_per_s: f64,
+    relay_cpu_s_per_100k: f64,
+}
+
+/// `n` rows over `destinations` destinations drained to the null publisher,
+/// by a configured list and by a template, alternating, `rounds` each.
+async fn routing_drains(a: &Args, n: usize, destinations: usize, rounds: usize) -> Vec<RoutingDrain> {
+    let mut out = Vec::new();
+    for _ in 0..rounds {
+        for templated in [false, true] {
+            let db = TestDb::new("bench_routing").await;
+            create_slot(&db, &db.slot).await;
+            insert_backlog(&db, "r", n, destinations, a.txn_size, a.row_size).await;
+            let d = relay_null_with(&db, n, destinations, |cfg| {
+                if templated {
+                    cfg.destinations.clear();
+                    let t = format!("{NULL_QUEUES}{{destination}}");
+                    cfg.queue_url_template =
+                        Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(&t, "r").unwrap());
+                }
+            })
+            .await;
+            out.push(RoutingDrain {
+                how: if templated { "template, looked up on first use" } else { "[destinations]" },
+                rows: n,
+                destinations,
+                rows_per_s: (n as f64 / d.secs).round(),
+                relay_cpu_s_per_100k: (d.cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0,
+            });
+        }
+    }
+    out
+}
+
+fn print_routing(drains: &[RoutingDrain]) {
+    println!("| destinations by | rows | destinations | rows/s | relay CPU s / 100k |");
+    println!("|---|---|---|---|---|");
+    for d in drains {
+        println!(
+            "| {} | {} | {} | {:.0} | {:.2} |",
+            d.how, d.rows, d.destinations, d.rows_per_s, d.relay_cpu_s_per_100k
+        );
+    }
 }
 
 /// The settle statement alone over `n` fresh rows: rows/s and WAL bytes per row.
@@ -1756,6 +1829,13 @@ async fn main() {
     eprintln!("bench: stack up ({:.1} s)", started.elapsed().as_secs_f64());
     if let Some(rates) = &a.latency_only {
         print_latency(&latency_runs(&a, &sqs, rates, steady_s).await);
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.routing_only {
+        let drains = routing_drains(&a, n, 100, 2).await;
+        print_routing(&drains);
+        println!("{}", serde_json::to_string_pretty(&json!({ "routing": drains })).unwrap());
         drop(stack_guard);
         return;
     }
