@@ -12,7 +12,8 @@ mod status;
 pub use dead::{dead_list, dead_redrive, format_dead, DeadRow};
 pub use slot::{slot_create, slot_drop, SlotCreated};
 pub use status::{
-    format_slot, format_status, slot_status, status, DestinationStatus, RelayReached, SlotStatus, Status, STATUS_FORMAT,
+    format_slot, format_status, slot_status, status, DestinationStatus, RelayReached, SlotStatus, Status, TableStatus,
+    STATUS_FORMAT,
 };
 
 impl From<tokio_postgres::Error> for OpsError {

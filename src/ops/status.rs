@@ -27,6 +27,26 @@ pub struct Status {
     /// gives each destination's current failures and bodies through S3).
     #[serde(default)]
     pub relay: Option<RelayReached>,
+    /// Each mapped table (`[[outbox]]`).
+    #[serde(default)]
+    pub tables: Vec<TableStatus>,
+}
+
+/// A mapped table as `status` sees it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+pub struct TableStatus {
+    /// `schema.table`.
+    pub table: String,
+    /// Rows whose published column is NULL (`None`: the table has none; its
+    /// rows are read from the slot only, and nothing records them).
+    pub unpublished: Option<i64>,
+    /// Its rows copied into the relay's table: waiting there (deferred,
+    /// spooled, held) and DEAD (`dead list` shows them, their event ids
+    /// starting with `schema.table:`).
+    pub in_relay_table: i64,
+    pub dead: i64,
+    /// Why it could not be read (no such table, a column missing).
+    pub error: Option<String>,
 }
 
 /// The running relay as `status` found it on `metrics_addr`.
@@ -159,7 +179,12 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         None => None,
     };
     destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
+    let mut tables = Vec::with_capacity(config.mapped.len());
+    for m in &config.mapped {
+        tables.push(table_status(client, m).await?);
+    }
     Ok(Status {
+        tables,
         relay,
         format: STATUS_FORMAT,
         mode: config.mode,
@@ -168,6 +193,28 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         slot: slot_status(client, &config.slot).await?,
         destinations,
     })
+}
+
+/// A mapped table's unpublished rows and its rows in the relay's table.
+async fn table_status(client: &Client, m: &crate::mapping::Mapping) -> Result<TableStatus, OpsError> {
+    let table = format!("{}.{}", m.schema, m.table);
+    let copies: tokio_postgres::Row = client
+        .query_one(
+            "SELECT count(*) FILTER (WHERE status = 'NEW'), count(*) FILTER (WHERE status = 'DEAD')
+               FROM outbox WHERE starts_with(event_id, $1)",
+            &[&format!("{table}:")],
+        )
+        .await?;
+    let mut t =
+        TableStatus { table, unpublished: None, in_relay_table: copies.get(0), dead: copies.get(1), error: None };
+    if let Some(p) = m.published_column() {
+        let sql = format!("SELECT count(*) FROM {} WHERE {} IS NULL", p.table, p.column);
+        match client.query_one(&sql, &[]).await {
+            Ok(r) => t.unpublished = Some(r.get(0)),
+            Err(e) => t.error = Some(db::describe(&e)),
+        }
+    }
+    Ok(t)
 }
 
 /// Each destination with rows in the table (NEW, spooled, held, DEAD), and
@@ -324,6 +371,22 @@ pub fn format_status(s: &Status) -> String {
     }
     if let Some(RelayReached { address, error: Some(e) }) = &s.relay {
         out += &format!("relay at {address}: {e} (failures and bodies through S3 are shown when it answers)\n");
+    }
+    out + &format_tables(&s.tables)
+}
+
+/// The mapped tables' lines, if any.
+fn format_tables(tables: &[TableStatus]) -> String {
+    if tables.is_empty() {
+        return String::new();
+    }
+    let mut out = format!("{:<40} {:>12} {:>16} {:>10}\n", "mapped table", "unpublished", "in relay table", "DEAD");
+    for t in tables {
+        let unpublished = t.unpublished.map_or_else(|| "-".to_string(), |n| n.to_string());
+        out += &format!("{:<40} {:>12} {:>16} {:>10}\n", t.table, unpublished, t.in_relay_table, t.dead);
+        if let Some(e) = &t.error {
+            out += &format!("  cannot read it: {e}\n");
+        }
     }
     out
 }

@@ -130,6 +130,10 @@ async fn topic_payload_rows_are_caught_up_streamed_and_marked() {
     assert!(!arrived.keys().any(|k| k.starts_with("old:") || k.starts_with("copied:")), "published rows are not sent");
     assert_eq!(arrived.len(), 320);
     assert_eq!(db.count("status = 'DEAD' AND last_error LIKE 'unknown_destination%'").await, 2);
+    let status = outbox_relay::ops::status(&c, &tp_config(&db, Mode::Cdc)).await.unwrap();
+    let t = &status.tables[0];
+    assert_eq!((t.table.as_str(), t.unpublished, t.in_relay_table, t.dead), ("public.outbox_messages", Some(0), 0, 2));
+    assert!(outbox_relay::ops::format_status(&status).contains("public.outbox_messages"));
     relay.stop().await;
 
     // A restart: the replay filter and the catch-up both find every row
