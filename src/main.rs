@@ -120,6 +120,9 @@ enum DeadAction {
         common: CommonArgs,
         #[arg(long)]
         destination: Option<String>,
+        /// A mapped table's rows only (`schema.table`; `public` if no schema).
+        #[arg(long)]
+        table: Option<String>,
         #[arg(long, default_value_t = 100)]
         limit: i64,
         #[arg(long)]
@@ -131,9 +134,12 @@ enum DeadAction {
         common: CommonArgs,
         #[arg(long)]
         destination: Option<String>,
+        /// A mapped table's rows only (`schema.table`; `public` if no schema).
+        #[arg(long)]
+        table: Option<String>,
         #[arg(long)]
         id: Option<i64>,
-        /// Redrive every DEAD row (required when neither --destination nor --id is given).
+        /// Redrive every DEAD row (required when neither --destination, --table nor --id is given).
         #[arg(long)]
         all: bool,
     },
@@ -362,18 +368,24 @@ async fn slot_command(action: SlotAction) -> anyhow::Result<()> {
 /// `dead list|redrive`.
 async fn dead_command(action: DeadAction) -> anyhow::Result<()> {
     match action {
-        DeadAction::List { common, destination, limit, json } => {
+        DeadAction::List { common, destination, table, limit, json } => {
+            let filter = ops::DeadFilter { destination: destination.as_deref(), table: table.as_deref() };
             let (_, db, client) = connected(&common).await?;
-            let read = async { anyhow::Ok(ops::dead_list(&client, destination.as_deref(), limit).await?) };
+            let read = async { anyhow::Ok(ops::dead_list(&client, filter, limit).await?) };
             let rows = db.within("listing DEAD rows", read).await?;
             print_answer(json, &rows, |r| ops::format_dead(r))
         }
-        DeadAction::Redrive { common, destination, id, all } => {
-            if destination.is_none() && id.is_none() && !all {
-                anyhow::bail!("say which DEAD rows to redrive: --destination D, --id N, or --all");
+        DeadAction::Redrive { common, destination, table, id, all } => {
+            if destination.is_none() && table.is_none() && id.is_none() && !all {
+                anyhow::bail!("say which DEAD rows to redrive: --destination D, --table T, --id N, or --all");
             }
             let (_, _, client) = connected(&common).await?;
-            let n = ops::dead_redrive(&client, destination.as_deref(), id).await?;
+            let n = ops::dead_redrive(
+                &client,
+                ops::DeadFilter { destination: destination.as_deref(), table: table.as_deref() },
+                id,
+            )
+            .await?;
             println!("redrove {n} DEAD rows: they are NEW again and the relay sends them");
             Ok(())
         }

@@ -13,9 +13,24 @@ pub struct DeadRow {
     pub created_at: String,
 }
 
+/// Which DEAD rows: of a destination, of a mapped table (`schema.table`:
+/// its rows' event ids start with `schema.table:`), or all.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DeadFilter<'a> {
+    pub destination: Option<&'a str>,
+    pub table: Option<&'a str>,
+}
+
+impl DeadFilter<'_> {
+    /// The mapped table's event-id prefix.
+    fn prefix(&self) -> Option<String> {
+        self.table.map(|t| if t.contains('.') { format!("{t}:") } else { format!("public.{t}:") })
+    }
+}
+
 pub async fn dead_list(
     client: &Client,
-    destination: Option<&str>,
+    filter: DeadFilter<'_>,
     limit: i64,
 ) -> Result<Vec<DeadRow>, tokio_postgres::Error> {
     let rows = client
@@ -23,8 +38,9 @@ pub async fn dead_list(
             "SELECT id, destination, event_id, attempts, last_error, created_at::text
                FROM outbox
               WHERE status = 'DEAD' AND ($1::text IS NULL OR destination = $1)
+                AND ($3::text IS NULL OR starts_with(event_id, $3))
               ORDER BY id LIMIT $2",
-            &[&destination, &limit],
+            &[&filter.destination, &limit, &filter.prefix()],
         )
         .await?;
     Ok(rows
@@ -60,15 +76,16 @@ pub fn format_dead(rows: &[DeadRow]) -> String {
 /// Returns rows redriven.
 pub async fn dead_redrive(
     client: &Client,
-    destination: Option<&str>,
+    filter: DeadFilter<'_>,
     id: Option<i64>,
 ) -> Result<u64, tokio_postgres::Error> {
     client
         .execute(
             "UPDATE outbox
                 SET status = 'NEW', attempts = 0, last_error = NULL, next_attempt_at = now(), published_at = NULL
-              WHERE status = 'DEAD' AND ($1::text IS NULL OR destination = $1) AND ($2::bigint IS NULL OR id = $2)",
-            &[&destination, &id],
+              WHERE status = 'DEAD' AND ($1::text IS NULL OR destination = $1) AND ($2::bigint IS NULL OR id = $2)
+                AND ($3::text IS NULL OR starts_with(event_id, $3))",
+            &[&filter.destination, &id, &filter.prefix()],
         )
         .await
 }

@@ -9,7 +9,7 @@ mod dead;
 mod slot;
 mod status;
 
-pub use dead::{dead_list, dead_redrive, format_dead, DeadRow};
+pub use dead::{dead_list, dead_redrive, format_dead, DeadFilter, DeadRow};
 pub use slot::{slot_create, slot_drop, SlotCreated};
 pub use status::{
     format_slot, format_status, slot_status, status, DestinationStatus, RelayReached, SlotStatus, Status, TableStatus,

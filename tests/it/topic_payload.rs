@@ -134,6 +134,12 @@ async fn topic_payload_rows_are_caught_up_streamed_and_marked() {
     let t = &status.tables[0];
     assert_eq!((t.table.as_str(), t.unpublished, t.in_relay_table, t.dead), ("public.outbox_messages", Some(0), 0, 2));
     assert!(outbox_relay::ops::format_status(&status).contains("public.outbox_messages"));
+    let table = outbox_relay::ops::DeadFilter { table: Some("outbox_messages"), ..Default::default() };
+    let dead = outbox_relay::ops::dead_list(&c, table, 100).await.unwrap();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert!(dead.iter().all(|d| d.event_id.starts_with("public.outbox_messages:")));
+    let other = outbox_relay::ops::DeadFilter { table: Some("app.outboxevent"), ..Default::default() };
+    assert!(outbox_relay::ops::dead_list(&c, other, 100).await.unwrap().is_empty());
     relay.stop().await;
 
     // A restart: the replay filter and the catch-up both find every row
