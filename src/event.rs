@@ -60,7 +60,7 @@ pub struct PublishedColumn {
 
 impl PublishedColumn {
     /// The rows whose key is among `$1` (text[]), by the key's index.
-    fn keys_in(&self) -> String {
+    pub fn keys_in(&self) -> String {
         match &self.id_type {
             Some(t) => format!("{} = ANY($1::text[]::{t}[])", self.id),
             None => format!("{}::text = ANY($1::text[])", self.id),

@@ -106,38 +106,37 @@ pub struct MappingError {
 }
 
 impl Mapping {
+    /// `schema.table` with its key, destination and body columns named,
+    /// the key the event id, and no optional field.
+    pub fn of(schema: &str, table: &str, id: &str, destination: &str, body: &str) -> Mapping {
+        Mapping {
+            schema: schema.into(),
+            table: table.into(),
+            id: id.into(),
+            event_id: id.into(),
+            destination: destination.into(),
+            body: body.into(),
+            group_key: None,
+            attributes: None,
+            attribute_columns: vec![],
+            deliver_at: None,
+            traceparent: None,
+            published: None,
+            id_type: None,
+        }
+    }
+
     /// A preset's mapping of `schema.table`.
     pub fn preset(preset: Preset, schema: &str, table: &str) -> Mapping {
         match preset {
             Preset::Debezium => Mapping {
-                schema: schema.into(),
-                table: table.into(),
-                id: "id".into(),
-                event_id: "id".into(),
-                destination: "aggregatetype".into(),
-                body: "payload".into(),
                 group_key: Some("aggregateid".into()),
-                attributes: None,
                 attribute_columns: vec!["type".into()],
-                deliver_at: None,
-                traceparent: None,
-                published: None,
-                id_type: None,
+                ..Mapping::of(schema, table, "id", "aggregatetype", "payload")
             },
             Preset::TopicPayload => Mapping {
-                schema: schema.into(),
-                table: table.into(),
-                id: "id".into(),
-                event_id: "id".into(),
-                destination: "topic".into(),
-                body: "payload".into(),
-                group_key: None,
-                attributes: None,
-                attribute_columns: vec![],
-                deliver_at: None,
-                traceparent: None,
                 published: Some("published_at".into()),
-                id_type: None,
+                ..Mapping::of(schema, table, "id", "topic", "payload")
             },
         }
     }

@@ -92,22 +92,7 @@ impl Written {
             }
             None => {
                 let need = |k: &str| given(k).ok_or_else(|| bad(format!("without a preset, `{k}` must name a column")));
-                let id = need("id")?;
-                Mapping {
-                    schema: schema.into(),
-                    table: name.into(),
-                    event_id: id.clone(),
-                    id,
-                    destination: need("destination")?,
-                    body: need("body")?,
-                    group_key: None,
-                    attributes: None,
-                    attribute_columns: Vec::new(),
-                    deliver_at: None,
-                    traceparent: None,
-                    published: None,
-                    id_type: None,
-                }
+                Mapping::of(schema, name, &need("id")?, &need("destination")?, &need("body")?)
             }
         };
         m.id = given("id").unwrap_or(m.id);

@@ -235,15 +235,25 @@ const VISIBILITY_DEADLINE: Duration = Duration::from_secs(10);
 ///
 /// The stream gives 32-bit xids; they are widened against the snapshot's
 /// xmax (a committed transaction is less than 2^31 behind it).
-const MISSING_SQL: &str = "
-SELECT u.event_id, o.status = 'NEW', o.id IS NOT NULL,
-       u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
-                         AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)) AS visible
-  FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(id, xid, event_id)
-  LEFT JOIN outbox o ON o.id = u.id AND o.event_id = u.event_id
- CROSS JOIN (SELECT pg_current_snapshot() AS snap,
+static MISSING_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT u.event_id, o.status = 'NEW', o.id IS NOT NULL, {XID_VISIBLE} AS visible
+           FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(id, xid, event_id)
+           LEFT JOIN outbox o ON o.id = u.id AND o.event_id = u.event_id
+          {XID_SNAPSHOT}"
+    )
+});
+
+/// Joined to rows `u` with a 32-bit `xid` (from the stream): the
+/// statement's snapshot, and each xid's distance below its xmax.
+const XID_SNAPSHOT: &str = "CROSS JOIN (SELECT pg_current_snapshot() AS snap,
                     pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
  CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d";
+
+/// Over [`XID_SNAPSHOT`]: `u.xid`'s transaction is visible to the snapshot
+/// (true for no xid).
+const XID_VISIBLE: &str = "(u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
+                         AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)))";
 
 /// When a run of published ids (`r`) proves that the row with id `$id` and
 /// event id `$event_id`, committed at `$commit`, was published: the run was
@@ -398,13 +408,8 @@ async fn not_visible_yet<C: GenericClient>(
     }
     let (keys, xids): (Vec<&str>, Vec<Option<i64>>) = rows.iter().copied().unzip();
     let sql = format!(
-        "SELECT u.key FROM unnest($1::text[], $2::bigint[]) AS u(key, xid)
-          CROSS JOIN (SELECT pg_current_snapshot() AS snap,
-                             pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax) s
-          CROSS JOIN LATERAL (SELECT ((s.xmax % 4294967296) - u.xid + 4294967296) % 4294967296 AS delta) d
-          WHERE (u.xid IS NOT NULL AND NOT (d.delta > 0 AND d.delta < 2147483648
-                                            AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)))
-             OR EXISTS (SELECT 1 FROM {} x WHERE {} AND x.{} IS NULL)",
+        "SELECT u.key FROM unnest($1::text[], $2::bigint[]) AS u(key, xid) {XID_SNAPSHOT}
+          WHERE NOT {XID_VISIBLE} OR EXISTS (SELECT 1 FROM {} x WHERE {} AND x.{} IS NULL)",
         table.table,
         table.key_is("x", "u.key"),
         table.column
@@ -466,7 +471,7 @@ async fn missing<C: GenericClient>(
     let xids: Vec<Option<i64>> = rest.iter().map(|s| s.event.xid.map(i64::from)).collect();
     let event_ids: Vec<&str> = rest.iter().map(|s| s.event.event_id.as_str()).collect();
     let mut out = std::collections::HashMap::new();
-    for r in client.query(MISSING_SQL, &[&ids, &xids, &event_ids]).await? {
+    for r in client.query(MISSING_SQL.as_str(), &[&ids, &xids, &event_ids]).await? {
         let (key, is_new, present, visible): (String, Option<bool>, bool, bool) =
             (r.get(0), r.get(1), r.get(2), r.get(3));
         let state = match (present, is_new == Some(true), visible) {

@@ -65,10 +65,7 @@ impl MappedClaim {
              FOR UPDATE SKIP LOCKED",
             quote_ident(&mapping.body)
         );
-        let keys_in = match &mapping.id_type {
-            Some(ty) => format!("{id} = ANY($1::text[]::{ty}[])"),
-            None => format!("{id}::text = ANY($1::text[])"),
-        };
+        let keys_in = published.keys_in();
         let fetch_sql = format!(
             "SELECT {}, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint FROM {t} WHERE {keys_in} ORDER BY {id}",
             exprs.join(", ")

@@ -785,20 +785,6 @@ mod workload {
             .unwrap();
     }
 
-    /// The seed article's polling outbox (`topic-payload`), mapped beside
-    /// Debezium's: rows kept, `published_at` set by whoever published them.
-    async fn topic_payload_table(db: &TestDb) {
-        db.client()
-            .await
-            .batch_execute(
-                "CREATE TABLE outbox_messages (id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
-                     published_at timestamptz);
-                 ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
-            )
-            .await
-            .unwrap();
-    }
-
     /// One producer transaction on the `topic-payload` table: `n` rows to
     /// standard queues (the preset has no group) or nowhere, a few inserted
     /// as published already (`{"pre": true}`: never to be sent). The rows
@@ -959,7 +945,7 @@ mod workload {
         // file ([`produce_debezium`], [`produce_topic_payload`]); rows of the
         // latter written before the slot exists are caught up.
         debezium_table(&db).await;
-        topic_payload_table(&db).await;
+        crate::topic_payload::topic_payload_table(&db, true).await;
         let mut c = db.client().await;
         let before_slot = produce_topic_payload(&mut c, &mut rng, &format!("k{seed}pre"), &["a"], true).await.unwrap();
         let extra = format!(
@@ -1126,7 +1112,7 @@ mod workload {
         let mut before_slot = Vec::new();
         if !sharded {
             debezium_table(&db).await;
-            topic_payload_table(&db).await;
+            crate::topic_payload::topic_payload_table(&db, true).await;
             // Written before the slot: caught up from the table.
             let mut c = db.client().await;
             before_slot =

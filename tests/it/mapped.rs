@@ -173,21 +173,7 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
         cfg.mapped = vec![m];
         start_up_error(cfg, Arc::new(publisher()))
     };
-    let custom = |table: &str| Mapping {
-        schema: "public".into(),
-        table: table.into(),
-        id: "id".into(),
-        event_id: "id".into(),
-        destination: "topic".into(),
-        body: "payload".into(),
-        group_key: None,
-        attributes: None,
-        attribute_columns: vec![],
-        deliver_at: None,
-        traceparent: None,
-        published: None,
-        id_type: None,
-    };
+    let custom = |table: &str| Mapping::of("public", table, "id", "topic", "payload");
     let e = refused(Mapping { body: "data".into(), ..custom("events") }).await;
     assert!(e.contains("mapped table public.events: no column \"data\""), "{e}");
     let e = refused(custom("events")).await;

@@ -61,13 +61,7 @@ async fn settled(db: &TestDb) {
 async fn a_template_routes_each_new_destination_to_its_queue() {
     let db = TestDb::new("route_tmpl").await;
     let c = db.client().await;
-    c.batch_execute(
-        "CREATE TABLE outbox_messages (id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
-                                       published_at timestamptz);
-         ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
-    )
-    .await
-    .unwrap();
+    crate::topic_payload::topic_payload_table(&db, true).await;
     let names: Vec<String> = (0..20).map(|i| format!("tenant-{i}")).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let p = publisher(&refs);

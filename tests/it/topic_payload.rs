@@ -17,8 +17,9 @@ use testkit::*;
 
 const Q: &str = "http://memory.invalid/events";
 
-/// The seed article's table; in the relay's publication if `published`.
-async fn topic_payload_table(db: &TestDb, in_publication: bool) {
+/// The seed article's table (and the index its claims use); in the relay's
+/// publication if `in_publication`.
+pub(crate) async fn topic_payload_table(db: &TestDb, in_publication: bool) {
     let c = db.client().await;
     c.batch_execute(
         "CREATE TABLE outbox_messages (

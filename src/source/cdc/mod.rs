@@ -203,7 +203,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
     }
     for d in ctx.parts.destinations.all() {
         d.state.reset_deferred();
-        if spooled.contains(&d.name.to_string()) {
+        if spooled.iter().any(|s| **s == *d.name) {
             d.state.start_spooling(crate::policy::spool::SpoolCause::RowsInTable);
         }
     }
