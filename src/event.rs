@@ -223,10 +223,10 @@ impl OutboxEvent {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "test-utils"))]
 impl OutboxEvent {
     /// A row for tests: event id `e:{id}`, no group, no attributes.
-    pub(crate) fn for_test(id: i64, destination: &str, body: &str) -> Self {
+    pub fn for_test(id: i64, destination: &str, body: &str) -> Self {
         OutboxEvent {
             id,
             event_id: format!("e:{id}"),

@@ -24,6 +24,7 @@ pub mod jobs;
 pub mod outage;
 pub mod process;
 pub mod proxy;
+pub mod standin;
 pub mod takeover;
 
 pub struct Stack {
