@@ -30,6 +30,7 @@ pub const SQS_ENTRY_FAILURES_TOTAL: &str = "outbox_relay_sqs_entry_failures_tota
 pub const REPLAYED_FILTERED_TOTAL: &str = "outbox_relay_replayed_events_filtered_total";
 pub const STREAM_RESTARTS_TOTAL: &str = "outbox_relay_stream_restarts_total";
 pub const LANE_SPOOLED: &str = "outbox_relay_lane_spooled";
+pub const LANE_IN_FLIGHT_LIMIT: &str = "outbox_relay_lane_in_flight_limit";
 pub const LANE_SPOOL_SWITCHES_TOTAL: &str = "outbox_relay_lane_spool_switches_total";
 pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
 pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
@@ -71,6 +72,7 @@ pub struct Metrics {
     pub replayed_filtered: IntCounter,
     pub stream_restarts: IntCounter,
     pub lane_spooled: IntGaugeVec,
+    pub lane_in_flight_limit: IntGaugeVec,
     pub lane_spool_switches: IntCounterVec,
     pub events_deferred: IntCounterVec,
     pub slot_recreated: IntCounterVec,
@@ -130,6 +132,7 @@ impl Metrics {
             replayed_filtered: IntCounter::new(REPLAYED_FILTERED_TOTAL, "Replayed events skipped after a restart because their rows were already settled").unwrap(),
             stream_restarts: IntCounter::new(STREAM_RESTARTS_TOTAL, "Times the replication stream was restarted after an error or a lost leader lock").unwrap(),
             lane_spooled: IntGaugeVec::new(Opts::new(LANE_SPOOLED, "1 while the destination's lane spools to the outbox table instead of streaming"), &["destination"]).unwrap(),
+            lane_in_flight_limit: IntGaugeVec::new(Opts::new(LANE_IN_FLIGHT_LIMIT, "SendMessageBatch calls the lane may have in flight now: grows while sends succeed at a steady round trip, halves on throttling and errors, at most max_in_flight_batches (path: stream, or table for the polling and spool-drain lanes)"), &["destination", "path"]).unwrap(),
             lane_spool_switches: IntCounterVec::new(Opts::new(LANE_SPOOL_SWITCHES_TOTAL, "Times the lane switched from streaming to spooling"), &["destination"]).unwrap(),
             events_deferred: IntCounterVec::new(Opts::new(EVENTS_DEFERRED_TOTAL, "Events handed to the table path with a next_attempt_at (spooled or retried later)"), &["destination"]).unwrap(),
             slot_recreated: IntCounterVec::new(Opts::new(SLOT_RECREATED_TOTAL, "Times the replication slot was found dropped or invalidated and created again (with a catch-up from the table), by reason"), &["reason"]).unwrap(),
@@ -184,6 +187,7 @@ impl Metrics {
             Box::new(self.replayed_filtered.clone()),
             Box::new(self.stream_restarts.clone()),
             Box::new(self.lane_spooled.clone()),
+            Box::new(self.lane_in_flight_limit.clone()),
             Box::new(self.lane_spool_switches.clone()),
             Box::new(self.events_deferred.clone()),
             Box::new(self.slot_recreated.clone()),

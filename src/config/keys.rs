@@ -85,9 +85,9 @@ pub const PUBLISHED_ROWS: Key =
     key("published_rows", Kind::Text, Some("delete"), "delete | keep (marked PUBLISHED, swept by retention)");
 pub const MAX_IN_FLIGHT_BATCHES: Key = key(
     "max_in_flight_batches",
-    Kind::Count { min: 1, max: 256 },
-    Some("8"),
-    "SendMessageBatch calls in flight per lane",
+    Kind::Count { min: 1, max: 1024 },
+    Some("256"),
+    "the cap of a lane's SendMessageBatch calls in flight (the limit under it adapts)",
 );
 pub const MAX_UNSETTLED_EVENTS: Key = key(
     "max_unsettled_events",

@@ -785,7 +785,7 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
             ("connect_timeout = \"0s\"", "connect_timeout = \"0s\" is out of range"),
             ("query_timeout = \"1000d\"", "query_timeout"),
             ("retention = \"1s\"", "retention = \"1s\" is out of range: it must be from 1m"),
-            ("max_in_flight_batches = 0", "max_in_flight_batches = 0 is out of range: it must be from 1 to 256"),
+            ("max_in_flight_batches = 0", "max_in_flight_batches = 0 is out of range: it must be from 1 to 1024"),
             ("max_in_flight_batches = 100000", "max_in_flight_batches = 100000 is out of range"),
             ("max_unsettled_events = 0", "max_unsettled_events = 0 is out of range"),
             (

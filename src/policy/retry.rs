@@ -16,18 +16,23 @@ pub enum Remedy {
 }
 
 /// Error codes that mean "slow down" even when SQS marks them as the sender's fault.
-const THROTTLING: &[&str] = &[
+const SLOW_DOWN: &[&str] = &[
     "Throttling",
     "ThrottlingException",
     "RequestThrottled",
     "TooManyRequestsException",
     "KmsThrottled",
     "KMS.ThrottlingException",
-    "ServiceUnavailable",
-    "InternalError",
-    "InternalFailure",
-    "RequestTimeout",
 ];
+
+/// Whether `code` tells the sender to slow down (the lane's concurrency
+/// limit shrinks: [`crate::policy::concurrency`]).
+pub fn slows_down(code: &str) -> bool {
+    SLOW_DOWN.contains(&code)
+}
+
+/// Error codes of the service's own trouble, retried even when marked as the sender's fault.
+const SERVER_TROUBLE: &[&str] = &["ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout"];
 
 /// Codes that mean the queue or the credentials are wrong: an operator must act,
 /// and retrying keeps the rows safe until they do.
@@ -128,9 +133,15 @@ pub fn classify_lookup(code: &str) -> Lookup {
     }
 }
 
+/// Codes retried whoever SQS says is at fault: throttling, the service's
+/// trouble, and what an operator must mend.
+fn transient(code: &str) -> bool {
+    SLOW_DOWN.contains(&code) || SERVER_TROUBLE.contains(&code) || OPERATOR_ACTION.contains(&code)
+}
+
 /// A failed entry of a `SendMessageBatch` response.
 pub fn classify_entry(code: &str, sender_fault: bool) -> Remedy {
-    if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
+    if transient(code) || !sender_fault {
         Remedy::Retry
     } else {
         Remedy::Dead
@@ -140,7 +151,7 @@ pub fn classify_entry(code: &str, sender_fault: bool) -> Remedy {
 /// A `SendMessageBatch` call of `entries` entries that failed as a whole
 /// with the service's `code` (or `transport` / `timeout`).
 pub fn classify_call(code: &str, sender_fault: bool, entries: usize) -> Remedy {
-    if THROTTLING.contains(&code) || OPERATOR_ACTION.contains(&code) || !sender_fault {
+    if transient(code) || !sender_fault {
         Remedy::Retry
     } else if entries > 1 {
         Remedy::Split

@@ -47,6 +47,11 @@ struct Inner {
     /// Calls begun, including those held at the gate.
     started: usize,
     batch_sizes: Vec<usize>,
+    /// Every call takes this long before it is answered.
+    latency: std::time::Duration,
+    /// Calls begun and not answered yet, and the most there were at once.
+    in_flight: usize,
+    peak_in_flight: usize,
 }
 
 #[derive(Clone, Default)]
@@ -104,6 +109,16 @@ impl MemoryPublisher {
     pub fn batch_sizes(&self) -> Vec<usize> {
         self.inner.lock().unwrap().batch_sizes.clone()
     }
+
+    /// Every call from now on is answered after `latency`.
+    pub fn set_latency(&self, latency: std::time::Duration) {
+        self.inner.lock().unwrap().latency = latency;
+    }
+
+    /// The most calls there were in flight at once.
+    pub fn peak_in_flight(&self) -> usize {
+        self.inner.lock().unwrap().peak_in_flight
+    }
 }
 
 #[async_trait]
@@ -117,6 +132,24 @@ impl Publisher for MemoryPublisher {
     }
 
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        let latency = {
+            let mut inner = self.inner.lock().unwrap();
+            inner.in_flight += 1;
+            inner.peak_in_flight = inner.peak_in_flight.max(inner.in_flight);
+            inner.latency
+        };
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
+        }
+        let result = self.answer(queue_url, entries).await;
+        self.inner.lock().unwrap().in_flight -= 1;
+        result
+    }
+}
+
+impl MemoryPublisher {
+    /// A call's answer, once its latency passed.
+    async fn answer(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         self.inner.lock().unwrap().started += 1;
         let gate = self.gate.lock().unwrap().clone();
         if let Some(g) = gate {

@@ -14,6 +14,7 @@
 //! returns the lane to streaming when its spool is empty and sends succeed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,7 @@ use crate::pipeline::budget::Permit;
 use crate::pipeline::settings::LaneSettings;
 use crate::pipeline::settle::{Due, Marking, Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
+use crate::policy::concurrency::{Limiter, Signal, Ticket};
 use crate::policy::spool::{stalled, SpoolCause};
 use crate::publish::entry::{Entry, QueueInfo};
 use crate::publish::Publisher;
@@ -92,6 +94,8 @@ pub struct LaneConfig {
     pub linger: Duration,
     /// Send at once when nothing is in flight; linger only while batches are.
     pub adaptive: bool,
+    /// The cap of the batches in flight; the limit under it adapts
+    /// ([`crate::policy::concurrency`]).
     pub max_in_flight: usize,
     pub retry_base: Duration,
     pub retry_cap: Duration,
@@ -146,9 +150,64 @@ pub(crate) struct Ctx {
     /// be retried in memory are abandoned (unsettled, so the slot replays
     /// them) instead of holding the shutdown.
     pub(crate) closing: watch::Sender<bool>,
+    /// How many batches the lane may have in flight now.
+    limiter: Mutex<Limiter>,
+    /// Its `SendMessageBatch` calls in flight.
+    calls: AtomicUsize,
 }
 
 impl Ctx {
+    fn new(
+        cfg: LaneConfig,
+        publisher: Arc<dyn Publisher>,
+        settle: mpsc::UnboundedSender<Settlement>,
+        metrics: Arc<Metrics>,
+        state: Option<Arc<LaneState>>,
+    ) -> Ctx {
+        let limiter = Limiter::new(cfg.max_in_flight);
+        let ctx = Ctx {
+            cfg,
+            publisher,
+            settle,
+            metrics,
+            state,
+            last_warn: Mutex::new(None),
+            closing: watch::channel(false).0,
+            limiter: Mutex::new(limiter),
+            calls: AtomicUsize::new(0),
+        };
+        ctx.show_limit(ctx.limit());
+        ctx
+    }
+
+    /// Batches the lane may have in flight now.
+    pub(crate) fn limit(&self) -> usize {
+        self.limiter.lock().unwrap().limit()
+    }
+
+    fn show_limit(&self, limit: usize) {
+        let path = match self.cfg.retry {
+            RetryPolicy::InMemory => "stream",
+            RetryPolicy::ToTable => "table",
+        };
+        self.metrics.lane_in_flight_limit.with_label_values(&[&self.cfg.name, path]).set(limit as i64);
+    }
+
+    /// A `SendMessageBatch` call starts.
+    pub(crate) fn call_starts(&self) -> Ticket {
+        let in_flight = self.calls.fetch_add(1, Ordering::Relaxed);
+        self.limiter.lock().unwrap().start(in_flight)
+    }
+
+    /// The call `ticket` started ended, saying `signal` about the far end.
+    pub(crate) fn call_ended(&self, ticket: Ticket, signal: Signal) {
+        self.calls.fetch_sub(1, Ordering::Relaxed);
+        let mut limiter = self.limiter.lock().unwrap();
+        if limiter.on(ticket, signal) {
+            self.show_limit(limiter.limit());
+        }
+    }
+
     pub(crate) fn warn_due(&self) -> bool {
         let mut last = self.last_warn.lock().unwrap();
         if last.is_some_and(|t| t.elapsed() < Duration::from_secs(5)) {
@@ -195,15 +254,7 @@ pub async fn run_lane(
     state: Option<Arc<LaneState>>,
 ) {
     let spool_rx = state.as_ref().map(|s| s.subscribe());
-    let ctx = Arc::new(Ctx {
-        cfg,
-        publisher,
-        settle,
-        metrics,
-        state,
-        last_warn: Mutex::new(None),
-        closing: watch::channel(false).0,
-    });
+    let ctx = Arc::new(Ctx::new(cfg, publisher, settle, metrics, state));
     let mut lane = Lane::new(ctx, spool_rx);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -324,7 +375,8 @@ impl Lane {
         }
         let fifo = self.ctx.cfg.queue.fifo;
         let linger = self.ctx.cfg.linger;
-        while self.in_flight.len() < self.ctx.cfg.max_in_flight && !self.pending.is_empty() {
+        let limit = self.ctx.limit();
+        while self.in_flight.len() < limit && !self.pending.is_empty() {
             let idle = self.ctx.cfg.adaptive
                 && self.in_flight.is_empty()
                 && self.last_done.is_none_or(|t| t.elapsed() >= linger)
@@ -354,7 +406,7 @@ impl Lane {
     /// When the linger of the pending entries ends (or, adaptive, the lane
     /// turns idle, if sooner), if a batch could start then.
     fn linger_deadline(&self) -> Option<Instant> {
-        if self.in_flight.len() >= self.ctx.cfg.max_in_flight {
+        if self.in_flight.len() >= self.ctx.limit() {
             return None;
         }
         let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty());
@@ -471,6 +523,7 @@ mod tests {
     use crate::publish::entry::prepare;
     use crate::publish::memory::MemoryPublisher;
     use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
+    use crate::publish::CallError;
 
     const Q: &str = "http://memory.invalid/orders";
 
@@ -557,6 +610,42 @@ mod tests {
             assert!(matches!(settle_rx.recv().await.unwrap().outcome, Outcome::Published));
         }
         assert_eq!(p.batch_sizes(), vec![3]);
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// A busy lane grows its limit from 8 to its cap while calls come back
+    /// at a steady round trip; a throttled call halves it (shown on the
+    /// metric), and the throttled entry is sent after its backoff, not DEAD.
+    #[tokio::test]
+    async fn a_busy_lane_finds_its_limit_and_a_throttle_halves_it() {
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        p.set_latency(Duration::from_millis(20));
+        let metrics = Metrics::new();
+        let limit = || metrics.lane_in_flight_limit.with_label_values(&["orders", "stream"]).get();
+        let (tx, rx) = mpsc::channel(8192);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let cfg = streaming_lane(64, Duration::from_millis(10), Duration::from_millis(20));
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        until("the lane's limit shown", || limit() > 0).await;
+        assert_eq!(limit(), 8, "a lane starts at 8");
+        for id in 0..4000 {
+            tx.send(item(id)).await.unwrap();
+        }
+        for _ in 0..4000 {
+            assert!(matches!(settle_rx.recv().await.unwrap().outcome, Outcome::Published));
+        }
+        assert_eq!((p.peak_in_flight(), limit()), (64, 64), "grown to the cap");
+        p.push_fault(crate::publish::memory::Fault::FailCall(CallError {
+            code: "RequestThrottled".into(),
+            message: "slow down".into(),
+            sender_fault: true,
+        }));
+        tx.send(item(4000)).await.unwrap();
+        let s = settle_rx.recv().await.unwrap();
+        assert_eq!((s.id(), matches!(s.outcome, Outcome::Published)), (4000, true), "retried, not DEAD");
+        assert_eq!(limit(), 32, "halved once; a lone call does not grow it back");
         drop(tx);
         lane.await.unwrap();
     }

@@ -11,6 +11,7 @@ use tracing::Instrument;
 use super::{defer, ordering_groups, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy, Unsent};
 use crate::metrics::Service;
 use crate::pipeline::settle::{Due, Outcome};
+use crate::policy::concurrency::Signal;
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
 use crate::publish::entry::{Entry, TRACEPARENT};
@@ -237,7 +238,9 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     for tp in entries.iter().filter_map(|e| e.attributes.iter().find(|a| a.name == TRACEPARENT)) {
         crate::telemetry::link_producer(&span, &tp.value);
     }
+    let ticket = ctx.call_starts();
     let result = send_with_objects(ctx, &entries).instrument(span).await;
+    ctx.call_ended(ticket, signal(&result, started.elapsed()));
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
     match &result {
         Ok(results) => {
@@ -258,6 +261,24 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
         }
     }
     reconcile(&result, todo.len())
+}
+
+/// What a call's result says about the far end, for the lane's limit.
+fn signal(result: &Result<Vec<EntryResult>, CallError>, rtt: std::time::Duration) -> Signal {
+    match result {
+        Err(e) => Signal::of(Err::<[&str; 0], _>(e.code.as_str()), rtt),
+        Ok(results) => Signal::of(Ok(results.iter().filter_map(retryable_code)), rtt),
+    }
+}
+
+/// The code of an entry that failed and may be retried.
+fn retryable_code(r: &EntryResult) -> Option<&str> {
+    match r {
+        EntryResult::Failed { code, sender_fault, .. } if classify_entry(code, *sender_fault) != Remedy::Dead => {
+            Some(code.as_str())
+        }
+        _ => None,
+    }
 }
 
 /// Settle the published and DEAD entries; return those to retry, with their error.
