@@ -79,7 +79,18 @@ struct Args {
     /// [destinations] and routed by a queue-URL template, side by side.
     #[arg(long)]
     routing_only: Option<usize>,
+    /// Run only one hot queue through the SQS stand-in at 15 and 30 ms round
+    /// trip (this many messages), and 5% of its calls throttled.
+    #[arg(long)]
+    hot_queue_only: Option<usize>,
+    /// Serve the SQS stand-in with this round trip (ms) until killed: the
+    /// benchmark's own child, so the stand-in's CPU is not the measured one's.
+    #[arg(long, hide = true)]
+    serve_standin: Option<u64>,
 }
+
+#[path = "bench/hot_queue.rs"]
+mod hot_queue;
 
 fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
@@ -748,7 +759,10 @@ async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, conc
 }
 
 async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
-    let concurrency = a.destinations * 8; // lanes x max_in_flight_batches (default 8)
+    // Lanes x 8 batches in flight: these rows keep the fixed 8 of earlier
+    // runs (the relay's cap set to it), comparable with them; the hot-queue
+    // rows measure the default, adaptive, limit.
+    let concurrency = a.destinations * 8;
     let queues = create_queues(sqs, a.destinations).await;
     let phase = Phase::start();
     let raw = raw_sqs(sqs, &queues, n, concurrency, a.row_size).await;
@@ -761,6 +775,7 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     let queues = create_queues(sqs, a.destinations).await;
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
+    cfg.max_in_flight_batches = 8;
     let clocked = Arc::new(Clocked {
         inner: sqs.clone(),
         first_us: AtomicU64::new(0),
@@ -1450,6 +1465,9 @@ struct Results {
     drains: Vec<Drain>,
     down: LaneDown,
     s3: S3Bodies,
+    /// One queue through the SQS stand-in at 15 and 30 ms, and throttled.
+    hot: Vec<hot_queue::HotQueue>,
+    throttled: hot_queue::Throttled,
 }
 
 /// The ratios and latencies the targets are about.
@@ -1620,6 +1638,14 @@ async fn scaling_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Dra
     drains
 }
 
+/// One hot queue at 15 and 30 ms, `n` messages; then 5% of its calls
+/// throttled at 15 ms.
+async fn hot_queue_rows(a: &Args, n: usize) -> (Vec<hot_queue::HotQueue>, hot_queue::Throttled) {
+    let hot = hot_queue::hot_queues(a, n, &[15, 30]).await;
+    let throttled = hot_queue::throttled(a, n, RTT).await;
+    (hot, throttled)
+}
+
 /// Every row of the full run after the large bodies.
 async fn measure_all(
     a: &Args,
@@ -1640,7 +1666,9 @@ async fn measure_all(
     eprintln!("bench: scaling done ({:.0} s)", started.elapsed().as_secs_f64());
     let s3 = s3_bodies(sqs, if a.quick { 60 } else { 200 }, 2 << 20).await;
     eprintln!("bench: bodies through S3 done ({:.0} s)", started.elapsed().as_secs_f64());
-    Results { large, dec, sqsc, far, far3, lat, drains, down, s3 }
+    let (hot, throttled) = hot_queue_rows(a, if a.quick { 50_000 } else { 300_000 }).await;
+    eprintln!("bench: hot queue done ({:.0} s)", started.elapsed().as_secs_f64());
+    Results { large, dec, sqsc, far, far3, lat, drains, down, s3, hot, throttled }
 }
 
 fn print_ceilings(a: &Args, r: &Results, x: &Ratios) {
@@ -1781,6 +1809,9 @@ fn targets_met(r: &Results, x: &Ratios) -> BTreeMap<&'static str, bool> {
         ("cdc_calls_at_5000_no_more_than_fixed_linger", x.c5.calls_per_100k <= x.f5.calls_per_100k),
         ("peak_rss_under_100_mb_lane_down", r.down.peak_rss_mb < 100.0),
         ("peak_rss_under_256_mb_large_bodies", r.large[0].peak_rss_mb < 256.0),
+        ("hot_queue_vs_min_slot_raw_0_90", r.hot.iter().all(|h| h.ratio >= 0.9)),
+        ("hot_queue_cpu_1_3_of_raw", r.hot.iter().all(|h| h.cpu_ratio() <= 1.3)),
+        ("throttled_nothing_lost_nothing_dead", r.throttled.nothing_lost()),
     ])
 }
 
@@ -1815,6 +1846,8 @@ fn summary(a: &Args, r: &Results, x: &Ratios, started: Instant) -> serde_json::V
         "lane_down": r.down,
         "large_bodies": r.large,
         "s3_bodies": r.s3,
+        "hot_queue": r.hot,
+        "throttled": r.throttled,
         "targets_met": targets_met(r, x),
     })
 }
@@ -1822,6 +1855,9 @@ fn summary(a: &Args, r: &Results, x: &Ratios, started: Instant) -> serde_json::V
 #[tokio::main]
 async fn main() {
     let a = Args::parse();
+    if let Some(rtt_ms) = a.serve_standin {
+        return hot_queue::serve_standin(rtt_ms).await;
+    }
     let stack_guard = testkit::process::StackGuard::own("bench", "OUTBOX_RELAY_BENCH_STACK_DIR", a.keep_stack);
     let started = Instant::now();
     let steady_s = a.steady_seconds.unwrap_or(if a.quick { 4 } else { 30 });
@@ -1836,6 +1872,13 @@ async fn main() {
         let drains = routing_drains(&a, n, 100, 2).await;
         print_routing(&drains);
         println!("{}", serde_json::to_string_pretty(&json!({ "routing": drains })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.hot_queue_only {
+        let (hot, throttled) = hot_queue_rows(&a, n).await;
+        hot_queue::print_hot(&hot, &throttled);
+        println!("{}", serde_json::to_string_pretty(&json!({ "hot_queue": hot, "throttled": throttled })).unwrap());
         drop(stack_guard);
         return;
     }
@@ -1868,6 +1911,7 @@ async fn main() {
     let r = measure_all(&a, &sqs, large, steady_s, started).await;
     let x = r.ratios();
     print_results(&a, &r, &x);
+    hot_queue::print_hot(&r.hot, &r.throttled);
     let text = serde_json::to_string_pretty(&summary(&a, &r, &x, started)).unwrap();
     std::fs::write(&a.json_out, &text).unwrap_or_else(|e| panic!("write {}: {e}", a.json_out.display()));
     drop(stack_guard);
