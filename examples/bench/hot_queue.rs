@@ -25,6 +25,12 @@ pub(super) struct HotQueue {
     pub(super) ratio: f64,
     raw_cpu_s_per_100k: f64,
     relay_cpu_s_per_100k: f64,
+    /// Share of both cores busy (everything: PostgreSQL, the stand-in, us).
+    raw_machine_busy_pct: f64,
+    relay_machine_busy_pct: f64,
+    /// PostgreSQL's CPU seconds per 100k messages while the relay drained
+    /// (its walsender decoding, the settlement's backend).
+    relay_pg_cpu_s_per_100k: f64,
     /// The highest limit the relay's lane reached.
     relay_peak_limit: i64,
     relay_calls: u64,
@@ -93,11 +99,11 @@ async fn hot_queue(a: &Args, n: usize, rtt: Duration) -> HotQueue {
     let sqs = SqsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
     let url = format!("{}/000000000000/hot", standin.endpoint);
     let db = TestDb::new("bench_hot").await;
-    let cap = config(&db, &[]).max_in_flight_batches;
+    let cap = config(&db, &[("d0", &url)]).max_in_flight_batches;
 
     let phase = Phase::start();
     let raw = raw_sqs(&sqs, &[("d0".into(), url.clone())], n, cap, a.row_size).await;
-    let (raw_cpu, _) = phase.end();
+    let (raw_cpu, raw_busy) = phase.end();
 
     create_slot(&db, &db.slot).await;
     create_slot(&db, "bench_hot_recvlogical").await;
@@ -105,7 +111,7 @@ async fn hot_queue(a: &Args, n: usize, rtt: Duration) -> HotQueue {
     let (recv_secs, _) = recvlogical(&db, "bench_hot_recvlogical", end).await;
     db.client().await.execute("SELECT pg_drop_replication_slot('bench_hot_recvlogical')", &[]).await.unwrap();
 
-    let (relay_rate, relay_cpu, peak, calls) = relay_to(&db, &url, &sqs, n).await;
+    let relay = relay_to(&db, &url, &sqs, n).await;
     standin.stop().await;
     let slot = n as f64 / recv_secs;
     let per_100k = |cpu: f64| (cpu * 100_000.0 / n as f64 * 100.0).round() / 100.0;
@@ -115,20 +121,33 @@ async fn hot_queue(a: &Args, n: usize, rtt: Duration) -> HotQueue {
         cap,
         slot_msgs_per_s: slot.round(),
         raw_msgs_per_s: raw.round(),
-        relay_msgs_per_s: relay_rate.round(),
-        ratio: r2(relay_rate / slot.min(raw)),
+        relay_msgs_per_s: relay.rate.round(),
+        ratio: r2(relay.rate / slot.min(raw)),
         raw_cpu_s_per_100k: per_100k(raw_cpu),
-        relay_cpu_s_per_100k: per_100k(relay_cpu),
-        relay_peak_limit: peak,
-        relay_calls: calls,
+        relay_cpu_s_per_100k: per_100k(relay.cpu),
+        raw_machine_busy_pct: raw_busy,
+        relay_machine_busy_pct: relay.busy,
+        relay_pg_cpu_s_per_100k: per_100k(relay.pg_cpu),
+        relay_peak_limit: relay.peak_limit,
+        relay_calls: relay.calls,
     }
 }
 
+/// What [`relay_to`] measured.
+struct RelayDrain {
+    /// Messages/s from its first call to its last.
+    rate: f64,
+    /// CPU seconds of the relay (this process) and of PostgreSQL.
+    cpu: f64,
+    pg_cpu: f64,
+    busy: f64,
+    peak_limit: i64,
+    calls: u64,
+}
+
 /// The relay in process, its configuration the default but for the
-/// database and the one destination, draining `n` rows to `url`: its rate
-/// from its first call to its last, its CPU seconds, its lane's highest
-/// limit and its calls.
-async fn relay_to(db: &TestDb, url: &str, sqs: &SqsPublisher, n: usize) -> (f64, f64, i64, u64) {
+/// database and the one destination, draining `n` rows to `url`.
+async fn relay_to(db: &TestDb, url: &str, sqs: &SqsPublisher, n: usize) -> RelayDrain {
     let mut cfg = config(db, &[("d0", url)]);
     cfg.metrics_addr = None;
     let clocked = Arc::new(Clocked {
@@ -150,11 +169,18 @@ async fn relay_to(db: &TestDb, url: &str, sqs: &SqsPublisher, n: usize) -> (f64,
         }
     })
     .await;
-    let (cpu, _) = phase.end();
+    let pg_cpu = phase.pg_cpu();
+    let (cpu, busy) = phase.end();
     relay.stop().await;
     let sending_us = clocked.last_us.load(Ordering::Acquire) - clocked.first_us.load(Ordering::Acquire);
-    let rate = n as f64 / (sending_us.max(1) as f64 / 1e6);
-    (rate, cpu, peak.load(Ordering::Relaxed), clocked.calls.load(Ordering::Relaxed))
+    RelayDrain {
+        rate: n as f64 / (sending_us.max(1) as f64 / 1e6),
+        cpu,
+        pg_cpu,
+        busy,
+        peak_limit: peak.load(Ordering::Relaxed),
+        calls: clocked.calls.load(Ordering::Relaxed),
+    }
 }
 
 /// 5% of the calls throttled, then none.
@@ -234,11 +260,11 @@ fn recovery(samples: &[(Instant, u64)], from: Instant, rate: f64) -> Option<f64>
 }
 
 pub(super) fn print_hot(rows: &[HotQueue], throttled: &Throttled) {
-    println!("\n| one queue through the stand-in | slot (pg_recvlogical) | raw client, cap {} | relay, no tuning | relay / min | CPU s/100k raw / relay | lane's peak limit |", rows.first().map_or(0, |r| r.cap));
-    println!("|---|---|---|---|---|---|---|");
+    println!("\n| one queue through the stand-in | slot (pg_recvlogical) | raw client, cap {} | relay, no tuning | relay / min | CPU s/100k raw / relay (PostgreSQL) | machine busy raw / relay | lane's peak limit |", rows.first().map_or(0, |r| r.cap));
+    println!("|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} ms round trip, {} msgs | {:.0}/s | {:.0}/s | {:.0}/s | {:.2} | {:.2} / {:.2} | {} |",
+            "| {} ms round trip, {} msgs | {:.0}/s | {:.0}/s | {:.0}/s | {:.2} | {:.2} / {:.2} ({:.2}) | {:.0}% / {:.0}% | {} |",
             r.rtt_ms,
             r.messages,
             r.slot_msgs_per_s,
@@ -247,6 +273,9 @@ pub(super) fn print_hot(rows: &[HotQueue], throttled: &Throttled) {
             r.ratio,
             r.raw_cpu_s_per_100k,
             r.relay_cpu_s_per_100k,
+            r.relay_pg_cpu_s_per_100k,
+            r.raw_machine_busy_pct,
+            r.relay_machine_busy_pct,
             r.relay_peak_limit
         );
     }

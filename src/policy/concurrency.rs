@@ -7,10 +7,12 @@
 //!   lately, plus [`LATENCY_SLACK`]), raises the limit: by one per call in
 //!   slow start (the limit doubles per round trip), by one per round trip
 //!   past it. A lane that does not use its limit does not raise it.
-//! - A call that is throttled or fails halves the limit, once per round of
-//!   calls: the calls already in flight when it shrank do not shrink it
-//!   again. Slow start then ends at the halved limit, so a lane recovers
-//!   quickly to where it was throttled and probes past it slowly.
+//! - Each call that is throttled or fails takes half a call off the limit:
+//!   a round of calls all throttled halves it, a round of which 5% are
+//!   throttled shrinks it by 2.5%. The decrease follows the share throttled,
+//!   so a queue throttled now and then keeps most of its throughput while
+//!   one overloaded (most calls throttled) backs off fast. Slow start then
+//!   ends at the lowered limit: growth probes past it by one per round.
 //! - A round trip past the tolerance stops the growth (and ends slow start):
 //!   more calls would only queue at the far end.
 
@@ -26,7 +28,7 @@ pub const LATENCY_TOLERANCE: f64 = 2.0;
 pub const LATENCY_SLACK: Duration = Duration::from_millis(5);
 /// The lowest round trip is taken over the last two windows of this many calls.
 const WINDOW: u32 = 256;
-/// The share a throttled or failed call leaves.
+/// What a throttled or failed call takes off the limit, in calls.
 const DECREASE: f64 = 0.5;
 
 /// What a call's result says about the far end.
@@ -68,8 +70,6 @@ impl Signal {
 /// What a call carries from its start to its signal.
 #[derive(Debug, Clone, Copy)]
 pub struct Ticket {
-    /// The limit's decreases before the call started.
-    epoch: u64,
     /// The times the lane had used its whole limit before the call started.
     saturations: u64,
 }
@@ -81,7 +81,6 @@ pub struct Limiter {
     limit: f64,
     /// Grow by one per call (not per round trip) while below this.
     slow_start_until: f64,
-    epoch: u64,
     /// Calls that started with the lane's whole limit in flight: a call
     /// during which this grew ran while the lane used its whole limit.
     saturations: u64,
@@ -98,7 +97,6 @@ impl Limiter {
             cap,
             limit: INITIAL.min(cap) as f64,
             slow_start_until: cap as f64,
-            epoch: 0,
             saturations: 0,
             window_min: None,
             previous_min: None,
@@ -117,7 +115,7 @@ impl Limiter {
 
     /// A call starts, `in_flight` calls of the lane already in flight.
     pub fn start(&mut self, in_flight: usize) -> Ticket {
-        let ticket = Ticket { epoch: self.epoch, saturations: self.saturations };
+        let ticket = Ticket { saturations: self.saturations };
         if in_flight + 1 >= self.limit() {
             self.saturations += 1;
         }
@@ -130,12 +128,10 @@ impl Limiter {
         let before = self.limit();
         match signal {
             Signal::Sent { rtt } => self.sent(ticket, rtt),
-            Signal::Throttled | Signal::Failed if ticket.epoch == self.epoch => {
-                self.limit = (self.limit * DECREASE).max(1.0);
-                self.slow_start_until = self.limit;
-                self.epoch += 1;
+            Signal::Throttled | Signal::Failed => {
+                self.limit = (self.limit - DECREASE).max(1.0);
+                self.slow_start_until = self.slow_start_until.min(self.limit);
             }
-            Signal::Throttled | Signal::Failed => {} // its round was counted already
         }
         self.limit() != before
     }
@@ -212,11 +208,24 @@ mod tests {
         }
         assert_eq!(l.limit(), 128);
         round(&mut l, Signal::Throttled);
-        assert_eq!(l.limit(), 64, "every call of the round throttled: halved once");
+        assert_eq!(l.limit(), 64, "every call of the round throttled: halved");
         for _ in 0..10 {
             round(&mut l, Signal::Sent { rtt: RTT });
         }
         assert!((72..=74).contains(&l.limit()), "past the throttled point: one per round: {}", l.limit());
+    }
+
+    #[test]
+    fn a_few_throttled_calls_shrink_it_by_their_share() {
+        let mut l = Limiter::new(256);
+        for _ in 0..4 {
+            round(&mut l, Signal::Sent { rtt: RTT });
+        }
+        let tickets: Vec<Ticket> = (0..128).map(|i| l.start(i)).collect();
+        for (i, t) in tickets.into_iter().enumerate() {
+            l.on(t, if i % 20 == 0 { Signal::Throttled } else { Signal::Sent { rtt: RTT } });
+        }
+        assert!((123..=127).contains(&l.limit()), "7 of 128 throttled: 3.5 calls off, about one on: {}", l.limit());
     }
 
     #[test]

@@ -152,8 +152,9 @@ pub(crate) struct Ctx {
     pub(crate) closing: watch::Sender<bool>,
     /// How many batches the lane may have in flight now.
     limiter: Mutex<Limiter>,
-    /// Its `SendMessageBatch` calls in flight.
-    calls: AtomicUsize,
+    /// Its batches in flight (sending, or waiting to be sent again): what
+    /// the limit bounds.
+    batches: AtomicUsize,
 }
 
 impl Ctx {
@@ -174,7 +175,7 @@ impl Ctx {
             last_warn: Mutex::new(None),
             closing: watch::channel(false).0,
             limiter: Mutex::new(limiter),
-            calls: AtomicUsize::new(0),
+            batches: AtomicUsize::new(0),
         };
         ctx.show_limit(ctx.limit());
         ctx
@@ -193,15 +194,14 @@ impl Ctx {
         self.metrics.lane_in_flight_limit.with_label_values(&[&self.cfg.name, path]).set(limit as i64);
     }
 
-    /// A `SendMessageBatch` call starts.
+    /// A `SendMessageBatch` call of one of the lane's batches starts.
     pub(crate) fn call_starts(&self) -> Ticket {
-        let in_flight = self.calls.fetch_add(1, Ordering::Relaxed);
-        self.limiter.lock().unwrap().start(in_flight)
+        let others = self.batches.load(Ordering::Relaxed).saturating_sub(1);
+        self.limiter.lock().unwrap().start(others)
     }
 
     /// The call `ticket` started ended, saying `signal` about the far end.
     pub(crate) fn call_ended(&self, ticket: Ticket, signal: Signal) {
-        self.calls.fetch_sub(1, Ordering::Relaxed);
         let mut limiter = self.limiter.lock().unwrap();
         if limiter.on(ticket, signal) {
             self.show_limit(limiter.limit());
@@ -394,6 +394,7 @@ impl Lane {
             let since = batch.iter().map(|i| i.arrived).min().unwrap_or_else(Instant::now);
             let ctx = Arc::clone(&self.ctx);
             let spool = self.spool_rx.clone();
+            self.ctx.batches.store(self.in_flight.len() + 1, Ordering::Relaxed);
             let handle = self.in_flight.spawn(async move {
                 let settled = send_until_settled(&ctx, batch, spool).await;
                 Done { groups, settled }
@@ -434,6 +435,7 @@ impl Lane {
             Err(e) => e.id(),
         };
         self.in_flight_since.remove(&id);
+        self.ctx.batches.store(self.in_flight.len(), Ordering::Relaxed);
         self.last_done = Some(Instant::now());
         if let Ok((_, done)) = done {
             for g in done.groups {
@@ -615,10 +617,10 @@ mod tests {
     }
 
     /// A busy lane grows its limit from 8 to its cap while calls come back
-    /// at a steady round trip; a throttled call halves it (shown on the
+    /// at a steady round trip; a throttled call lowers it (shown on the
     /// metric), and the throttled entry is sent after its backoff, not DEAD.
     #[tokio::test]
-    async fn a_busy_lane_finds_its_limit_and_a_throttle_halves_it() {
+    async fn a_busy_lane_finds_its_limit_and_a_throttle_lowers_it() {
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
         p.set_latency(Duration::from_millis(20));
@@ -645,7 +647,7 @@ mod tests {
         tx.send(item(4000)).await.unwrap();
         let s = settle_rx.recv().await.unwrap();
         assert_eq!((s.id(), matches!(s.outcome, Outcome::Published)), (4000, true), "retried, not DEAD");
-        assert_eq!(limit(), 32, "halved once; a lone call does not grow it back");
+        assert_eq!(limit(), 63, "half a call off; a lone call does not grow it back");
         drop(tx);
         lane.await.unwrap();
     }
