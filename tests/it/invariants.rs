@@ -12,7 +12,7 @@ use outbox_relay::config::PublishedRows;
 use outbox_relay::event::OutboxEvent;
 use outbox_relay::pipeline::settle::{mark, Due, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
-use outbox_relay::publish::memory::MemoryPublisher;
+use outbox_relay::publish::memory::{Fault, MemoryPublisher};
 use outbox_relay::publish::CallError;
 use testkit::cluster::{ClusterDir, Node, StopOnDrop};
 use testkit::*;
@@ -489,6 +489,8 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// rows on both sides of the chunk limits (1,000 rows, 4 MiB), rows deleted
 /// by their own transaction before and after their chunk was handed on,
 /// several destinations (one FIFO), unknown destinations, queue outages,
+/// bursts of throttled calls and entries over a round trip of a few
+/// milliseconds (the lanes' adaptive limits growing and shrinking),
 /// identity resets, relays killed without a goodbye and restarted,
 /// PostgreSQL crashed or stopped and started again (each seed runs a server
 /// of its own), rows due later (`deliver_at` in seconds, or in 20 minutes
@@ -573,6 +575,8 @@ mod workload {
         moved: usize,
         /// Messages received through S3 (the SIGKILL variant).
         offloaded: usize,
+        /// Bursts of throttled calls and entries (the lanes' limits shrink).
+        throttles: usize,
         /// Rows of the mapped (Debezium) table.
         mapped: usize,
     }
@@ -581,8 +585,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.failed_txns
             )
         }
     }
@@ -1109,6 +1113,8 @@ mod workload {
         for (_, q, fifo) in QUEUES {
             p.add_queue(q, fifo, 262_144);
         }
+        // A round trip, so lanes keep calls in flight and their limits grow.
+        p.set_latency(Duration::from_millis(rng.random_range(0..8)));
         let mut before_slot = Vec::new();
         if !sharded {
             debezium_table(&db).await;
@@ -1179,6 +1185,24 @@ mod workload {
         relays
     }
 
+    /// The next calls (of any lane) throttled as a whole or entry by entry,
+    /// or failing with a server error: the lanes' limits shrink, and every
+    /// entry is retried, none DEAD.
+    fn throttle_burst(p: &MemoryPublisher, rng: &mut StdRng) {
+        for _ in 0..rng.random_range(1..40) {
+            let code = ["RequestThrottled", "ThrottlingException", "InternalError"][rng.random_range(0..3)];
+            p.push_fault(if rng.random_bool(0.5) {
+                Fault::FailCall(CallError { code: code.into(), message: "injected".into(), sender_fault: true })
+            } else {
+                Fault::FailEntries {
+                    positions: vec![0, rng.random_range(1..10)],
+                    code: code.into(),
+                    sender_fault: true,
+                }
+            });
+        }
+    }
+
     /// What [`run`]'s steps act on: its server, database and publisher.
     struct InProcess<'a> {
         node: &'a Node,
@@ -1201,7 +1225,11 @@ mod workload {
             tag: &str,
             dests: &[&str],
         ) -> Option<Vec<Row>> {
-            match rng.random_range(0..14) {
+            match rng.random_range(0..15) {
+                14 => {
+                    throttle_burst(self.p, rng);
+                    tally.throttles += 1;
+                }
                 0 => {
                     let (_, q, _) = QUEUES[rng.random_range(0..QUEUES.len())];
                     self.p.break_queue(q, CallError::transport("connection refused"));
