@@ -15,6 +15,7 @@ mod mapped;
 mod pipeline;
 mod routing;
 mod s3;
+mod scale;
 mod slot_invalidation;
 mod table_path;
 mod telemetry;
