@@ -14,6 +14,7 @@ use retention::sweep_retention;
 pub use retention::{prune_runs, sweep_once};
 use startup::{start_up_until_done, Started};
 
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +24,7 @@ use tokio::sync::watch;
 use std::sync::atomic::AtomicBool;
 
 use crate::config::{Config, Mode};
-use crate::db::Db;
+use crate::db::{self, Db};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::Parts;
 use crate::pipeline::destinations::{Destination, Destinations};
@@ -32,7 +33,9 @@ use crate::pipeline::settings::Settings;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::mapped_table::run_mapped_poller;
-use crate::source::table::{run_table_lane, run_unknown_destination_sweeper, Claims, TableLaneConfig};
+use crate::source::table::{
+    lane_needed, run_table_lane, run_unknown_destination_sweeper, waiting_destinations, Claims, TableLaneConfig,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -136,35 +139,76 @@ fn spawn_table_path(env: &Env<'_>, stop: watch::Receiver<bool>) -> tokio::task::
     set
 }
 
-/// A table lane per destination, one more each time a destination is added,
-/// until `stop`; then they finish their claims (within the grace).
+/// The table path's lanes, one per destination with rows to claim: every
+/// poll (at least every 500 ms) one query finds the destinations whose
+/// table rows are due ([`waiting_destinations`]) and a lane starts for each
+/// (and for each whose stream lane spools: [`lane_needed`]) that has none;
+/// a lane ends once idle. A thousand destinations streaming keep no table
+/// lane and no connection of their own.
 async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch::Receiver<bool>) {
+    let source = if mode == Mode::Polling { Claims::Poll } else { Claims::Spool };
+    let every = table_poll_interval(&parts, mode);
     let mut lanes = tokio::task::JoinSet::new();
-    let mut started = std::collections::HashSet::new();
+    let mut running: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
+    let mut client: Option<tokio_postgres::Client> = None;
     loop {
-        let added = parts.destinations.added().notified();
-        tokio::pin!(added);
-        added.as_mut().enable();
+        let waiting = waiting_now(&mut client, &db, source).await;
         for d in parts.destinations.all() {
-            if started.insert(Arc::clone(&d.name)) {
+            let wanted = waiting.contains(&*d.name) || (source == Claims::Spool && lane_needed(Some(&d.state)));
+            if wanted && !running.values().any(|n| *n == d.name) {
                 let (cfg, state) = table_lane(&parts, mode, &d);
-                lanes.spawn(run_table_lane(cfg, db.clone(), Arc::clone(&parts), state, stop.clone()));
+                let lane = lanes.spawn(run_table_lane(cfg, db.clone(), Arc::clone(&parts), state, stop.clone()));
+                running.insert(lane.id(), Arc::clone(&d.name));
             }
         }
         tokio::select! {
-            _ = &mut added => {}
+            Some(done) = lanes.join_next_with_id() => {
+                let id = match done { Ok((id, ())) => id, Err(e) => e.id() };
+                running.remove(&id);
+            }
+            _ = tokio::time::sleep(every) => {}
             _ = stop.wait_for(|s| *s) => break,
         }
     }
     drain_table(&mut lanes).await;
 }
 
+/// The destinations with rows waiting in the table (none, logged, when the
+/// query fails: lanes already running go on, and the next poll asks again).
+async fn waiting_now(client: &mut Option<tokio_postgres::Client>, db: &Db, source: Claims) -> HashSet<String> {
+    if client.as_ref().is_none_or(|c| c.is_closed()) {
+        *client = db
+            .connect()
+            .await
+            .inspect_err(|e| tracing::debug!(error = %e, "table path: cannot connect to look for waiting rows"))
+            .ok();
+    }
+    let Some(c) = client.as_ref() else { return HashSet::new() };
+    match waiting_destinations(c, source).await {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(error = %db::describe(&e), "table path: looking for waiting rows failed; retrying");
+            *client = None;
+            HashSet::new()
+        }
+    }
+}
+
+/// How often the table path claims: `poll_interval` polling; at least every
+/// 500 ms draining spools beside the stream.
+fn table_poll_interval(parts: &Parts, mode: Mode) -> Duration {
+    match mode {
+        Mode::Polling => parts.settings.poll_interval,
+        _ => parts.settings.poll_interval.max(Duration::from_millis(500)),
+    }
+}
+
 /// A destination's table lane: polling every NEW row, or draining the spool.
 fn table_lane(parts: &Parts, mode: Mode, d: &Destination) -> (TableLaneConfig, Option<Arc<LaneState>>) {
-    let poll_interval = parts.settings.poll_interval;
-    let (source, state, poll_interval) = match mode {
-        Mode::Polling => (Claims::Poll, None, poll_interval),
-        _ => (Claims::Spool, Some(Arc::clone(&d.state)), poll_interval.max(Duration::from_millis(500))),
+    let poll_interval = table_poll_interval(parts, mode);
+    let (source, state) = match mode {
+        Mode::Polling => (Claims::Poll, None),
+        _ => (Claims::Spool, Some(Arc::clone(&d.state))),
     };
     let cfg = TableLaneConfig {
         name: Arc::clone(&d.name),

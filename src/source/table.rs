@@ -1,5 +1,7 @@
 //! The table path: outbox rows read from the table rather than the slot.
-//! One loop per destination claims due rows in id order with
+//! A loop per destination with rows to claim (started when the table has
+//! some, or while its lane spools; it ends once idle) claims due rows in id
+//! order with
 //! `FOR UPDATE SKIP LOCKED`, sends them through a lane (the same batching,
 //! reconciliation and DEAD rules as the stream), marks every outcome in the
 //! claiming transaction and commits. Retryable failures go back to the table
@@ -66,9 +68,22 @@ pub struct Round {
     pub dead: usize,
 }
 
-/// Claim, send, mark, commit until `stop` turns true. Database errors are
-/// logged and retried on a new connection; nothing claimed is lost, since an
-/// aborted claim leaves its rows NEW.
+/// A table lane with nothing to claim, and no spooling lane to bring back,
+/// ends after this long (its connection closed); it is started again when
+/// rows wait ([`waiting_destinations`]).
+pub const IDLE_END: Duration = Duration::from_secs(5);
+
+/// Whether a destination's table lane must run whatever the table holds:
+/// its stream lane spools, catches up or is held (the drain decides when it
+/// streams again), or rows it deferred are on their way to the table.
+pub fn lane_needed(state: Option<&LaneState>) -> bool {
+    state.is_some_and(|s| s.is_spooling() || s.is_held() || s.deferred_unmarked() > 0)
+}
+
+/// Claim, send, mark, commit until `stop` turns true, or until the lane has
+/// been idle for [`IDLE_END`]. Database errors are logged and retried on a
+/// new connection; nothing claimed is lost, since an aborted claim leaves
+/// its rows NEW.
 pub async fn run_table_lane(
     cfg: TableLaneConfig,
     db: db::Db,
@@ -80,6 +95,7 @@ pub async fn run_table_lane(
     let mut reconnect = crate::policy::retry::Reconnect::default();
     // The outcome of the last round that sent anything: "sends succeed".
     let mut sends_ok = true;
+    let mut idle_since: Option<std::time::Instant> = None;
     loop {
         if *stop.borrow() {
             return;
@@ -97,6 +113,11 @@ pub async fn run_table_lane(
                 tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
                 client = None;
             }
+        }
+        if round.claimed > 0 || lane_needed(state.as_deref()) {
+            idle_since = None;
+        } else if idle_since.get_or_insert_with(std::time::Instant::now).elapsed() >= IDLE_END {
+            return;
         }
         if round.claimed < cfg.claim_limit && sleep_or_stop(cfg.poll_interval, &mut stop).await {
             return;
@@ -316,6 +337,35 @@ WITH RECURSIVE d AS (
       FROM d WHERE d.destination IS NOT NULL
 )
 SELECT destination FROM d WHERE destination IS NOT NULL";
+
+/// The destinations whose rows a lane of `source` could claim now: NEW
+/// (handed to the table, for the spool), due, and not held past what a send
+/// may delay; found with a loose index scan (one probe per destination).
+fn waiting_destinations_sql(source: Claims) -> String {
+    let mut cond = format!(
+        "status = 'NEW' AND (next_attempt_at IS NULL OR next_attempt_at <= now()) AND {}",
+        crate::policy::delay::claimable_sql(false)
+    );
+    if source == Claims::Spool {
+        cond += " AND next_attempt_at IS NOT NULL";
+    }
+    format!(
+        "WITH RECURSIVE d AS (
+            (SELECT destination FROM outbox WHERE {cond} ORDER BY destination LIMIT 1)
+            UNION ALL
+            SELECT (SELECT o.destination FROM outbox o
+                     WHERE {cond} AND o.destination > d.destination
+                     ORDER BY o.destination LIMIT 1)
+              FROM d WHERE d.destination IS NOT NULL
+        )
+        SELECT destination FROM d WHERE destination IS NOT NULL"
+    )
+}
+
+/// [`waiting_destinations_sql`]'s destinations.
+pub async fn waiting_destinations(c: &Client, source: Claims) -> Result<HashSet<String>, tokio_postgres::Error> {
+    Ok(c.query(&waiting_destinations_sql(source), &[]).await?.iter().map(|r| r.get(0)).collect())
+}
 
 /// Rows for destinations this relay does not know reach no lane of the table
 /// path: with a queue-URL template each is looked up (found, its table lane
