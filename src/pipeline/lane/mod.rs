@@ -261,6 +261,9 @@ pub async fn run_lane(
     loop {
         lane.defer_what_must_follow();
         lane.start_batches();
+        if !lane.holds_work() {
+            lane.show_idle();
+        }
         if lane.closed && lane.pending.is_empty() && lane.in_flight.is_empty() {
             if let Some(s) = &lane.ctx.state {
                 s.set_oldest(None);
@@ -278,7 +281,8 @@ pub async fn run_lane(
             },
             Some(done) = lane.in_flight.join_next_with_id() => lane.finished(done),
             _ = async { lane.spool_rx.as_mut().unwrap().changed().await }, if lane.spool_rx.is_some() => lane.flow_changed(),
-            _ = tick.tick(), if lane.ctx.state.is_some() => lane.check_stall(),
+            // An idle lane does not wake: a thousand of them cost nothing.
+            _ = tick.tick(), if lane.ctx.state.is_some() && lane.holds_work() => lane.check_stall(),
             _ = tokio::time::sleep_until(linger_at.unwrap_or_else(Instant::now).into()), if linger_at.is_some() => {}
         }
     }
@@ -305,6 +309,8 @@ struct Lane {
     /// is busy, and batches as if a call were still in flight.
     last_done: Option<Instant>,
     closed: bool,
+    /// The lane's state shows an oldest unsettled entry.
+    oldest_shown: bool,
 }
 
 impl Lane {
@@ -321,6 +327,7 @@ impl Lane {
             oldest: None,
             last_done: None,
             closed: false,
+            oldest_shown: false,
         }
     }
 
@@ -456,11 +463,27 @@ impl Lane {
         }
     }
 
+    /// Entries pending or in flight.
+    fn holds_work(&self) -> bool {
+        !self.pending.is_empty() || !self.in_flight.is_empty()
+    }
+
+    /// Nothing unsettled here any more: say so once (the stall tick, which
+    /// says it otherwise, does not run while the lane is idle).
+    fn show_idle(&mut self) {
+        if std::mem::take(&mut self.oldest_shown) {
+            if let Some(state) = &self.ctx.state {
+                state.set_oldest(None);
+            }
+        }
+    }
+
     /// Publish the age of the oldest unsettled entry; spool past the stall timeout.
     fn check_stall(&mut self) {
         let Some(state) = self.ctx.state.as_ref() else { return };
         let oldest = self.pending.iter().map(|i| i.arrived).take(1).chain(self.in_flight_since.values().copied()).min();
         state.set_oldest(oldest);
+        self.oldest_shown = oldest.is_some();
         if let (Some(limit), Some(t)) = (self.ctx.cfg.stall_timeout, oldest) {
             if stalled(t.elapsed(), limit) && state.flow() != Flow::Spooling {
                 state.start_spooling(SpoolCause::Stalled { oldest: t.elapsed(), limit });
