@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
+use futures_util::future::join_all;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
@@ -22,6 +23,9 @@ use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
 use crate::policy::delay::Timing;
 use crate::publish::entry::{prepare, Entry, QueueInfo};
+
+/// Lookups of new destinations a chunk makes at once.
+const LOOKUPS_AT_ONCE: usize = 64;
 
 /// The metric label of events whose destination is not configured.
 pub const UNKNOWN_DESTINATION_LABEL: &str = "unknown";
@@ -273,11 +277,38 @@ impl<'a> Router<'a> {
                 });
             }
         }
+        self.look_up_new(&events).await;
         let ends = chunk_ends(&events);
         for (ev, chunk_end) in events.into_iter().zip(ends) {
             self.route(Some(seq), ev, chunk_end).await?;
         }
         Ok(())
+    }
+
+    /// Look up together the destinations of `events` met for the first time
+    /// (a queue-URL template), and open the lanes of those found: a chunk
+    /// naming many new destinations waits about one round trip, not one per
+    /// destination. What is not found is judged again event by event
+    /// ([`Self::lane`]; a missing queue's verdict is kept).
+    async fn look_up_new(&mut self, events: &[OutboxEvent]) {
+        let new: HashSet<&str> =
+            events.iter().map(|e| e.destination.as_str()).filter(|d| !self.lanes.contains_key(*d)).collect();
+        if new.len() < 2 {
+            return;
+        }
+        let parts = self.parts;
+        let new: Vec<&str> = new.into_iter().collect();
+        for names in new.chunks(LOOKUPS_AT_ONCE) {
+            let mut lookups = Vec::with_capacity(names.len());
+            for name in names {
+                lookups.push(parts.destinations.resolve(name));
+            }
+            for r in join_all(lookups).await {
+                if let Resolved::Ready(d) = r {
+                    self.open(d);
+                }
+            }
+        }
     }
 
     /// The lane of `name`, opened if it was not; or how its events settle
