@@ -161,6 +161,7 @@ async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch:
                 running.insert(lane.id(), Arc::clone(&d.name));
             }
         }
+        parts.metrics.table_lanes.set(running.len() as i64);
         tokio::select! {
             Some(done) = lanes.join_next_with_id() => {
                 let id = match done { Ok((id, ())) => id, Err(e) => e.id() };

@@ -150,3 +150,63 @@ async fn polling_looks_destinations_up_from_the_table() {
     assert_eq!(db.count("status = 'DEAD' AND last_error LIKE 'queue_not_found%'").await, 2);
     relay.stop().await;
 }
+
+/// The relay's connections to this test's database: each one's last query.
+async fn relay_connections(db: &TestDb) -> Vec<String> {
+    let c = db.client().await;
+    let rows = c
+        .query(
+            "SELECT left(query, 60) FROM pg_stat_activity
+              WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+            &[],
+        )
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+/// Three hundred destinations, each looked up on first use: they stream
+/// with a handful of connections between them (no table lane each); one
+/// whose queue fails gets a table lane for its spool, which drains it once
+/// the queue is back and ends when idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_destinations_stream_on_a_few_connections() {
+    let db = TestDb::new("route_many").await;
+    let c = db.client().await;
+    let names: Vec<String> = (0..300).map(|i| format!("tenant-{i}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let p = publisher(&refs);
+    let relay = start(templated(&db, Mode::Cdc), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    c.execute(
+        "INSERT INTO outbox (event_id, destination, body)
+         SELECT 'm:' || i, 'tenant-' || (i % 300), 'm:' || i FROM generate_series(1, 900) i",
+        &[],
+    )
+    .await
+    .unwrap();
+    settled(&db).await;
+    assert_eq!(names.iter().map(|n| bodies(&p, n).len()).sum::<usize>(), 900);
+    assert_eq!(relay.metrics.table_lanes.get(), 0, "no table lane while every destination streams");
+    let who = relay_connections(&db).await;
+    assert!(who.len() <= 12, "a fixed few, whatever the destinations: {who:?}");
+
+    p.break_queue(&url("tenant-7"), CallError::transport("connection refused"));
+    insert_rows(&c, "late", "tenant-7", 20, None).await;
+    wait_for("tenant-7's rows wait in the table", Duration::from_secs(30), || async {
+        db.count("destination = 'tenant-7' AND status = 'NEW' AND next_attempt_at IS NOT NULL").await > 0
+    })
+    .await;
+    wait_for("a table lane for its spool", Duration::from_secs(30), || async { relay.metrics.table_lanes.get() == 1 })
+        .await;
+    p.fix_queue(&url("tenant-7"));
+    wait_for("the spool drained", Duration::from_secs(60), || async {
+        let got = bodies(&p, "tenant-7");
+        (1..=20).all(|k| got.contains(&format!("late:{k}"))) && db.count("status = 'NEW'").await == 0
+    })
+    .await;
+    wait_for("the drain's lane ended", Duration::from_secs(30), || async { relay.metrics.table_lanes.get() == 0 })
+        .await;
+    assert!(relay_connections(&db).await.len() <= 12);
+    relay.stop().await;
+}
