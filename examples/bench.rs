@@ -83,6 +83,13 @@ struct Args {
     /// trip (this many messages), and 5% of its calls throttled.
     #[arg(long)]
     hot_queue_only: Option<usize>,
+    /// Run only `--many-destinations` (a queue-URL template) through the SQS
+    /// stand-in, at 2 and 20 rows/s each, for this many seconds each.
+    #[arg(long)]
+    many_only: Option<u64>,
+    /// Destinations of the many-destinations rows.
+    #[arg(long, default_value_t = 1000)]
+    many_destinations: usize,
     /// Serve the SQS stand-in with this round trip (ms) until killed: the
     /// benchmark's own child, so the stand-in's CPU is not the measured one's.
     #[arg(long, hide = true)]
@@ -91,6 +98,8 @@ struct Args {
 
 #[path = "bench/hot_queue.rs"]
 mod hot_queue;
+#[path = "bench/many.rs"]
+mod many;
 
 fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
@@ -1468,6 +1477,8 @@ struct Results {
     /// One queue through the SQS stand-in at 15 and 30 ms, and throttled.
     hot: Vec<hot_queue::HotQueue>,
     throttled: hot_queue::Throttled,
+    /// A thousand destinations at 2 and 20 rows/s each.
+    many: Vec<many::Many>,
 }
 
 /// The ratios and latencies the targets are about.
@@ -1646,6 +1657,15 @@ async fn hot_queue_rows(a: &Args, n: usize) -> (Vec<hot_queue::HotQueue>, hot_qu
     (hot, throttled)
 }
 
+/// `--many-destinations` (a thousand) at 2 and at 20 rows/s each, `secs` each.
+async fn many_rows(a: &Args, secs: u64) -> Vec<many::Many> {
+    let mut rows = Vec::new();
+    for each in [2, 20] {
+        rows.push(many::many(a, a.many_destinations, each, secs).await);
+    }
+    rows
+}
+
 /// Every row of the full run after the large bodies.
 async fn measure_all(
     a: &Args,
@@ -1668,7 +1688,9 @@ async fn measure_all(
     eprintln!("bench: bodies through S3 done ({:.0} s)", started.elapsed().as_secs_f64());
     let (hot, throttled) = hot_queue_rows(a, if a.quick { 50_000 } else { 300_000 }).await;
     eprintln!("bench: hot queue done ({:.0} s)", started.elapsed().as_secs_f64());
-    Results { large, dec, sqsc, far, far3, lat, drains, down, s3, hot, throttled }
+    let many = many_rows(a, if a.quick { 5 } else { 20 }).await;
+    eprintln!("bench: many destinations done ({:.0} s)", started.elapsed().as_secs_f64());
+    Results { large, dec, sqsc, far, far3, lat, drains, down, s3, hot, throttled, many }
 }
 
 fn print_ceilings(a: &Args, r: &Results, x: &Ratios) {
@@ -1812,6 +1834,8 @@ fn targets_met(r: &Results, x: &Ratios) -> BTreeMap<&'static str, bool> {
         ("hot_queue_vs_min_slot_raw_0_90", r.hot.iter().all(|h| h.ratio >= 0.9)),
         ("hot_queue_cpu_1_3_of_raw", r.hot.iter().all(|h| h.cpu_ratio() <= 1.3)),
         ("throttled_nothing_lost_nothing_dead", r.throttled.nothing_lost()),
+        ("many_destinations_p99_under_50_ms", r.many.iter().all(|m| m.p99_ms < 50.0)),
+        ("many_destinations_rss_under_150_mb", r.many.iter().all(|m| m.relay_peak_rss_mb < 150.0)),
     ])
 }
 
@@ -1848,6 +1872,7 @@ fn summary(a: &Args, r: &Results, x: &Ratios, started: Instant) -> serde_json::V
         "s3_bodies": r.s3,
         "hot_queue": r.hot,
         "throttled": r.throttled,
+        "many_destinations": r.many,
         "targets_met": targets_met(r, x),
     })
 }
@@ -1882,6 +1907,13 @@ async fn main() {
         drop(stack_guard);
         return;
     }
+    if let Some(secs) = a.many_only {
+        let rows = many_rows(&a, secs).await;
+        many::print_many(&rows);
+        println!("{}", serde_json::to_string_pretty(&json!({ "many_destinations": rows })).unwrap());
+        drop(stack_guard);
+        return;
+    }
     if let Some(n) = a.decode_only {
         print_decode_only(&decode_ceiling(&a, n).await);
         drop(stack_guard);
@@ -1912,6 +1944,7 @@ async fn main() {
     let x = r.ratios();
     print_results(&a, &r, &x);
     hot_queue::print_hot(&r.hot, &r.throttled);
+    many::print_many(&r.many);
     let text = serde_json::to_string_pretty(&summary(&a, &r, &x, started)).unwrap();
     std::fs::write(&a.json_out, &text).unwrap_or_else(|e| panic!("write {}: {e}", a.json_out.display()));
     drop(stack_guard);

@@ -31,22 +31,22 @@ pub use super::parts::Parts;
 pub type Settler = JoinHandle<Result<(), tokio_postgres::Error>>;
 
 /// A stream's running pipeline.
-pub struct Streaming<'a> {
-    pub intake: Intake<'a>,
+pub struct Streaming {
+    pub intake: Intake,
     /// Every lane's task, those the router opens later included.
     pub lanes: Arc<Mutex<JoinSet<()>>>,
     pub settler: Settler,
 }
 
-impl<'a> Streaming<'a> {
+impl Streaming {
     /// The settler on `settler_client`, one lane per destination, and the
     /// router in front of them within the memory budget.
     pub fn start(
-        parts: &'a Parts,
+        parts: &Arc<Parts>,
         settler_client: Client,
         watermark: &Arc<Mutex<Watermark>>,
         confirm: &Arc<Notify>,
-    ) -> Streaming<'a> {
+    ) -> Streaming {
         let (settle_tx, settle_rx) = mpsc::unbounded_channel();
         let settler = tokio::spawn(run_settler(
             settler_client,
@@ -58,7 +58,7 @@ impl<'a> Streaming<'a> {
         ));
         let lanes = Arc::new(Mutex::new(JoinSet::new()));
         let mut router = Router {
-            parts,
+            parts: Arc::clone(parts),
             lanes: HashMap::new(),
             lane_tasks: Arc::clone(&lanes),
             settle: settle_tx,

@@ -126,6 +126,11 @@ impl Destinations {
         &self.added
     }
 
+    /// Whether a destination not configured is looked up (a queue-URL template).
+    pub fn looks_up(&self) -> bool {
+        self.template.is_some()
+    }
+
     /// `name` as a destination: ready, DEAD (no template and not configured,
     /// a name no queue can have, no such queue), or unavailable for now.
     pub async fn resolve(&self, name: &str) -> Resolved {

@@ -40,15 +40,15 @@ pub struct Chunk {
 
 /// Takes the stream's changes: route → lane → settle behind it, the
 /// watermark beside it.
-pub struct Intake<'a> {
-    pub(crate) router: Router<'a>,
+pub struct Intake {
+    pub(crate) router: Router,
     watermark: Arc<Mutex<Watermark>>,
     /// The transaction whose events are arriving.
     open: Option<TxnSeq>,
 }
 
-impl<'a> Intake<'a> {
-    pub(crate) fn new(router: Router<'a>, watermark: Arc<Mutex<Watermark>>) -> Intake<'a> {
+impl Intake {
+    pub(crate) fn new(router: Router, watermark: Arc<Mutex<Watermark>>) -> Intake {
         Intake { router, watermark, open: None }
     }
 

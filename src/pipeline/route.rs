@@ -6,7 +6,6 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use futures_util::future::join_all;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tokio_postgres::Client;
@@ -14,7 +13,7 @@ use tracing::Instrument;
 
 use crate::clock::now_unix_us;
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
-use crate::pipeline::budget::Budget;
+use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
 use crate::pipeline::lane::{run_lane, Flow, LaneConfig, LaneItem};
 use crate::pipeline::parts::Parts;
@@ -23,9 +22,6 @@ use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
 use crate::policy::delay::Timing;
 use crate::publish::entry::{prepare, Entry, QueueInfo};
-
-/// Lookups of new destinations a chunk makes at once.
-const LOOKUPS_AT_ONCE: usize = 64;
 
 /// The metric label of events whose destination is not configured.
 pub const UNKNOWN_DESTINATION_LABEL: &str = "unknown";
@@ -203,9 +199,10 @@ fn chunk_ends(events: &[OutboxEvent]) -> Vec<bool> {
 /// Routes events to their lanes, or straight to the settler as DEAD. A
 /// destination met for the first time gets its lane here, once it is
 /// looked up ([`Destinations::resolve`]).
-pub struct Router<'a> {
-    pub parts: &'a Parts,
-    pub lanes: HashMap<String, Open>,
+pub struct Router {
+    pub parts: Arc<Parts>,
+    /// Where each destination met this session has its events go.
+    pub lanes: HashMap<String, Path>,
     /// Every lane's task, started here or before routing began: the
     /// session's end waits on them once the router is gone.
     pub lane_tasks: Arc<Mutex<JoinSet<()>>>,
@@ -220,20 +217,66 @@ pub struct Open {
     pub tx: mpsc::Sender<LaneItem>,
 }
 
-impl<'a> Router<'a> {
+/// Where a destination's events go this session.
+pub enum Path {
+    /// Its lane.
+    Lane(Open),
+    /// The task looking it up (a queue-URL template), which hands them on
+    /// in order once it knows the queue ([`look_up_then_hand_on`]): the
+    /// stream does not wait on a lookup.
+    Lookup(mpsc::Sender<Routed>),
+}
+
+/// An event routed to a destination, holding its place in the stream and
+/// its share of the memory budget.
+pub struct Routed {
+    ev: Arc<OutboxEvent>,
+    seq: Option<TxnSeq>,
+    permit: Permit,
+    /// The last of its chunk for its lane.
+    chunk_end: bool,
+}
+
+/// What routing hands settlements and counts to.
+#[derive(Clone)]
+struct Outlet {
+    settle: mpsc::UnboundedSender<Settlement>,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+/// `destination`'s lane for this session: its input, and its task.
+fn lane_for(
+    parts: &Parts,
+    settle: &mpsc::UnboundedSender<Settlement>,
+    destination: &Destination,
+) -> (mpsc::Sender<LaneItem>, impl std::future::Future<Output = ()> + Send + 'static) {
+    let (tx, rx) = mpsc::channel(LANE_CHANNEL);
+    let lane = run_lane(
+        LaneConfig::streaming(&destination.name, &destination.queue, &parts.settings.lanes),
+        Arc::clone(&parts.publisher),
+        rx,
+        settle.clone(),
+        Arc::clone(&parts.metrics),
+        Some(Arc::clone(&destination.state)),
+    );
+    (tx, lane)
+}
+
+impl Router {
     /// Start `destination`'s lane for this session.
     pub fn open(&mut self, destination: Arc<Destination>) {
+        let (tx, lane) = lane_for(&self.parts, &self.settle, &destination);
+        self.lane_tasks.lock().unwrap().spawn(lane);
+        self.lanes.insert(destination.name.to_string(), Path::Lane(Open { destination, tx }));
+    }
+
+    /// Start looking `name` up, its events waiting for the answer in order.
+    fn look_up(&mut self, name: &str) {
         let (tx, rx) = mpsc::channel(LANE_CHANNEL);
-        let parts = self.parts;
-        self.lane_tasks.lock().unwrap().spawn(run_lane(
-            LaneConfig::streaming(&destination.name, &destination.queue, &parts.settings.lanes),
-            Arc::clone(&parts.publisher),
-            rx,
-            self.settle.clone(),
-            Arc::clone(&parts.metrics),
-            Some(Arc::clone(&destination.state)),
-        ));
-        self.lanes.insert(destination.name.to_string(), Open { destination, tx });
+        let outlet = Outlet { settle: self.settle.clone(), metrics: Arc::clone(&self.parts.metrics) };
+        let task = look_up_then_hand_on(name.to_string(), Arc::clone(&self.parts), outlet, rx);
+        self.lane_tasks.lock().unwrap().spawn(task);
+        self.lanes.insert(name.to_string(), Path::Lookup(tx));
     }
 
     /// Dispatch a chunk of one transaction's events. `replayed`: the chunk was
@@ -277,7 +320,6 @@ impl<'a> Router<'a> {
                 });
             }
         }
-        self.look_up_new(&events).await;
         let ends = chunk_ends(&events);
         for (ev, chunk_end) in events.into_iter().zip(ends) {
             self.route(Some(seq), ev, chunk_end).await?;
@@ -285,41 +327,14 @@ impl<'a> Router<'a> {
         Ok(())
     }
 
-    /// Look up together the destinations of `events` met for the first time
-    /// (a queue-URL template), and open the lanes of those found: a chunk
-    /// naming many new destinations waits about one round trip, not one per
-    /// destination. What is not found is judged again event by event
-    /// ([`Self::lane`]; a missing queue's verdict is kept).
-    async fn look_up_new(&mut self, events: &[OutboxEvent]) {
-        let new: HashSet<&str> =
-            events.iter().map(|e| e.destination.as_str()).filter(|d| !self.lanes.contains_key(*d)).collect();
-        if new.len() < 2 {
-            return;
-        }
-        let parts = self.parts;
-        let new: Vec<&str> = new.into_iter().collect();
-        for names in new.chunks(LOOKUPS_AT_ONCE) {
-            let mut lookups = Vec::with_capacity(names.len());
-            for name in names {
-                lookups.push(parts.destinations.resolve(name));
-            }
-            for r in join_all(lookups).await {
-                if let Resolved::Ready(d) = r {
-                    self.open(d);
-                }
-            }
-        }
-    }
-
-    /// The lane of `name`, opened if it was not; or how its events settle
-    /// without one (DEAD, or deferred to the table while it cannot be
-    /// looked up).
-    async fn lane(&mut self, name: &str) -> Result<&Open, Outcome> {
+    /// Where `name`'s events go: its lane (opened now if it is known), the
+    /// task looking it up, or nowhere (no template: DEAD).
+    fn path(&mut self, name: &str) -> Result<&Path, Outcome> {
         if !self.lanes.contains_key(name) {
-            match self.parts.destinations.resolve(name).await {
-                Resolved::Ready(d) => self.open(d),
-                Resolved::Dead(reason) => return Err(Outcome::Dead(reason)),
-                Resolved::Unavailable(why) => return Err(Outcome::Deferred(why, Due::Backoff)),
+            match self.parts.destinations.get(name) {
+                Some(d) => self.open(d),
+                None if self.parts.destinations.looks_up() => self.look_up(name),
+                None => return Err(Outcome::Dead(DeadReason::unknown_destination(name))),
             }
         }
         Ok(&self.lanes[name])
@@ -331,33 +346,80 @@ impl<'a> Router<'a> {
         if let Some(seq) = seq {
             self.watermark.lock().unwrap().add(seq, 1);
         }
-        let ev = Arc::new(ev);
-        let metrics = Arc::clone(&self.parts.metrics);
-        let (label, outcome, unmarked): (&str, Outcome, _) = match self.lane(&ev.destination).await {
-            Err(outcome) => (UNKNOWN_DESTINATION_LABEL, outcome, None),
-            Ok(open) => {
-                let d = &open.destination;
-                match judge_for(&d.queue, &ev, now_unix_us()).unsent() {
-                    // A spooling lane's new events go straight to the table; a
-                    // FIFO lane's go through the lane, which keeps those of a
-                    // group with an entry in flight until it is settled.
-                    Ok(_) if d.state.flow() == Flow::Spooling && !d.state.fifo => {
-                        let deferred = Outcome::Deferred(d.state.deferral("spooled"), Due::Now);
-                        (ev.destination.as_str(), deferred, Some(d.state.deferring()))
-                    }
-                    Ok(entry) => {
-                        metrics.in_flight_events.with_label_values(&[&ev.destination]).inc();
-                        let item = LaneItem::new(entry, seq, Some(permit)).ending_chunk(chunk_end);
-                        return open.tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
-                    }
-                    Err(outcome) => (ev.destination.as_str(), outcome, None),
-                }
+        let routed = Routed { ev: Arc::new(ev), seq, permit, chunk_end };
+        let outlet = Outlet { settle: self.settle.clone(), metrics: Arc::clone(&self.parts.metrics) };
+        match self.path(&routed.ev.destination) {
+            Ok(Path::Lane(open)) => hand_on(open, routed, &outlet).await,
+            Ok(Path::Lookup(tx)) => tx.send(routed).await.map_err(|_| RouteError::Stopped("lookup")),
+            Err(outcome) => unrouted(routed, outcome, &outlet),
+        }
+    }
+}
+
+/// Hand `r` to `open`'s lane, judged for its queue: sent through the lane,
+/// straight to the table (a standard queue's lane spools), or settled now
+/// (held, DEAD).
+async fn hand_on(open: &Open, r: Routed, outlet: &Outlet) -> Result<(), RouteError> {
+    let d = &open.destination;
+    let (outcome, unmarked) = match judge_for(&d.queue, &r.ev, now_unix_us()).unsent() {
+        // A spooling lane's new events go straight to the table; a FIFO
+        // lane's go through the lane, which keeps those of a group with an
+        // entry in flight until it is settled.
+        Ok(_) if d.state.flow() == Flow::Spooling && !d.state.fifo => {
+            (Outcome::Deferred(d.state.deferral("spooled"), Due::Now), Some(d.state.deferring()))
+        }
+        Ok(entry) => {
+            outlet.metrics.in_flight_events.with_label_values(&[&r.ev.destination]).inc();
+            let item = LaneItem::new(entry, r.seq, Some(r.permit)).ending_chunk(r.chunk_end);
+            return open.tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
+        }
+        Err(outcome) => (outcome, None),
+    };
+    outlet.metrics.in_flight_events.with_label_values(&[&r.ev.destination]).inc();
+    let destination = Arc::from(r.ev.destination.as_str());
+    let settlement = Settlement::new(r.ev, r.seq, destination, outcome).holding(Some(r.permit), unmarked);
+    outlet.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
+}
+
+/// Settle `r`, which reaches no lane: DEAD, or back to the table while its
+/// destination cannot be looked up.
+fn unrouted(r: Routed, outcome: Outcome, outlet: &Outlet) -> Result<(), RouteError> {
+    outlet.metrics.in_flight_events.with_label_values(&[UNKNOWN_DESTINATION_LABEL]).inc();
+    let settlement =
+        Settlement::new(r.ev, r.seq, Arc::from(UNKNOWN_DESTINATION_LABEL), outcome).holding(Some(r.permit), None);
+    outlet.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
+}
+
+/// A destination met for the first time: look it up (its events waiting in
+/// `rx`, in order), then run its lane and hand them on. While it cannot be
+/// found its events are settled (DEAD: no such queue; to the table with a
+/// backoff: the lookup failed), each looking it up again.
+async fn look_up_then_hand_on(name: String, parts: Arc<Parts>, outlet: Outlet, mut rx: mpsc::Receiver<Routed>) {
+    while let Some(r) = rx.recv().await {
+        let d = match parts.destinations.resolve(&name).await {
+            Resolved::Ready(d) => d,
+            Resolved::Dead(reason) => {
+                let _ = unrouted(r, Outcome::Dead(reason), &outlet);
+                continue;
+            }
+            Resolved::Unavailable(why) => {
+                let _ = unrouted(r, Outcome::Deferred(why, Due::Backoff), &outlet);
+                continue;
             }
         };
-        metrics.in_flight_events.with_label_values(&[label]).inc();
-        let destination = Arc::from(label);
-        let settlement = Settlement::new(ev, seq, destination, outcome).holding(Some(permit), unmarked);
-        self.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
+        let (tx, lane) = lane_for(&parts, &outlet.settle, &d);
+        let open = Open { destination: d, tx };
+        let feed = async move {
+            let mut next = Some(r);
+            while let Some(r) = next {
+                if hand_on(&open, r, &outlet).await.is_err() {
+                    return;
+                }
+                next = rx.recv().await;
+            }
+        };
+        tokio::join!(lane, feed);
+        return;
     }
 }
 

@@ -34,6 +34,13 @@ impl RelayConfig {
         RelayConfig::through(db, mode, destinations, extra, &stack().sqs_url)
     }
 
+    /// A relay with no `[destinations]`: every queue from `template` (a
+    /// queue-URL template), SQS reached at `sqs_endpoint`.
+    pub fn templated(db: &TestDb, mode: &str, extra: &str, sqs_endpoint: &str, template: &str) -> RelayConfig {
+        let sqs = format!("endpoint_url = \"{sqs_endpoint}\"\nqueue_url_template = \"{template}\"");
+        RelayConfig::written(db, mode, &[], extra, &sqs)
+    }
+
     /// [`RelayConfig::new`] with SQS reached at `sqs_endpoint` (a proxy).
     pub fn through(
         db: &TestDb,
@@ -42,12 +49,16 @@ impl RelayConfig {
         extra: &str,
         sqs_endpoint: &str,
     ) -> RelayConfig {
+        RelayConfig::written(db, mode, destinations, extra, &format!("endpoint_url = \"{sqs_endpoint}\""))
+    }
+
+    /// The configuration file: `extra` at the top, `sqs` the `[sqs]` table's lines.
+    fn written(db: &TestDb, mode: &str, destinations: &[(&str, &str)], extra: &str, sqs: &str) -> RelayConfig {
         let metrics = if extra.contains("metrics_addr") { "" } else { "metrics_addr = \"off\"\n" };
         let mut toml = format!(
-            "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{metrics}{extra}\n[sqs]\nendpoint_url = \"{}\"\n[destinations]\n",
+            "database_url = \"{}\"\nslot = \"{}\"\nmode = \"{mode}\"\nheartbeat_interval = \"200ms\"\n{metrics}{extra}\n[sqs]\n{sqs}\n[destinations]\n",
             db.url,
             db.slot,
-            sqs_endpoint
         );
         for (name, url) in destinations {
             toml.push_str(&format!("{name} = \"{url}\"\n"));

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -80,7 +80,8 @@ pub struct Stats {
 struct Queue {
     window_start: Option<Instant>,
     window_calls: u32,
-    bodies: Vec<String>,
+    /// Recording: each body taken, and when.
+    bodies: Vec<(String, SystemTime)>,
 }
 
 struct Inner {
@@ -159,6 +160,12 @@ impl Standin {
 
     /// The bodies queue `name` accepted, in the order accepted (recording only).
     pub fn bodies(&self, name: &str) -> Vec<String> {
+        self.arrivals(name).into_iter().map(|(b, _)| b).collect()
+    }
+
+    /// [`Standin::bodies`], each with when it arrived (before the answer's
+    /// round trip).
+    pub fn arrivals(&self, name: &str) -> Vec<(String, SystemTime)> {
         self.inner.queues.lock().unwrap().get(name).map(|q| q.bodies.clone()).unwrap_or_default()
     }
 }
@@ -209,7 +216,7 @@ impl Inner {
             }
             ok.push(json!({"Id": id, "MessageId": self.message_id(), "MD5OfMessageBody": "00000000000000000000000000000000"}));
             if s.record {
-                kept.push(body);
+                kept.push((body, SystemTime::now()));
             }
         }
         self.messages.fetch_add(ok.len() as u64, Ordering::Relaxed);

@@ -145,8 +145,8 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 
 /// The running parts of a session: lanes, the intake in front of them, and
 /// the WAL and held-stream watches.
-struct Pipeline<'a> {
-    intake: Intake<'a>,
+struct Pipeline {
+    intake: Intake,
     lanes: Arc<Mutex<JoinSet<()>>>,
     wal_watch: tokio::task::JoinHandle<()>,
     held_watch: tokio::task::JoinHandle<()>,
@@ -155,12 +155,12 @@ struct Pipeline<'a> {
 
 /// The session's pipeline ([`Streaming::start`]), after the lanes with rows
 /// in the table are set spooling; and the WAL and held-row watches beside it.
-async fn start_pipeline<'a>(
-    ctx: &'a StreamContext,
+async fn start_pipeline(
+    ctx: &StreamContext,
     sql: &Client,
     watermark: &Arc<Mutex<Watermark>>,
     confirm: &Arc<Notify>,
-) -> Result<(Pipeline<'a>, Settler), CdcError> {
+) -> Result<(Pipeline, Settler), CdcError> {
     let (cfg, db) = (&ctx.parts.settings, &ctx.db);
     let settler_client = db.connect().await?;
     spool_lanes_with_rows_in_table(ctx, sql).await?;
@@ -214,7 +214,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
 /// the grace), the settler marks it, and the last settled position is
 /// confirmed. Returns the confirmed position.
 async fn drain(
-    intake: Intake<'_>,
+    intake: Intake,
     lanes: &Mutex<JoinSet<()>>,
     settler: &mut Settler,
     repl: &ReplicationClient,
@@ -250,7 +250,7 @@ async fn stream(
     ctx: &StreamContext,
     sql: &Client,
     repl: &mut ReplicationClient,
-    pipeline: &mut Pipeline<'_>,
+    pipeline: &mut Pipeline,
     settler: &mut Settler,
     confirm: &Notify,
     startup_lsn: Lsn,
@@ -301,7 +301,7 @@ async fn take(
     ctx: &StreamContext,
     sql: &Client,
     decoder: &mut Decoder,
-    intake: &mut Intake<'_>,
+    intake: &mut Intake,
     ev: pgwire_replication::ReplicationEvent,
 ) -> Result<bool, CdcError> {
     match decoder.handle(ev, sql).await? {
