@@ -210,3 +210,55 @@ async fn many_destinations_stream_on_a_few_connections() {
     assert!(relay_connections(&db).await.len() <= 12);
     relay.stop().await;
 }
+
+/// A publisher whose lookup of one queue takes `slow` (the rest as `inner`).
+struct SlowLookup {
+    inner: MemoryPublisher,
+    queue: String,
+    slow: Duration,
+}
+
+#[async_trait::async_trait]
+impl outbox_relay::publish::Publisher for SlowLookup {
+    async fn queue_info(&self, url: &str) -> Result<outbox_relay::publish::entry::QueueInfo, CallError> {
+        if url == self.queue {
+            tokio::time::sleep(self.slow).await;
+        }
+        self.inner.queue_info(url).await
+    }
+
+    async fn send_batch(
+        &self,
+        url: &str,
+        entries: &[outbox_relay::publish::entry::Entry],
+    ) -> Result<Vec<outbox_relay::publish::EntryResult>, CallError> {
+        self.inner.send_batch(url, entries).await
+    }
+}
+
+/// A destination whose lookup is slow holds nothing else: rows committed
+/// after its first row reach other new destinations while it is looked up,
+/// and its own rows follow in order once it is found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_lookup_holds_only_its_own_destination() {
+    let db = TestDb::new("route_slow").await;
+    let c = db.client().await;
+    let p = publisher(&["slow.fifo", "quick"]);
+    let slow = Duration::from_secs(3);
+    let publisher = SlowLookup { inner: p.clone(), queue: url("slow.fifo"), slow };
+    let relay = start(templated(&db, Mode::Cdc), Arc::new(publisher));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let started = std::time::Instant::now();
+    insert_rows(&c, "s0", "slow.fifo", 5, Some(1)).await;
+    insert_rows(&c, "q0", "quick", 5, None).await;
+    insert_rows(&c, "s1", "slow.fifo", 5, Some(1)).await;
+    wait_for("quick's rows sent", Duration::from_secs(30), || async { bodies(&p, "quick").len() == 5 }).await;
+    assert!(started.elapsed() < slow, "quick waited for slow's lookup: {:?}", started.elapsed());
+    assert!(bodies(&p, "slow.fifo").is_empty(), "slow is still being looked up");
+    wait_for("slow's rows sent", Duration::from_secs(30), || async { bodies(&p, "slow.fifo").len() == 10 }).await;
+    let order: Vec<String> = p.sent(&url("slow.fifo")).into_iter().map(|m| m.body).collect();
+    let expected: Vec<String> = ["s0", "s1"].iter().flat_map(|t| (1..=5).map(move |i| format!("{t}:{i}"))).collect();
+    assert_eq!(order, expected, "one FIFO group, in commit order behind the lookup");
+    settled(&db).await;
+    relay.stop().await;
+}
