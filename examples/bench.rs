@@ -201,6 +201,13 @@ struct Clocked {
     calls: AtomicU64,
 }
 
+impl Clocked {
+    fn new(sqs: &SqsPublisher) -> Arc<Clocked> {
+        let zero = || AtomicU64::new(0);
+        Arc::new(Clocked { inner: sqs.clone(), first_us: zero(), last_us: zero(), calls: zero() })
+    }
+}
+
 #[async_trait]
 impl Publisher for Clocked {
     async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
@@ -785,12 +792,7 @@ async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
     let mut cfg = config(&db, &dests(&queues));
     cfg.metrics_addr = None;
     cfg.max_in_flight_batches = 8;
-    let clocked = Arc::new(Clocked {
-        inner: sqs.clone(),
-        first_us: AtomicU64::new(0),
-        last_us: AtomicU64::new(0),
-        calls: AtomicU64::new(0),
-    });
+    let clocked = Clocked::new(sqs);
     let phase = Phase::start();
     let relay = start(cfg, clocked.clone());
     wait_for("relay drained to ministack", Duration::from_secs(600), || {

@@ -150,12 +150,7 @@ struct RelayDrain {
 async fn relay_to(db: &TestDb, url: &str, sqs: &SqsPublisher, n: usize) -> RelayDrain {
     let mut cfg = config(db, &[("d0", url)]);
     cfg.metrics_addr = None;
-    let clocked = Arc::new(Clocked {
-        inner: sqs.clone(),
-        first_us: AtomicU64::new(0),
-        last_us: AtomicU64::new(0),
-        calls: AtomicU64::new(0),
-    });
+    let clocked = Clocked::new(sqs);
     let phase = Phase::start();
     let relay = start(cfg, clocked.clone());
     let peak = Arc::new(std::sync::atomic::AtomicI64::new(0));

@@ -188,6 +188,16 @@ mod tests {
         }
     }
 
+    /// A lane of cap 256 grown to 128 by four busy rounds of slow start.
+    fn busy_at_128() -> Limiter {
+        let mut l = Limiter::new(256);
+        for _ in 0..4 {
+            round(&mut l, Signal::Sent { rtt: RTT });
+        }
+        assert_eq!(l.limit(), 128);
+        l
+    }
+
     #[test]
     fn slow_start_doubles_per_round_up_to_the_cap() {
         let mut l = Limiter::new(256);
@@ -202,11 +212,7 @@ mod tests {
 
     #[test]
     fn a_throttled_round_halves_once_and_growth_resumes_slowly_past_it() {
-        let mut l = Limiter::new(256);
-        for _ in 0..4 {
-            round(&mut l, Signal::Sent { rtt: RTT });
-        }
-        assert_eq!(l.limit(), 128);
+        let mut l = busy_at_128();
         round(&mut l, Signal::Throttled);
         assert_eq!(l.limit(), 64, "every call of the round throttled: halved");
         for _ in 0..10 {
@@ -217,10 +223,7 @@ mod tests {
 
     #[test]
     fn a_few_throttled_calls_shrink_it_by_their_share() {
-        let mut l = Limiter::new(256);
-        for _ in 0..4 {
-            round(&mut l, Signal::Sent { rtt: RTT });
-        }
+        let mut l = busy_at_128();
         let tickets: Vec<Ticket> = (0..128).map(|i| l.start(i)).collect();
         for (i, t) in tickets.into_iter().enumerate() {
             l.on(t, if i % 20 == 0 { Signal::Throttled } else { Signal::Sent { rtt: RTT } });
