@@ -276,7 +276,7 @@ pub(super) fn print_hot(rows: &[HotQueue], throttled: &Throttled) {
     }
     let t = throttled;
     println!(
-        "\n5% of calls throttled ({} ms, {} msgs): {:.0}/s throttled ({} calls), {:.0}/s after, back within {:.2} s; published {}, DEAD {}",
+        "\n5% of calls throttled ({} ms, {} msgs): {:.0}/s throttled ({} calls), {:.0}/s after (its first second at 0.9 of that began {:.2} s after); published {}, DEAD {}",
         t.rtt_ms, t.messages, t.throttled_msgs_per_s, t.calls_throttled, t.after_msgs_per_s, t.recovery_s, t.published, t.dead
     );
 }

@@ -104,6 +104,12 @@ impl Limiter {
         }
     }
 
+    /// A limit from `last` (what an earlier lane of the destination found),
+    /// at most `cap`; it grows fast again past it (slow start), up to the cap.
+    pub fn resume(cap: usize, last: usize) -> Limiter {
+        Limiter { limit: last.clamp(1, cap.max(1)) as f64, ..Limiter::new(cap) }
+    }
+
     /// Calls the lane may have in flight now.
     pub fn limit(&self) -> usize {
         (self.limit as usize).clamp(1, self.cap)
@@ -229,6 +235,15 @@ mod tests {
             l.on(t, if i % 20 == 0 { Signal::Throttled } else { Signal::Sent { rtt: RTT } });
         }
         assert!((123..=127).contains(&l.limit()), "7 of 128 throttled: 3.5 calls off, about one on: {}", l.limit());
+    }
+
+    #[test]
+    fn a_resumed_limit_starts_where_the_last_lane_left_it() {
+        assert_eq!(Limiter::resume(256, 40).limit(), 40);
+        assert_eq!(Limiter::resume(32, 40).limit(), 32, "a lower cap holds");
+        let mut l = Limiter::resume(256, 40);
+        round(&mut l, Signal::Sent { rtt: RTT });
+        assert_eq!(l.limit(), 80, "slow start from there");
     }
 
     #[test]

@@ -165,7 +165,11 @@ impl Ctx {
         metrics: Arc<Metrics>,
         state: Option<Arc<LaneState>>,
     ) -> Ctx {
-        let limiter = Limiter::new(cfg.max_in_flight);
+        // A new session's lane goes on from the limit the last one found.
+        let limiter = match state.as_ref().and_then(|s| s.in_flight_limit()) {
+            Some(last) => Limiter::resume(cfg.max_in_flight, last),
+            None => Limiter::new(cfg.max_in_flight),
+        };
         let ctx = Ctx {
             cfg,
             publisher,
@@ -192,6 +196,9 @@ impl Ctx {
             RetryPolicy::ToTable => "table",
         };
         self.metrics.lane_in_flight_limit.with_label_values(&[&self.cfg.name, path]).set(limit as i64);
+        if let Some(s) = &self.state {
+            s.set_in_flight_limit(limit);
+        }
     }
 
     /// A `SendMessageBatch` call of one of the lane's batches starts.
@@ -671,6 +678,26 @@ mod tests {
         let s = settle_rx.recv().await.unwrap();
         assert_eq!((s.id(), matches!(s.outcome, Outcome::Published)), (4000, true), "retried, not DEAD");
         assert_eq!(limit(), 63, "half a call off; a lone call does not grow it back");
+        drop(tx);
+        lane.await.unwrap();
+    }
+
+    /// A destination's lane in a new session starts from the limit the last
+    /// one found (kept in the destination's state), not from 8.
+    #[tokio::test]
+    async fn a_new_sessions_lane_starts_from_the_last_limit() {
+        let p = MemoryPublisher::new();
+        p.add_queue(Q, false, 1 << 20);
+        let metrics = Metrics::new();
+        let state = LaneState::new("orders", false, Arc::clone(&metrics));
+        state.set_in_flight_limit(40);
+        let (tx, rx) = mpsc::channel(8);
+        let (settle_tx, _settle_rx) = mpsc::unbounded_channel();
+        let cfg = streaming_lane(64, Duration::from_millis(10), Duration::from_millis(20));
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p), rx, settle_tx, Arc::clone(&metrics), Some(state)));
+        let limit = || metrics.lane_in_flight_limit.with_label_values(&["orders", "stream"]).get();
+        until("the lane's limit shown", || limit() > 0).await;
+        assert_eq!(limit(), 40);
         drop(tx);
         lane.await.unwrap();
     }

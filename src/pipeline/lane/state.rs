@@ -47,6 +47,9 @@ pub struct LaneState {
     held: AtomicBool,
     /// A FIFO queue's lane.
     pub fifo: bool,
+    /// The last batches-in-flight limit its lane found (0: none yet): the
+    /// next session's lane starts there, not at the beginning.
+    in_flight_limit: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -62,6 +65,7 @@ impl LaneState {
             unmarked: Arc::default(),
             held: AtomicBool::new(false),
             fifo,
+            in_flight_limit: AtomicU64::new(0),
             metrics,
         })
     }
@@ -155,6 +159,15 @@ impl LaneState {
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<Flow> {
         self.spool.subscribe()
+    }
+
+    /// The limit the lane last found, if any.
+    pub(crate) fn in_flight_limit(&self) -> Option<usize> {
+        Some(self.in_flight_limit.load(Ordering::Relaxed) as usize).filter(|l| *l > 0)
+    }
+
+    pub(crate) fn set_in_flight_limit(&self, limit: usize) {
+        self.in_flight_limit.store(limit as u64, Ordering::Relaxed);
     }
 
     /// Age of the oldest unsettled event, if any.
