@@ -11,8 +11,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
-
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -60,9 +58,6 @@ pub struct Destinations {
     prepare: Prepare,
     publisher: Arc<dyn Publisher>,
     metrics: Arc<Metrics>,
-    /// Wakes whoever starts work per destination (the table path) when one
-    /// is added.
-    added: Notify,
 }
 
 impl Destinations {
@@ -82,15 +77,7 @@ impl Destinations {
                 (name, Arc::new(d))
             })
             .collect();
-        Destinations {
-            ready: RwLock::new(ready),
-            missing: Mutex::default(),
-            template,
-            prepare,
-            publisher,
-            metrics,
-            added: Notify::new(),
-        }
+        Destinations { ready: RwLock::new(ready), missing: Mutex::default(), template, prepare, publisher, metrics }
     }
 
     /// A destination ready to send to, if it is.
@@ -118,16 +105,6 @@ impl Destinations {
 
     /// Whether names beyond the configured ones may exist.
     pub fn templated(&self) -> bool {
-        self.template.is_some()
-    }
-
-    /// Notified each time a destination is added.
-    pub fn added(&self) -> &Notify {
-        &self.added
-    }
-
-    /// Whether a destination not configured is looked up (a queue-URL template).
-    pub fn looks_up(&self) -> bool {
         self.template.is_some()
     }
 
@@ -188,8 +165,6 @@ impl Destinations {
         let state = LaneState::new(name, queue.fifo, Arc::clone(&self.metrics));
         let d = Arc::new(Destination { name: Arc::from(name), queue, state });
         ready.insert(name.to_string(), Arc::clone(&d));
-        drop(ready);
-        self.added.notify_waiters();
         d
     }
 }

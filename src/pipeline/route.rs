@@ -333,7 +333,7 @@ impl Router {
         if !self.lanes.contains_key(name) {
             match self.parts.destinations.get(name) {
                 Some(d) => self.open(d),
-                None if self.parts.destinations.looks_up() => self.look_up(name),
+                None if self.parts.destinations.templated() => self.look_up(name),
                 None => return Err(Outcome::Dead(DeadReason::unknown_destination(name))),
             }
         }
