@@ -115,6 +115,12 @@ pub const LANE_STALL_TIMEOUT: Key = key(
     Some("30s"),
     "a lane whose oldest unsettled event is older spools to the table",
 );
+pub const LANE_IDLE_TIMEOUT: Key = key(
+    "lane_idle_timeout",
+    duration(ms(100), secs(DAY)),
+    Some("30s"),
+    "a stream lane with nothing to do this long is closed; its next event opens it again",
+);
 pub const MAX_RETAINED_WAL: Key = key(
     "max_retained_wal",
     Kind::Size { min: 1 << 20, max: 1 << 50 },
@@ -202,6 +208,7 @@ pub const KEYS: &[Key] = &[
     CONNECT_TIMEOUT,
     QUERY_TIMEOUT,
     LANE_STALL_TIMEOUT,
+    LANE_IDLE_TIMEOUT,
     MAX_RETAINED_WAL,
     RETRY_BASE,
     RETRY_MAX,

@@ -235,6 +235,8 @@ pub struct Config {
     pub query_timeout: Duration,
     /// A streaming lane whose oldest unsettled event is older than this spools.
     pub lane_stall_timeout: Duration,
+    /// A stream lane with nothing to do for this long is closed.
+    pub lane_idle_timeout: Duration,
     /// WAL the slot may hold (current WAL minus confirmed flush) before the
     /// lane holding it back spools.
     pub max_retained_wal: u64,
@@ -412,6 +414,7 @@ impl Config {
         self.connect_timeout = d(&keys::CONNECT_TIMEOUT)?;
         self.query_timeout = d(&keys::QUERY_TIMEOUT)?;
         self.lane_stall_timeout = d(&keys::LANE_STALL_TIMEOUT)?;
+        self.lane_idle_timeout = d(&keys::LANE_IDLE_TIMEOUT)?;
         self.max_retained_wal = src.get(&keys::MAX_RETAINED_WAL).size()?;
         self.retry_base = d(&keys::RETRY_BASE)?;
         self.retry_max = d(&keys::RETRY_MAX)?;
@@ -745,6 +748,7 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         assert!(bytes("k", "0MB").is_err());
         let c = Config::resolve(file(BASE), &BTreeMap::new(), &Overrides::default()).unwrap();
         assert_eq!(c.lane_stall_timeout, Duration::from_secs(30));
+        assert_eq!(c.lane_idle_timeout, Duration::from_secs(30));
         assert_eq!(c.max_retained_wal, 256 << 20);
         assert_eq!((c.retry_base, c.retry_max), (Duration::from_secs(2), Duration::from_secs(300)));
         assert_eq!(c.retention, Some(Duration::from_secs(7 * 86_400)));

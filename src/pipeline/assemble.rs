@@ -6,7 +6,6 @@
 //!   their own, their settlements marked in the claiming transaction
 //!   ([`publish_claim`]).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{mpsc, Notify};
@@ -57,14 +56,7 @@ impl Streaming {
             parts.settings.marking,
         ));
         let lanes = Arc::new(Mutex::new(JoinSet::new()));
-        let mut router = Router {
-            parts: Arc::clone(parts),
-            lanes: HashMap::new(),
-            lane_tasks: Arc::clone(&lanes),
-            settle: settle_tx,
-            budget: parts.settings.memory.budget(),
-            watermark: Arc::clone(watermark),
-        };
+        let mut router = Router::new(Arc::clone(parts), Arc::clone(&lanes), settle_tx, Arc::clone(watermark));
         for d in parts.destinations.all() {
             router.open(d);
         }

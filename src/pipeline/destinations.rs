@@ -185,7 +185,7 @@ mod tests {
         p.add_queue("http://memory.invalid/r1/orders", false, 1024);
         let d = destinations(&p);
         let Resolved::Ready(orders) = d.resolve("orders").await else { panic!("orders is there") };
-        assert_eq!(orders.queue.max_message_size, 1024);
+        assert_eq!(orders.queue.max_message_size(), 1024);
         assert!(Arc::ptr_eq(&orders, &d.get("orders").unwrap()));
         let Resolved::Dead(r) = d.resolve("billing").await else { panic!("billing has no queue") };
         assert_eq!(r.code, DeadCode::QueueNotFound);

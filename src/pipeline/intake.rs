@@ -68,6 +68,7 @@ impl Intake {
                 if self.open.is_none() {
                     self.watermark.lock().unwrap().observe_idle(wal_end);
                 }
+                self.router.retire_idle();
             }
         }
         Ok(())

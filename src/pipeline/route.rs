@@ -4,7 +4,9 @@
 //! used by the stream's [`Router`] and by the table path alike.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -15,7 +17,7 @@ use crate::clock::now_unix_us;
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
 use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
-use crate::pipeline::lane::{run_lane, Flow, LaneConfig, LaneItem};
+use crate::pipeline::lane::{run_lane, Finished, Flow, Input, LaneConfig, LaneItem};
 use crate::pipeline::parts::Parts;
 use crate::pipeline::settle::{Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
@@ -198,23 +200,31 @@ fn chunk_ends(events: &[OutboxEvent]) -> Vec<bool> {
 
 /// Routes events to their lanes, or straight to the settler as DEAD. A
 /// destination met for the first time gets its lane here, once it is
-/// looked up ([`Destinations::resolve`]).
+/// looked up ([`Destinations::resolve`]); a lane idle for
+/// `lane_idle_timeout` with everything it was given finished is closed, and
+/// opened again by its destination's next event.
 pub struct Router {
-    pub parts: Arc<Parts>,
-    /// Where each destination met this session has its events go.
-    pub lanes: HashMap<String, Path>,
+    parts: Arc<Parts>,
+    /// Where each destination with a lane (or a lookup) this session has its
+    /// events go.
+    lanes: HashMap<String, Route>,
     /// Every lane's task, started here or before routing began: the
     /// session's end waits on them once the router is gone.
-    pub lane_tasks: Arc<Mutex<JoinSet<()>>>,
-    pub settle: mpsc::UnboundedSender<Settlement>,
-    pub budget: Budget,
-    pub watermark: Arc<Mutex<Watermark>>,
+    lane_tasks: Arc<Mutex<JoinSet<()>>>,
+    settle: mpsc::UnboundedSender<Settlement>,
+    budget: Budget,
+    watermark: Arc<Mutex<Watermark>>,
+    /// How long a lane stays idle before it is closed, and when lanes were
+    /// last looked over for that.
+    idle_end: Duration,
+    swept: Instant,
 }
 
 /// A destination's lane, open for this session.
 pub struct Open {
     pub destination: Arc<Destination>,
     pub tx: mpsc::Sender<LaneItem>,
+    drained: Arc<Drained>,
 }
 
 /// Where a destination's events go this session.
@@ -226,6 +236,45 @@ pub enum Path {
     /// stream does not wait on a lookup.
     Lookup(mpsc::Sender<Routed>),
 }
+
+/// A destination's path this session, and how far along it its events are.
+struct Route {
+    path: Path,
+    /// Events routed to it, and when the last one was.
+    routed: u64,
+    last: Instant,
+    drained: Arc<Drained>,
+}
+
+/// How far a path's events are through: handed on by whoever feeds its lane
+/// (the router, or the task that looked its destination up), and finished by
+/// the lane.
+#[derive(Default)]
+struct Drained {
+    /// Events dealt with: handed to the lane, or settled without it.
+    taken: AtomicU64,
+    /// Of those, handed to the lane.
+    forwarded: AtomicU64,
+    lane: Arc<Finished>,
+}
+
+impl Drained {
+    /// Every one of `routed` events is settled, or finished by an idle lane:
+    /// closing the path now loses and reorders nothing.
+    fn done(&self, routed: u64) -> bool {
+        self.taken.load(Ordering::Acquire) == routed && self.lane.through() == self.forwarded.load(Ordering::Acquire)
+    }
+
+    fn took(&self, forwarded: bool) {
+        if forwarded {
+            self.forwarded.fetch_add(1, Ordering::Release);
+        }
+        self.taken.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// How often the router looks for idle lanes.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// An event routed to a destination, holding its place in the stream and
 /// its share of the memory budget.
@@ -248,35 +297,83 @@ struct Outlet {
 fn lane_for(
     parts: &Parts,
     settle: &mpsc::UnboundedSender<Settlement>,
-    destination: &Destination,
-) -> (mpsc::Sender<LaneItem>, impl std::future::Future<Output = ()> + Send + 'static) {
+    destination: Arc<Destination>,
+    drained: Arc<Drained>,
+) -> (Open, impl std::future::Future<Output = ()> + Send + 'static) {
     let (tx, rx) = mpsc::channel(LANE_CHANNEL);
     let lane = run_lane(
         LaneConfig::streaming(&destination.name, &destination.queue, &parts.settings.lanes),
         Arc::clone(&parts.publisher),
-        rx,
+        Input { rx, finished: Some(Arc::clone(&drained.lane)) },
         settle.clone(),
         Arc::clone(&parts.metrics),
         Some(Arc::clone(&destination.state)),
     );
-    (tx, lane)
+    (Open { destination, tx, drained }, lane)
 }
 
 impl Router {
+    pub fn new(
+        parts: Arc<Parts>,
+        lane_tasks: Arc<Mutex<JoinSet<()>>>,
+        settle: mpsc::UnboundedSender<Settlement>,
+        watermark: Arc<Mutex<Watermark>>,
+    ) -> Router {
+        Router {
+            budget: parts.settings.memory.budget(),
+            idle_end: parts.settings.lanes.idle_timeout,
+            parts,
+            lanes: HashMap::new(),
+            lane_tasks,
+            settle,
+            watermark,
+            swept: Instant::now(),
+        }
+    }
+
     /// Start `destination`'s lane for this session.
     pub fn open(&mut self, destination: Arc<Destination>) {
-        let (tx, lane) = lane_for(&self.parts, &self.settle, &destination);
+        let name = destination.name.to_string();
+        let (open, lane) = lane_for(&self.parts, &self.settle, destination, Arc::default());
         self.lane_tasks.lock().unwrap().spawn(lane);
-        self.lanes.insert(destination.name.to_string(), Path::Lane(Open { destination, tx }));
+        let drained = Arc::clone(&open.drained);
+        self.insert(name, Path::Lane(open), drained);
     }
 
     /// Start looking `name` up, its events waiting for the answer in order.
     fn look_up(&mut self, name: &str) {
         let (tx, rx) = mpsc::channel(LANE_CHANNEL);
         let outlet = Outlet { settle: self.settle.clone(), metrics: Arc::clone(&self.parts.metrics) };
-        let task = look_up_then_hand_on(name.to_string(), Arc::clone(&self.parts), outlet, rx);
+        let drained = Arc::new(Drained::default());
+        let task = look_up_then_hand_on(name.to_string(), Arc::clone(&self.parts), outlet, rx, Arc::clone(&drained));
         self.lane_tasks.lock().unwrap().spawn(task);
-        self.lanes.insert(name.to_string(), Path::Lookup(tx));
+        self.insert(name.to_string(), Path::Lookup(tx), drained);
+    }
+
+    fn insert(&mut self, name: String, path: Path, drained: Arc<Drained>) {
+        self.lanes.insert(name, Route { path, routed: 0, last: Instant::now(), drained });
+        self.parts.metrics.stream_lanes.set(self.lanes.len() as i64);
+    }
+
+    /// Close the lanes (and lookups) idle for `idle_end` that have finished
+    /// everything routed to them, at most once per [`SWEEP_EVERY`]: a
+    /// thousand destinations seen once do not keep a thousand lanes.
+    pub fn retire_idle(&mut self) {
+        let now = Instant::now();
+        if now.duration_since(self.swept) < SWEEP_EVERY.min(self.idle_end) {
+            return;
+        }
+        self.swept = now;
+        let idle_end = self.idle_end;
+        let before = self.lanes.len();
+        self.lanes.retain(|_, r| now.duration_since(r.last) < idle_end || !r.drained.done(r.routed));
+        if self.lanes.len() < before {
+            tracing::debug!(closed = before - self.lanes.len(), open = self.lanes.len(), "idle lanes closed");
+            self.parts.metrics.stream_lanes.set(self.lanes.len() as i64);
+        }
+        // Reap the tasks of lanes that ended.
+        let mut tasks = self.lane_tasks.lock().unwrap();
+        while tasks.try_join_next().is_some() {}
     }
 
     /// Dispatch a chunk of one transaction's events. `replayed`: the chunk was
@@ -324,11 +421,12 @@ impl Router {
         for (ev, chunk_end) in events.into_iter().zip(ends) {
             self.route(Some(seq), ev, chunk_end).await?;
         }
+        self.retire_idle();
         Ok(())
     }
 
-    /// Where `name`'s events go: its lane (opened now if it is known), the
-    /// task looking it up, or nowhere (no template: DEAD).
+    /// Where `name`'s next event goes: its lane (opened now if it is known),
+    /// the task looking it up, or nowhere (no template: DEAD).
     fn path(&mut self, name: &str) -> Result<&Path, Outcome> {
         if !self.lanes.contains_key(name) {
             match self.parts.destinations.get(name) {
@@ -337,7 +435,10 @@ impl Router {
                 None => return Err(Outcome::Dead(DeadReason::unknown_destination(name))),
             }
         }
-        Ok(&self.lanes[name])
+        let route = self.lanes.get_mut(name).expect("opened above");
+        route.routed += 1;
+        route.last = Instant::now();
+        Ok(&route.path)
     }
 
     /// Route one event; `chunk_end`: the last of its chunk for its lane.
@@ -371,14 +472,18 @@ async fn hand_on(open: &Open, r: Routed, outlet: &Outlet) -> Result<(), RouteErr
         Ok(entry) => {
             outlet.metrics.in_flight_events.with_label_values(&[&r.ev.destination]).inc();
             let item = LaneItem::new(entry, r.seq, Some(r.permit)).ending_chunk(r.chunk_end);
-            return open.tx.send(item).await.map_err(|_| RouteError::Stopped("lane"));
+            open.tx.send(item).await.map_err(|_| RouteError::Stopped("lane"))?;
+            open.drained.took(true);
+            return Ok(());
         }
         Err(outcome) => (outcome, None),
     };
     outlet.metrics.in_flight_events.with_label_values(&[&r.ev.destination]).inc();
     let destination = Arc::from(r.ev.destination.as_str());
     let settlement = Settlement::new(r.ev, r.seq, destination, outcome).holding(Some(r.permit), unmarked);
-    outlet.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))
+    outlet.settle.send(settlement).map_err(|_| RouteError::Stopped("settler"))?;
+    open.drained.took(false);
+    Ok(())
 }
 
 /// Settle `r`, which reaches no lane: DEAD, or back to the table while its
@@ -394,21 +499,28 @@ fn unrouted(r: Routed, outcome: Outcome, outlet: &Outlet) -> Result<(), RouteErr
 /// `rx`, in order), then run its lane and hand them on. While it cannot be
 /// found its events are settled (DEAD: no such queue; to the table with a
 /// backoff: the lookup failed), each looking it up again.
-async fn look_up_then_hand_on(name: String, parts: Arc<Parts>, outlet: Outlet, mut rx: mpsc::Receiver<Routed>) {
+async fn look_up_then_hand_on(
+    name: String,
+    parts: Arc<Parts>,
+    outlet: Outlet,
+    mut rx: mpsc::Receiver<Routed>,
+    drained: Arc<Drained>,
+) {
     while let Some(r) = rx.recv().await {
         let d = match parts.destinations.resolve(&name).await {
             Resolved::Ready(d) => d,
             Resolved::Dead(reason) => {
                 let _ = unrouted(r, Outcome::Dead(reason), &outlet);
+                drained.took(false);
                 continue;
             }
             Resolved::Unavailable(why) => {
                 let _ = unrouted(r, Outcome::Deferred(why, Due::Backoff), &outlet);
+                drained.took(false);
                 continue;
             }
         };
-        let (tx, lane) = lane_for(&parts, &outlet.settle, &d);
-        let open = Open { destination: d, tx };
+        let (open, lane) = lane_for(&parts, &outlet.settle, d, drained);
         let feed = async move {
             let mut next = Some(r);
             while let Some(r) = next {
@@ -429,7 +541,118 @@ pub const LANE_CHANNEL: usize = 4_096;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Config, FileConfig, Overrides};
+    use crate::metrics::Metrics;
+    use crate::pipeline::destinations::Destinations;
+    use crate::pipeline::settings::Settings;
+    use crate::publish::memory::MemoryPublisher;
+    use crate::publish::queue_url::QueueUrlTemplate;
     use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    const FIFO: &str = "http://memory.invalid/r1/orders.fifo";
+
+    /// A router over the in-memory publisher: `orders.fifo` configured, any
+    /// other name looked up with a template; its settlements come out of the
+    /// receiver; lanes idle for 100 ms are closed.
+    fn router(p: &MemoryPublisher) -> (Router, mpsc::UnboundedReceiver<Settlement>) {
+        p.add_queue(FIFO, true, 262_144);
+        p.add_queue("http://memory.invalid/r1/tenant-1", false, 262_144);
+        let keys = [("database_url", "postgres://relay@localhost/db"), ("lane_idle_timeout", "100ms")];
+        let file = FileConfig::of(&keys, &[("orders.fifo", FIFO)]).unwrap();
+        let config = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
+        let metrics = Metrics::new();
+        let template = QueueUrlTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
+        let configured = BTreeMap::from([("orders.fifo".to_string(), QueueInfo::new(FIFO, true, 262_144))]);
+        let publisher: Arc<dyn crate::publish::Publisher> = Arc::new(p.clone());
+        let destinations = Destinations::new(
+            configured,
+            Some(template),
+            Box::new(|_, q| q),
+            Arc::clone(&publisher),
+            Arc::clone(&metrics),
+        );
+        let parts = Arc::new(Parts { settings: Settings::of(&config), destinations, publisher, metrics });
+        let (settle, rx) = mpsc::unbounded_channel();
+        (Router::new(parts, Arc::default(), settle, Arc::default()), rx)
+    }
+
+    fn event(id: i64, destination: &str) -> OutboxEvent {
+        OutboxEvent { group_key: Some("g".into()), ..OutboxEvent::for_test(id, destination, &format!("b{id}")) }
+    }
+
+    /// The next `n` settlements, all published.
+    async fn published(rx: &mut mpsc::UnboundedReceiver<Settlement>, n: usize) {
+        for _ in 0..n {
+            let s = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.expect("settled").unwrap();
+            assert!(matches!(s.outcome, Outcome::Published), "{:?}", s.outcome);
+        }
+    }
+
+    /// Retire idle lanes until `name`'s is closed and its task has ended.
+    async fn closed_within(router: &mut Router, name: &str, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            router.swept = Instant::now() - SWEEP_EVERY;
+            router.retire_idle();
+            if !router.lanes.contains_key(name) && router.lane_tasks.lock().unwrap().is_empty() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn an_idle_lane_is_closed_and_opened_again_behind_what_it_sent() {
+        let p = MemoryPublisher::new();
+        let (mut router, mut rx) = router(&p);
+        for id in 1..=3 {
+            router.route(None, event(id, "orders.fifo"), id == 3).await.unwrap();
+        }
+        published(&mut rx, 3).await;
+        assert!(closed_within(&mut router, "orders.fifo", Duration::from_secs(5)).await);
+        assert_eq!(router.parts.metrics.stream_lanes.get(), 0);
+        router.route(None, event(4, "orders.fifo"), true).await.unwrap();
+        published(&mut rx, 1).await;
+        let ids: Vec<i64> = p.sent(FIFO).iter().map(|s| s.outbox_id).collect();
+        assert_eq!(ids, [1, 2, 3, 4]);
+        assert_eq!(router.parts.metrics.stream_lanes.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_lane_with_an_entry_unsettled_stays_open_however_long_it_takes() {
+        let p = MemoryPublisher::new();
+        let (mut router, mut rx) = router(&p);
+        p.close_gate();
+        router.route(None, event(1, "orders.fifo"), true).await.unwrap();
+        assert!(!closed_within(&mut router, "orders.fifo", Duration::from_millis(400)).await);
+        p.open_gate();
+        published(&mut rx, 1).await;
+        assert!(closed_within(&mut router, "orders.fifo", Duration::from_secs(5)).await);
+    }
+
+    #[tokio::test]
+    async fn a_looked_up_destinations_lane_is_closed_too_and_reopened_without_a_lookup() {
+        let p = MemoryPublisher::new();
+        let (mut router, mut rx) = router(&p);
+        router.route(None, event(1, "tenant-1"), true).await.unwrap();
+        // Its lookup's verdict (no queue) settles without a lane.
+        router.route(None, event(2, "tenant-2"), true).await.unwrap();
+        for _ in 0..2 {
+            let s = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+            match s.event.id {
+                1 => assert!(matches!(s.outcome, Outcome::Published)),
+                _ => assert!(matches!(s.outcome, Outcome::Dead(_))),
+            }
+        }
+        assert!(closed_within(&mut router, "tenant-1", Duration::from_secs(5)).await);
+        assert!(router.lanes.is_empty(), "the failed lookup's path is closed as well");
+        router.route(None, event(3, "tenant-1"), true).await.unwrap();
+        assert!(matches!(router.lanes["tenant-1"].path, Path::Lane(_)), "known now: no second lookup");
+        published(&mut rx, 1).await;
+        assert_eq!(p.sent("http://memory.invalid/r1/tenant-1").len(), 2);
+    }
 
     proptest! {
         /// The same answer as asking of each id: is it marked, or is there a

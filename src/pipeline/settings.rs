@@ -23,6 +23,8 @@ pub struct LaneSettings {
     pub max_in_flight: usize,
     /// A streaming lane whose oldest unsettled event is older spools.
     pub stall_timeout: Duration,
+    /// A stream lane with nothing to do for this long is closed.
+    pub idle_timeout: Duration,
 }
 
 /// The replication slot the stream reads, and the leader's lock.
@@ -72,6 +74,7 @@ impl Settings {
                 adaptive: config.adaptive_linger,
                 max_in_flight: config.max_in_flight_batches,
                 stall_timeout: config.lane_stall_timeout,
+                idle_timeout: config.lane_idle_timeout,
             },
             marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
             memory: Memory {

@@ -13,6 +13,11 @@ pub enum Remedy {
     /// The request as a whole was refused for a reason one entry may have
     /// caused: send each entry alone to find out which.
     Split,
+    /// Refused as longer than the queue takes, though it was judged by the
+    /// queue's `MaximumMessageSize`: the limit was lowered since it was
+    /// read. Read it again and judge the entry anew (through S3, or DEAD
+    /// `too_large`); if it was not lowered, the entry is DEAD.
+    Reread,
 }
 
 /// Error codes that mean "slow down" even when SQS marks them as the sender's fault.
@@ -140,21 +145,35 @@ fn transient(code: &str) -> bool {
 }
 
 /// A failed entry of a `SendMessageBatch` response.
-pub fn classify_entry(code: &str, sender_fault: bool) -> Remedy {
+pub fn classify_entry(code: &str, sender_fault: bool, message: &str) -> Remedy {
     if transient(code) || !sender_fault {
         Remedy::Retry
+    } else if says_too_long(code, message) {
+        Remedy::Reread
     } else {
         Remedy::Dead
     }
 }
 
+/// Codes SQS refuses an entry longer than the queue's limit with (its own,
+/// and the one compatible servers use), and what the message then says.
+const TOO_LONG: &[&str] = &["InvalidParameterValue", "InvalidParameterValueException", "MessageTooLong"];
+const TOO_LONG_TEXT: &str = "must be shorter than";
+
+/// Whether an error says the message is longer than the queue takes.
+fn says_too_long(code: &str, message: &str) -> bool {
+    TOO_LONG.contains(&code) && message.contains(TOO_LONG_TEXT)
+}
+
 /// A `SendMessageBatch` call of `entries` entries that failed as a whole
 /// with the service's `code` (or `transport` / `timeout`).
-pub fn classify_call(code: &str, sender_fault: bool, entries: usize) -> Remedy {
+pub fn classify_call(code: &str, sender_fault: bool, message: &str, entries: usize) -> Remedy {
     if transient(code) || !sender_fault {
         Remedy::Retry
     } else if entries > 1 {
         Remedy::Split
+    } else if says_too_long(code, message) {
+        Remedy::Reread
     } else {
         Remedy::Dead
     }
@@ -255,20 +274,27 @@ mod tests {
 
     #[test]
     fn entries() {
-        assert_eq!(classify_entry("InvalidMessageContents", true), Remedy::Dead);
-        assert_eq!(classify_entry("MissingParameter", true), Remedy::Dead);
-        assert_eq!(classify_entry("RequestThrottled", true), Remedy::Retry);
-        assert_eq!(classify_entry("InternalError", false), Remedy::Retry);
-        assert_eq!(classify_entry("Anything", false), Remedy::Retry);
-        assert_eq!(classify_entry("AccessDenied", true), Remedy::Retry);
+        assert_eq!(classify_entry("InvalidMessageContents", true, ""), Remedy::Dead);
+        assert_eq!(classify_entry("MissingParameter", true, ""), Remedy::Dead);
+        assert_eq!(classify_entry("RequestThrottled", true, ""), Remedy::Retry);
+        assert_eq!(classify_entry("InternalError", false, ""), Remedy::Retry);
+        assert_eq!(classify_entry("Anything", false, ""), Remedy::Retry);
+        assert_eq!(classify_entry("AccessDenied", true, ""), Remedy::Retry);
+        let too_long = "One or more parameters are invalid. Reason: Message must be shorter than 65536 bytes.";
+        assert_eq!(classify_entry("InvalidParameterValue", true, too_long), Remedy::Reread);
+        assert_eq!(classify_entry("InvalidParameterValue", true, "Reason: invalid attribute"), Remedy::Dead);
     }
 
     #[test]
     fn calls() {
-        assert_eq!(classify_call("transport", false, 10), Remedy::Retry);
-        assert_eq!(classify_call("BatchRequestTooLong", true, 10), Remedy::Split);
-        assert_eq!(classify_call("InvalidParameterValue", true, 1), Remedy::Dead);
-        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, 3), Remedy::Retry);
+        assert_eq!(classify_call("transport", false, "", 10), Remedy::Retry);
+        assert_eq!(classify_call("BatchRequestTooLong", true, "", 10), Remedy::Split);
+        assert_eq!(classify_call("InvalidParameterValue", true, "", 1), Remedy::Dead);
+        assert_eq!(
+            classify_call("InvalidParameterValue", true, "Message must be shorter than 9 bytes", 1),
+            Remedy::Reread
+        );
+        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, "", 3), Remedy::Retry);
         assert_eq!(
             backoff_sql("o.attempts", "$4", "$5"),
             "least($5::float8, $4::float8 * power(2, least(o.attempts, 20)))"

@@ -18,6 +18,9 @@ pub enum Fault {
     FailEntries { positions: Vec<usize>, code: String, sender_fault: bool },
     /// The whole call fails; nothing is sent.
     FailCall(CallError),
+    /// These entry positions are refused as longer than the queue takes,
+    /// whatever their size (SQS counting bytes the relay did not).
+    TooLong { positions: Vec<usize> },
 }
 
 /// A message as the queue received it.
@@ -65,6 +68,8 @@ impl MemoryPublisher {
         Self::default()
     }
 
+    /// A queue (or a queue's attributes changed): entries longer than
+    /// `max_message_size` are refused as SQS refuses them.
     pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
         self.inner.lock().unwrap().queues.insert(url.to_string(), QueueInfo::new(url, fifo, max_message_size));
     }
@@ -124,7 +129,10 @@ impl MemoryPublisher {
 #[async_trait]
 impl Publisher for MemoryPublisher {
     async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
-        self.inner.lock().unwrap().queues.get(queue_url).cloned().ok_or(CallError {
+        // A description of its own: not one the relay's copies share.
+        let queues = &self.inner.lock().unwrap().queues;
+        let queue = queues.get(queue_url).map(|q| QueueInfo::new(queue_url, q.fifo, q.max_message_size()));
+        queue.ok_or(CallError {
             code: "AWS.SimpleQueueService.NonExistentQueue".into(),
             message: format!("no queue {queue_url}"),
             sender_fault: true,
@@ -165,11 +173,18 @@ impl MemoryPublisher {
         let fault = inner.faults.pop_front();
         let failing: Vec<usize> = match &fault {
             Some(Fault::FailCall(e)) => return Err(e.clone()),
-            Some(Fault::FailEntries { positions, .. }) => positions.clone(),
+            Some(Fault::FailEntries { positions, .. } | Fault::TooLong { positions }) => positions.clone(),
             None => vec![],
         };
+        let limit = inner.queues.get(queue_url).map_or(usize::MAX, QueueInfo::max_message_size);
         let mut out = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
+            if e.size > limit || (failing.contains(&i) && matches!(fault, Some(Fault::TooLong { .. }))) {
+                let message =
+                    format!("One or more parameters are invalid. Reason: Message must be shorter than {limit} bytes.");
+                out.push(EntryResult::Failed { code: "InvalidParameterValue".into(), sender_fault: true, message });
+                continue;
+            }
             if failing.contains(&i) {
                 let Some(Fault::FailEntries { code, sender_fault, .. }) = &fault else { unreachable!() };
                 out.push(EntryResult::Failed {

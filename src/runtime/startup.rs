@@ -120,7 +120,7 @@ async fn start_up(
             ))
         })?;
         let info = prepare(name, info);
-        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size, "queue ready");
+        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size(), "queue ready");
         queues.insert(name.clone(), info);
     }
     let listener = match config.metrics_addr {

@@ -366,7 +366,7 @@ mod tests {
         let sqs = SqsPublisher::new("us-east-1", Some(standin.endpoint())).await;
         let url = standin.queue_url("orders.fifo");
         let info = sqs.queue_info(&url).await.unwrap();
-        assert_eq!((info.fifo, info.max_message_size), (true, 1 << 20));
+        assert_eq!((info.fifo, info.max_message_size()), (true, 1 << 20));
         let url = standin.queue_url("orders");
         let started = Instant::now();
         let sent = sqs.send_batch(&url, &entries(3)).await.unwrap();

@@ -556,6 +556,13 @@ mod workload {
     ];
     const TEMPLATE: &str = "http://memory.invalid/{destination}";
 
+    /// The end of a big row's event id: its body is 100 kB.
+    const BIG: &str = ":big";
+
+    /// Queue `b`'s `MaximumMessageSize` once lowered under the relays: big
+    /// rows no longer fit.
+    const LOWERED: usize = 65_536;
+
     /// What the workload committed, and what became of it.
     #[derive(Default)]
     pub struct Tally {
@@ -579,14 +586,17 @@ mod workload {
         throttles: usize,
         /// Rows of the mapped (Debezium) table.
         mapped: usize,
+        /// Big rows DEAD `too_large` once queue `b`'s size limit was
+        /// lowered under the relays (the in-process variant).
+        too_large: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.failed_txns
             )
         }
     }
@@ -699,6 +709,8 @@ mod workload {
             cfg.lane_stall_timeout = Duration::from_secs(1);
             cfg.retry_base = Duration::from_millis(200);
             cfg.retry_max = Duration::from_secs(1);
+            // Lanes close when idle and open again under the workload.
+            cfg.lane_idle_timeout = Duration::from_millis(300);
             if !sharded {
                 // Debezium's table beside the relay's own ([`produce_debezium`]).
                 use outbox_relay::mapping::{Mapping, Preset};
@@ -741,10 +753,12 @@ mod workload {
         };
         let big = n < 50 && rng.random_bool(0.3);
         let transient_share = [0.0, 0.5, 1.0][rng.random_range(0..3)];
+        // A big row's event id says so ([`BIG`]).
+        let big_mark = if big { BIG } else { "" };
         let rows: Vec<(String, String, bool)> = (0..n)
             .map(|i| {
                 let d = dests[rng.random_range(0..dests.len())].to_string();
-                (format!("{tag}:{i}"), d, rng.random_bool(transient_share))
+                (format!("{tag}:{i}{big_mark}"), d, rng.random_bool(transient_share))
             })
             .collect();
         let ids: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
@@ -953,7 +967,7 @@ mod workload {
         let mut c = db.client().await;
         let before_slot = produce_topic_payload(&mut c, &mut rng, &format!("k{seed}pre"), &["a"], true).await.unwrap();
         let extra = format!(
-            "lane_stall_timeout = \"2s\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"\n[[outbox]]\ntable = \"outbox_messages\"\npreset = \"topic-payload\"",
+            "lane_stall_timeout = \"2s\"\nlane_idle_timeout = \"500ms\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"\n[[outbox]]\ntable = \"outbox_messages\"\npreset = \"topic-payload\"",
             s3_proxy.url
         );
         let config = RelayConfig::through(&db, "cdc", &[("a", &a), ("f", &f)], &extra, &sqs_proxy.url);
@@ -1132,7 +1146,7 @@ mod workload {
             // Looked up by the template: two queues, and one that is not.
             dests.extend(["t1", "t2", "nowhere"]);
         }
-        let env = InProcess { node: &node, db: &db, p: &p, moved: Mutex::default() };
+        let env = InProcess { node: &node, db: &db, p: &p, moved: Mutex::default(), lowered: Default::default() };
         let mut c = db.client().await;
         let mut tally = Tally::default();
         let mut committed = before_slot;
@@ -1144,13 +1158,22 @@ mod workload {
             tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
         }
         let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
-        let expect_sent: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
+        // Sent, or DEAD `too_large` if sent after the limit was lowered.
+        let lowered = env.lowered.load(std::sync::atomic::Ordering::Relaxed);
+        let maybe_too_large: HashSet<&str> =
+            committed.iter().filter(|r| lowered && r.1 == "b" && r.0.ends_with(BIG)).map(|r| r.0.as_str()).collect();
+        let expect_sent: HashSet<&str> = committed
+            .iter()
+            .filter(|r| r.1 != "nowhere" && !maybe_too_large.contains(r.0.as_str()))
+            .map(|r| r.0.as_str())
+            .collect();
         tally.supervised += env.all_sent(&mut relays, &expect_sent, seed).await;
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
         })
         .await;
         unknown_destinations_dead(&db, &expect_dead, "queue_not_found", seed).await;
+        tally.too_large = too_large_or_sent(&db, &p, &maybe_too_large, seed).await;
         if !sharded {
             let sent = QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect();
             topic_payload_settled(&db, &sent, seed).await;
@@ -1210,6 +1233,8 @@ mod workload {
         p: &'a MemoryPublisher,
         /// Held rows moved by an UPDATE, and their new due times.
         moved: Mutex<HashMap<String, SystemTime>>,
+        /// Queue `b`'s size limit was lowered ([`LOWERED`]).
+        lowered: std::sync::atomic::AtomicBool,
     }
 
     impl InProcess<'_> {
@@ -1257,6 +1282,12 @@ mod workload {
                 4 => {
                     let moved = move_held(c).await;
                     self.moved.lock().unwrap().extend(moved);
+                }
+                13 if !self.lowered.load(std::sync::atomic::Ordering::Relaxed) => {
+                    // An operator lowers a queue's size limit: SQS refuses
+                    // the big rows the relays judged by the old one.
+                    self.p.add_queue(QUEUES[1].1, false, LOWERED);
+                    self.lowered.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
                 5 | 6 if !relays.configs[0].mapped.is_empty() => {
                     match produce_debezium(c, rng, tag, dests, false).await {
@@ -1314,6 +1345,26 @@ mod workload {
             }
             supervised
         }
+    }
+
+    /// Every row of `maybe` (big, to `b` after its limit was lowered) was
+    /// sent, or is DEAD `too_large`, and no other row is; how many are DEAD.
+    async fn too_large_or_sent(db: &TestDb, p: &MemoryPublisher, maybe: &HashSet<&str>, seed: u64) -> usize {
+        let dead: HashSet<String> = db
+            .client()
+            .await
+            .query("SELECT event_id FROM outbox WHERE status = 'DEAD' AND last_error LIKE 'too_large%'", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let stray: Vec<&String> = dead.iter().filter(|e| !maybe.contains(e.as_str())).take(10).collect();
+        assert!(stray.is_empty(), "seed {seed}: DEAD too_large though they fit: {stray:?}");
+        let sent: HashSet<String> = p.sent(QUEUES[1].1).into_iter().map(|s| s.event_id).collect();
+        let lost: Vec<&&str> = maybe.iter().filter(|e| !dead.contains(**e) && !sent.contains(**e)).take(10).collect();
+        assert!(lost.is_empty(), "seed {seed}: big rows neither sent nor DEAD too_large: {lost:?}");
+        dead.len()
     }
 
     /// Every row of `expect_dead` is DEAD with `reason` (its queue is not

@@ -14,7 +14,7 @@
 //! returns the lane to streaming when its spool is empty and sends succeed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -225,6 +225,20 @@ impl Ctx {
     }
 }
 
+/// How many entries a lane had taken from its input the last time it held
+/// none (nothing pending, nothing in flight, no group waiting behind one in
+/// the table): whoever feeds it may close an idle lane that has finished
+/// all it was given, and nothing it holds is lost or overtaken.
+#[derive(Debug, Default)]
+pub struct Finished(AtomicU64);
+
+impl Finished {
+    /// Entries taken and finished, as of the lane's last idle moment.
+    pub fn through(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
 /// What a finished send task reports back to its lane.
 pub(crate) struct Done {
     groups: Vec<String>,
@@ -250,19 +264,33 @@ impl Unsent {
     }
 }
 
+/// A lane's input: its entries, and (a stream lane) where it says how far it
+/// has finished them ([`Finished`]).
+pub struct Input {
+    pub rx: mpsc::Receiver<LaneItem>,
+    pub finished: Option<Arc<Finished>>,
+}
+
+impl From<mpsc::Receiver<LaneItem>> for Input {
+    fn from(rx: mpsc::Receiver<LaneItem>) -> Input {
+        Input { rx, finished: None }
+    }
+}
+
 /// Run a lane until its input closes and everything in it is settled (or the
 /// task is aborted: what was not settled is read again from the slot).
 pub async fn run_lane(
     cfg: LaneConfig,
     publisher: Arc<dyn Publisher>,
-    mut rx: mpsc::Receiver<LaneItem>,
+    input: impl Into<Input>,
     settle: mpsc::UnboundedSender<Settlement>,
     metrics: Arc<Metrics>,
     state: Option<Arc<LaneState>>,
 ) {
+    let Input { mut rx, finished } = input.into();
     let spool_rx = state.as_ref().map(|s| s.subscribe());
     let ctx = Arc::new(Ctx::new(cfg, publisher, settle, metrics, state));
-    let mut lane = Lane::new(ctx, spool_rx);
+    let mut lane = Lane::new(ctx, spool_rx, finished);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -318,10 +346,13 @@ struct Lane {
     closed: bool,
     /// The lane's state shows an oldest unsettled entry.
     oldest_shown: bool,
+    /// Entries taken from the input, and where to say how many are finished.
+    received: u64,
+    finished: Option<Arc<Finished>>,
 }
 
 impl Lane {
-    fn new(ctx: Arc<Ctx>, spool_rx: Option<watch::Receiver<Flow>>) -> Self {
+    fn new(ctx: Arc<Ctx>, spool_rx: Option<watch::Receiver<Flow>>, finished: Option<Arc<Finished>>) -> Self {
         Lane {
             ctx,
             spool_rx,
@@ -335,6 +366,8 @@ impl Lane {
             last_done: None,
             closed: false,
             oldest_shown: false,
+            received: 0,
+            finished,
         }
     }
 
@@ -433,6 +466,7 @@ impl Lane {
         if self.pending.is_empty() {
             self.oldest = Some(Instant::now());
         }
+        let before = self.pending.len();
         self.pending.push_back(item);
         while self.pending.len() < 10_000 {
             match rx.try_recv() {
@@ -440,6 +474,7 @@ impl Lane {
                 Err(_) => break,
             }
         }
+        self.received += (self.pending.len() - before) as u64;
     }
 
     /// A batch finished: its groups are free; groups it deferred are held.
@@ -476,12 +511,17 @@ impl Lane {
     }
 
     /// Nothing unsettled here any more: say so once (the stall tick, which
-    /// says it otherwise, does not run while the lane is idle).
+    /// says it otherwise, does not run while the lane is idle), and say how
+    /// much is finished unless a FIFO group still waits behind an entry in
+    /// the table or abandoned (a lane started in its place would not know).
     fn show_idle(&mut self) {
         if std::mem::take(&mut self.oldest_shown) {
             if let Some(state) = &self.ctx.state {
                 state.set_oldest(None);
             }
+        }
+        if let Some(f) = self.finished.as_ref().filter(|_| self.held.is_empty() && self.abandoned.is_empty()) {
+            f.0.store(self.received, Ordering::Release);
         }
     }
 
@@ -553,7 +593,7 @@ mod tests {
     use super::*;
     use crate::event::OutboxEvent;
     use crate::publish::entry::prepare;
-    use crate::publish::memory::MemoryPublisher;
+    use crate::publish::memory::{Fault, MemoryPublisher};
     use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
     use crate::publish::CallError;
 
@@ -804,6 +844,60 @@ mod tests {
         lane.await.unwrap();
     }
 
+    /// The queue's `MaximumMessageSize` lowered under a running lane: the
+    /// entries SQS refuses as too long are judged by the limit read again,
+    /// which every copy of the queue's description now holds: through S3
+    /// where there is S3 (published), DEAD `too_large` where there is not;
+    /// an entry refused as too long that fits the limit read is DEAD
+    /// `sqs_rejected`, not retried forever.
+    #[tokio::test]
+    async fn a_lowered_size_limit_is_read_again_and_its_entries_judged_anew() {
+        use crate::policy::dead::DeadCode;
+        let p = MemoryPublisher::new();
+        let (store, with_s3) = memory_s3(Q, false, Duration::from_secs(30));
+        let without_s3 = QueueInfo::new("http://memory.invalid/plain", false, 1000);
+        for (queue, expected) in [(with_s3, None), (without_s3, Some(DeadCode::TooLarge))] {
+            p.add_queue(&queue.url, false, 1000);
+            let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
+            cfg.queue = queue.clone();
+            let (tx, rx) = mpsc::channel(16);
+            let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+            let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+            // Judged for 1,000 bytes; the queue takes 600 by the time it is sent.
+            let ev = OutboxEvent::for_test(1, "orders", &"b".repeat(800));
+            let entry = prepare(Arc::new(ev), &queue).unwrap();
+            assert!(entry.offload.is_none());
+            p.add_queue(&queue.url, false, 600);
+            tx.send(LaneItem::new(entry, None, None)).await.unwrap();
+            let s = settle_rx.recv().await.unwrap();
+            match expected {
+                None => assert!(matches!(s.outcome, Outcome::Published), "{:?}", s.outcome),
+                Some(code) => assert!(matches!(&s.outcome, Outcome::Dead(r) if r.code == code), "{:?}", s.outcome),
+            }
+            assert_eq!(queue.max_message_size(), 600, "the description the router judges by was read again");
+            drop(tx);
+            lane.await.unwrap();
+        }
+        assert_eq!(store.len(), 1, "the body went through S3");
+        let sent = p.sent(Q);
+        assert!(sent.len() == 1 && sent[0].body.contains("PayloadS3Pointer"), "sent once, as a pointer");
+        assert!(p.sent("http://memory.invalid/plain").is_empty());
+        // Refused as too long by a queue whose limit it fits: DEAD, once.
+        p.add_queue(Q, false, 1 << 20);
+        p.push_fault(Fault::TooLong { positions: vec![0] });
+        let before = p.calls();
+        let (tx, rx) = mpsc::channel(16);
+        let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+        let cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
+        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        tx.send(item(2)).await.unwrap();
+        let s = settle_rx.recv().await.unwrap();
+        assert!(matches!(&s.outcome, Outcome::Dead(r) if r.code == DeadCode::SqsRejected), "{:?}", s.outcome);
+        assert_eq!(p.calls() - before, 1, "not sent again");
+        drop(tx);
+        lane.await.unwrap();
+    }
+
     /// A queue of 1,000 bytes whose larger bodies go through a memory store,
     /// its writes' deadline derived from `stall_timeout`.
     fn memory_s3(url: &str, fifo: bool, stall_timeout: Duration) -> (Arc<MemoryStore>, QueueInfo) {
@@ -816,7 +910,9 @@ mod tests {
             max_body: 32 << 20,
             stall_timeout,
         });
-        (store, QueueInfo { offload: Some(target), ..QueueInfo::new(url, fifo, 1000) })
+        let mut queue = QueueInfo::new(url, fifo, 1000);
+        queue.offload = Some(target);
+        (store, queue)
     }
 
     /// [`memory_s3`] with the store down, to be brought up with `store.down`.

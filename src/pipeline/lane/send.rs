@@ -3,7 +3,8 @@
 //! entries SQS may still take retried alone after a backoff (the stream) or
 //! deferred to the table (the table path).
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tracing::Instrument;
@@ -14,7 +15,7 @@ use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::concurrency::Signal;
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
-use crate::publish::entry::{Entry, TRACEPARENT};
+use crate::publish::entry::{prepare, Entry, TRACEPARENT};
 use crate::publish::{CallError, EntryResult};
 
 /// What becomes of one entry after a call.
@@ -24,6 +25,8 @@ pub enum Verdict {
     Dead(DeadReason),
     /// SQS may take it later; the text is the error, for `last_error`.
     Retry(String),
+    /// Refused as longer than the queue takes ([`Remedy::Reread`]).
+    TooLong(String),
 }
 
 /// A call's result, entry by entry.
@@ -45,18 +48,22 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
                 .iter()
                 .map(|r| match r {
                     EntryResult::Sent => Verdict::Published,
-                    EntryResult::Failed { code, sender_fault, message } => match classify_entry(code, *sender_fault) {
-                        Remedy::Dead => {
-                            Verdict::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}")))
+                    EntryResult::Failed { code, sender_fault, message } => {
+                        match classify_entry(code, *sender_fault, message) {
+                            Remedy::Dead => {
+                                Verdict::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}")))
+                            }
+                            Remedy::Reread => Verdict::TooLong(format!("{code}: {message}")),
+                            Remedy::Retry | Remedy::Split => Verdict::Retry(format!("{code}: {message}")),
                         }
-                        _ => Verdict::Retry(format!("{code}: {message}")),
-                    },
+                    }
                 })
                 .collect(),
         ),
-        Err(e) => match classify_call(&e.code, e.sender_fault, n) {
+        Err(e) => match classify_call(&e.code, e.sender_fault, &e.message, n) {
             Remedy::Retry => CallOutcome::Entries(vec![Verdict::Retry(e.to_string()); n]),
             Remedy::Split => CallOutcome::Split,
+            Remedy::Reread => CallOutcome::Entries(vec![Verdict::TooLong(e.to_string()); n]),
             Remedy::Dead => CallOutcome::Entries(vec![
                 Verdict::Dead(DeadReason::new(
                     DeadCode::SqsRejected,
@@ -125,7 +132,9 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
             CallOutcome::Split => vec![Verdict::Retry("refused as a whole".into()); todo.len()],
             CallOutcome::Entries(v) => v,
         };
-        let retry = apply(ctx, todo.drain(..).zip(verdicts));
+        let (retry, too_long) = apply(ctx, todo.drain(..).zip(verdicts));
+        let mut retry = retry;
+        retry.extend(judge_anew(ctx, too_long).await);
         if retry.is_empty() {
             break;
         }
@@ -146,6 +155,54 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
         attempt = attempt.saturating_add(1);
     }
     unsent
+}
+
+/// How long reading a queue's attributes again may take.
+const REREAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Entries SQS refused as longer than the queue takes ([`Remedy::Reread`]):
+/// the queue's `MaximumMessageSize` is read again, and holds from then on
+/// for every copy of the queue's description (the router's, every lane's).
+/// An entry over the limit read is prepared anew for it (through S3, or
+/// DEAD `too_large`) and retried; one within it was refused for a reason
+/// the relay cannot tell: DEAD `sqs_rejected`. The read failing, they are
+/// retried (and read again if refused again).
+async fn judge_anew(ctx: &Ctx, refused: Vec<(LaneItem, String)>) -> Vec<(LaneItem, String)> {
+    if refused.is_empty() {
+        return refused;
+    }
+    let queue = &ctx.cfg.queue;
+    let limit = match tokio::time::timeout(REREAD_TIMEOUT, ctx.publisher.queue_info(&queue.url)).await {
+        Ok(Ok(info)) => info.max_message_size(),
+        read => {
+            let why =
+                read.map_or_else(|_| "no answer".to_string(), |r| r.err().map(|e| e.to_string()).unwrap_or_default());
+            return refused
+                .into_iter()
+                .map(|(i, e)| (i, format!("{e}; reading the queue's limit again: {why}")))
+                .collect();
+        }
+    };
+    let was = queue.max_message_size();
+    if limit != was {
+        tracing::warn!(destination = %ctx.cfg.name, was, now = limit, "the queue's MaximumMessageSize changed: its entries are judged by the new one");
+        queue.resize(limit);
+    }
+    let mut retry = Vec::new();
+    for (mut item, err) in refused {
+        if item.entry.size <= limit {
+            settle(ctx, item, Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, err)));
+            continue;
+        }
+        match prepare(Arc::clone(&item.entry.event), queue) {
+            Ok(entry) => {
+                item.entry = Entry { delay_seconds: item.entry.delay_seconds, ..entry };
+                retry.push((item, err));
+            }
+            Err(reason) => settle(ctx, item, Outcome::Dead(reason)),
+        }
+    }
+    retry
 }
 
 /// Write the objects of the entries whose bodies go through S3 and are not
@@ -206,7 +263,7 @@ async fn send_batch(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, Ca
         Ok(results) => {
             let passing = results.iter().find_map(|r| match r {
                 EntryResult::Failed { code, sender_fault, message }
-                    if classify_entry(code, *sender_fault) != Remedy::Dead =>
+                    if classify_entry(code, *sender_fault, message) == Remedy::Retry =>
                 {
                     Some(format!("{code}: {message}"))
                 }
@@ -216,7 +273,7 @@ async fn send_batch(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, Ca
                 ctx.metrics.failed(name, Service::Sqs, &e);
             }
         }
-        Err(e) if classify_call(&e.code, e.sender_fault, entries.len()) == Remedy::Retry => {
+        Err(e) if classify_call(&e.code, e.sender_fault, &e.message, entries.len()) == Remedy::Retry => {
             ctx.metrics.failed(name, Service::Sqs, &e.to_string())
         }
         Err(_) => {}
@@ -274,7 +331,9 @@ fn signal(result: &Result<Vec<EntryResult>, CallError>, rtt: std::time::Duration
 /// The code of an entry that failed and may be retried.
 fn retryable_code(r: &EntryResult) -> Option<&str> {
     match r {
-        EntryResult::Failed { code, sender_fault, .. } if classify_entry(code, *sender_fault) != Remedy::Dead => {
+        EntryResult::Failed { code, sender_fault, message }
+            if classify_entry(code, *sender_fault, message) == Remedy::Retry =>
+        {
             Some(code.as_str())
         }
         _ => None,
@@ -282,8 +341,9 @@ fn retryable_code(r: &EntryResult) -> Option<&str> {
 }
 
 /// Settle the published and DEAD entries; return those to retry, with their error.
-fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> Vec<(LaneItem, String)> {
-    let mut retry = Vec::new();
+/// Those refused as too long come apart, to be judged anew ([`judge_anew`]).
+fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> (Retries, Retries) {
+    let (mut retry, mut too_long) = (Vec::new(), Vec::new());
     for (item, v) in verdicts {
         match v {
             Verdict::Published => {
@@ -300,10 +360,14 @@ fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> Vec<
                 }
                 retry.push((item, err));
             }
+            Verdict::TooLong(err) => too_long.push((item, err)),
         }
     }
-    retry
+    (retry, too_long)
 }
+
+/// Entries to send again, each with its last error.
+type Retries = Vec<(LaneItem, String)>;
 
 /// Wait out the in-memory backoff (cut short by spooling). False when the
 /// lane is closing: its entries are abandoned rather than retried.

@@ -4,6 +4,7 @@
 //! ([`attributes`]), the deduplication and group ids ([`ids`]), the trace
 //! header ([`trace`]), the size and the S3 pointer ([`prepare`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::event::OutboxEvent;
@@ -22,12 +23,14 @@ use ids::is_sqs_token;
 pub use trace::{xray_trace_header, Traceparent, TRACEPARENT};
 
 /// What SQS needs to know about a queue to batch for it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct QueueInfo {
     pub url: String,
     pub fifo: bool,
-    /// `MaximumMessageSize`, bytes (body plus attributes).
-    pub max_message_size: usize,
+    /// `MaximumMessageSize`, bytes (body plus attributes), shared by every
+    /// copy of this description: read again ([`QueueInfo::resize`]), the
+    /// router and every lane of the queue judge by the new one.
+    max_message_size: Arc<AtomicUsize>,
     /// A standard queue gets the row's `group_key` as `MessageGroupId`
     /// (SQS fair queues: one busy tenant does not delay the others); from
     /// the `fair_queues` setting, on unless configured off.
@@ -40,7 +43,26 @@ pub struct QueueInfo {
 impl QueueInfo {
     /// A queue as SQS describes it, fair-queue groups on, no S3.
     pub fn new(url: impl Into<String>, fifo: bool, max_message_size: usize) -> QueueInfo {
+        let max_message_size = Arc::new(AtomicUsize::new(max_message_size));
         QueueInfo { url: url.into(), fifo, max_message_size, fair: true, offload: None }
+    }
+
+    /// `MaximumMessageSize`, as last read.
+    pub fn max_message_size(&self) -> usize {
+        self.max_message_size.load(Ordering::Relaxed)
+    }
+
+    /// The queue's `MaximumMessageSize` read again, for this description and
+    /// every copy of it.
+    pub fn resize(&self, max_message_size: usize) {
+        self.max_message_size.store(max_message_size, Ordering::Relaxed);
+    }
+}
+
+impl PartialEq for QueueInfo {
+    fn eq(&self, other: &QueueInfo) -> bool {
+        (&self.url, self.fifo, self.max_message_size(), self.fair, &self.offload)
+            == (&other.url, other.fifo, other.max_message_size(), other.fair, &other.offload)
     }
 }
 
@@ -117,7 +139,7 @@ fn sized(
         |a: &[Attribute]| a.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
     let inline = event.body.len() + attributes_size(attributes);
     let offload = match &queue.offload {
-        Some(t) if t.threshold.offloads(inline, queue.max_message_size) => Some(offload(event, t, attributes)?),
+        Some(t) if t.threshold.offloads(inline, queue.max_message_size()) => Some(offload(event, t, attributes)?),
         _ => None,
     };
     let size = match &offload {
@@ -130,13 +152,13 @@ fn sized(
             format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
         ));
     }
-    if size > queue.max_message_size {
+    if size > queue.max_message_size() {
         let through = if queue.offload.is_some() { " (its S3 pointer and attributes)" } else { "" };
         return Err(DeadReason::new(
             DeadCode::TooLarge,
             format!(
                 "message{through} is {size} bytes with its attributes; the queue allows {}",
-                queue.max_message_size
+                queue.max_message_size()
             ),
         ));
     }
