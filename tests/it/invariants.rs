@@ -1188,7 +1188,7 @@ mod workload {
             r.stop().await;
         }
         tally.delivered = expect_sent.len();
-        tally.dead = expect_dead.len();
+        tally.dead = expect_dead.len() + tally.too_large;
         tally.transient = committed.iter().filter(|r| r.2).count();
         let mapped = |e: &str| e.starts_with("app.outboxevent:") || e.starts_with("public.outbox_messages:");
         tally.mapped = committed.iter().filter(|r| mapped(&r.0)).count();
