@@ -377,7 +377,7 @@ mod tests {
         standin.set(|s| s.throttle_rate = 1.0);
         let e = sqs.send_batch(&url, &entries(2)).await.unwrap_err();
         assert_eq!(e.code, "RequestThrottled");
-        assert_eq!(classify_call(&e.code, e.sender_fault, 2), Remedy::Retry);
+        assert_eq!(classify_call(&e.code, e.sender_fault, &e.message, 2), Remedy::Retry);
 
         standin.set(|s| (s.throttle_rate, s.failure_rate) = (0.0, 1.0));
         let failed = sqs.send_batch(&url, &entries(2)).await.unwrap();
