@@ -68,9 +68,11 @@ impl Intake {
                 if self.open.is_none() {
                     self.watermark.lock().unwrap().observe_idle(wal_end);
                 }
-                self.router.retire_idle();
             }
         }
+        // Whatever the stream says (a keepalive, a heartbeat's transaction,
+        // rows), lanes idle long enough close: at most once a second.
+        self.router.retire_idle();
         Ok(())
     }
 

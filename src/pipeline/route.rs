@@ -421,7 +421,6 @@ impl Router {
         for (ev, chunk_end) in events.into_iter().zip(ends) {
             self.route(Some(seq), ev, chunk_end).await?;
         }
-        self.retire_idle();
         Ok(())
     }
 

@@ -211,6 +211,45 @@ async fn many_destinations_stream_on_a_few_connections() {
     relay.stop().await;
 }
 
+/// Lanes idle for `lane_idle_timeout` close, on a quiet database too (the
+/// heartbeat's transactions are all the stream says), and their
+/// destinations' next rows open them again: each message sent once, a FIFO
+/// group in commit order across the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_lanes_close_and_their_next_rows_open_them_again() {
+    let db = TestDb::new("route_idle").await;
+    let c = db.client().await;
+    let mut names: Vec<String> = (0..50).map(|i| format!("idle-{i}")).collect();
+    names.push("idle.fifo".into());
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let p = publisher(&refs);
+    let mut cfg = templated(&db, Mode::Cdc);
+    cfg.lane_idle_timeout = Duration::from_secs(1);
+    cfg.heartbeat_interval = Duration::from_millis(500);
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    for round in ["r1", "r2"] {
+        for n in &names {
+            insert_rows(&c, &format!("{n}-{round}"), n, 4, n.ends_with(".fifo").then_some(1)).await;
+        }
+        settled(&db).await;
+        wait_for("every lane closed", Duration::from_secs(30), || async { relay.metrics.stream_lanes.get() == 0 })
+            .await;
+    }
+    for n in &names {
+        let sent: Vec<String> = p.sent(&url(n)).into_iter().map(|m| m.body).collect();
+        let expected: Vec<String> =
+            ["r1", "r2"].iter().flat_map(|r| (1..=4).map(move |i| format!("{n}-{r}:{i}"))).collect();
+        if n.ends_with(".fifo") {
+            assert_eq!(sent, expected, "one group, in commit order across the close");
+        } else {
+            assert_eq!(sent.iter().collect::<HashSet<_>>(), expected.iter().collect::<HashSet<_>>());
+            assert_eq!(sent.len(), 8, "each sent once");
+        }
+    }
+    relay.stop().await;
+}
+
 /// A publisher whose lookup of one queue takes `slow` (the rest as `inner`).
 struct SlowLookup {
     inner: MemoryPublisher,
