@@ -37,6 +37,7 @@ pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
 pub const STREAM_HELD: &str = "outbox_relay_stream_held";
 pub const TABLE_LANES: &str = "outbox_relay_table_lanes";
 pub const STREAM_LANES: &str = "outbox_relay_stream_lanes";
+pub const TABLE_CONNECTIONS: &str = "outbox_relay_table_connections";
 pub const STREAM_HOLDS_TOTAL: &str = "outbox_relay_stream_holds_total";
 pub const DESTINATION_FAILING_SINCE_SECONDS: &str = "outbox_relay_destination_failing_since_seconds";
 pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
@@ -95,6 +96,7 @@ pub struct Metrics {
     pub stream_held: IntGauge,
     pub table_lanes: IntGauge,
     pub stream_lanes: IntGauge,
+    pub table_connections: IntGauge,
     /// Holds named (each spooled every lane to the table).
     pub stream_holds: IntCounter,
     /// Unix time since which a destination's sends fail, by service.
@@ -148,8 +150,9 @@ impl Metrics {
             events_held: IntCounterVec::new(Opts::new(EVENTS_HELD_TOTAL, "Rows held in the outbox table until their deliver_at (due later than SQS can delay, or on a FIFO queue)"), &["destination"]).unwrap(),
             held_events: IntGaugeVec::new(Opts::new(HELD_EVENTS, "NEW rows whose deliver_at is still ahead, per destination (counted up to 1,000,000, every 10 s)"), &["destination"]).unwrap(),
             held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
+            table_connections: IntGauge::new(TABLE_CONNECTIONS, "Connections the table path's lanes share, open now (at most max_table_connections; one unused for 30 s is closed)").unwrap(),
             stream_lanes: IntGauge::new(STREAM_LANES, "Stream lanes open in this replication session (and destinations being looked up): one per destination with events within lane_idle_timeout or work not finished").unwrap(),
-            table_lanes: IntGauge::new(TABLE_LANES, "Table-path lanes running (polling, or draining a spool beside the stream), each on a connection of its own: one per destination with rows due in the table or a lane spooling").unwrap(),
+            table_lanes: IntGauge::new(TABLE_LANES, "Table-path lanes running (polling, or draining a spool beside the stream), sharing max_table_connections: one per destination with rows due in the table or a lane spooling").unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             stream_holds: IntCounter::new(STREAM_HOLDS_TOTAL, "Times a hold of the stream was named (the server sending nothing though rows are committed behind the slot, or no session streaming): each spooled every lane to the outbox table").unwrap(),
             destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3 or sqs); absent while they succeed"), &["destination", "service"]).unwrap(),
@@ -208,6 +211,7 @@ impl Metrics {
             Box::new(self.stream_held.clone()),
             Box::new(self.table_lanes.clone()),
             Box::new(self.stream_lanes.clone()),
+            Box::new(self.table_connections.clone()),
             Box::new(self.stream_holds.clone()),
             Box::new(self.destination_failing_since.clone()),
         ]

@@ -115,6 +115,12 @@ pub const LANE_STALL_TIMEOUT: Key = key(
     Some("30s"),
     "a lane whose oldest unsettled event is older spools to the table",
 );
+pub const MAX_TABLE_CONNECTIONS: Key = key(
+    "max_table_connections",
+    Kind::Count { min: 1, max: 1_000 },
+    Some("16"),
+    "connections the table path's lanes (polling, spool drains) share, a round each at a time",
+);
 pub const LANE_IDLE_TIMEOUT: Key = key(
     "lane_idle_timeout",
     duration(ms(100), secs(DAY)),
@@ -209,6 +215,7 @@ pub const KEYS: &[Key] = &[
     QUERY_TIMEOUT,
     LANE_STALL_TIMEOUT,
     LANE_IDLE_TIMEOUT,
+    MAX_TABLE_CONNECTIONS,
     MAX_RETAINED_WAL,
     RETRY_BASE,
     RETRY_MAX,

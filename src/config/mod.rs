@@ -237,6 +237,8 @@ pub struct Config {
     pub lane_stall_timeout: Duration,
     /// A stream lane with nothing to do for this long is closed.
     pub lane_idle_timeout: Duration,
+    /// Connections the table path's lanes share.
+    pub max_table_connections: usize,
     /// WAL the slot may hold (current WAL minus confirmed flush) before the
     /// lane holding it back spools.
     pub max_retained_wal: u64,
@@ -415,6 +417,7 @@ impl Config {
         self.query_timeout = d(&keys::QUERY_TIMEOUT)?;
         self.lane_stall_timeout = d(&keys::LANE_STALL_TIMEOUT)?;
         self.lane_idle_timeout = d(&keys::LANE_IDLE_TIMEOUT)?;
+        self.max_table_connections = src.get(&keys::MAX_TABLE_CONNECTIONS).count()?;
         self.max_retained_wal = src.get(&keys::MAX_RETAINED_WAL).size()?;
         self.retry_base = d(&keys::RETRY_BASE)?;
         self.retry_max = d(&keys::RETRY_MAX)?;

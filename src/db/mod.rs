@@ -1,6 +1,7 @@
 //! PostgreSQL connections: the database handle, its deadlines, the hosts of
 //! a multi-host URL, and the errors every query returns.
 
+pub mod pool;
 pub mod schema;
 pub mod server;
 

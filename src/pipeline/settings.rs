@@ -58,6 +58,8 @@ pub struct Settings {
     pub slot: SlotSettings,
     /// The table path's sleep between claims that were not full.
     pub poll_interval: Duration,
+    /// Connections the table path's lanes share.
+    pub table_connections: usize,
     /// `None`: no S3; a body over its queue's limit is DEAD.
     pub offload: Option<OffloadSettings>,
     /// Tables teams already have, read by the stream beside the relay's own.
@@ -90,6 +92,7 @@ impl Settings {
                 takeover_timeout: config.takeover_timeout,
             },
             poll_interval: config.poll_interval,
+            table_connections: config.max_table_connections,
             offload,
             mapped: config.mapped.clone(),
         }

@@ -24,6 +24,7 @@ use tokio::sync::watch;
 use std::sync::atomic::AtomicBool;
 
 use crate::config::{Config, Mode};
+use crate::db::pool::Pool;
 use crate::db::{self, Db};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::Parts;
@@ -151,17 +152,20 @@ async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch:
     let mut lanes = tokio::task::JoinSet::new();
     let mut running: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
     let mut client: Option<tokio_postgres::Client> = None;
+    let pool = Pool::new(db.clone(), parts.settings.table_connections);
     loop {
         let waiting = waiting_now(&mut client, &db, source).await;
         for d in parts.destinations.all() {
             let wanted = waiting.contains(&*d.name) || (source == Claims::Spool && lane_needed(Some(&d.state)));
             if wanted && !running.values().any(|n| *n == d.name) {
                 let (cfg, state) = table_lane(&parts, mode, &d);
-                let lane = lanes.spawn(run_table_lane(cfg, db.clone(), Arc::clone(&parts), state, stop.clone()));
+                let lane = lanes.spawn(run_table_lane(cfg, pool.clone(), Arc::clone(&parts), state, stop.clone()));
                 running.insert(lane.id(), Arc::clone(&d.name));
             }
         }
+        pool.close_idle();
         parts.metrics.table_lanes.set(running.len() as i64);
+        parts.metrics.table_connections.set(pool.open() as i64);
         tokio::select! {
             Some(done) = lanes.join_next_with_id() => {
                 let id = match done { Ok((id, ())) => id, Err(e) => e.id() };

@@ -69,7 +69,7 @@ pub struct Round {
 }
 
 /// A table lane with nothing to claim, and no spooling lane to bring back,
-/// ends after this long (its connection closed); it is started again when
+/// ends after this long; it is started again when
 /// rows wait ([`waiting_destinations`]).
 pub const IDLE_END: Duration = Duration::from_secs(5);
 
@@ -81,17 +81,16 @@ pub fn lane_needed(state: Option<&LaneState>) -> bool {
 }
 
 /// Claim, send, mark, commit until `stop` turns true, or until the lane has
-/// been idle for [`IDLE_END`]. Database errors are logged and retried on a
-/// new connection; nothing claimed is lost, since an aborted claim leaves
-/// its rows NEW.
+/// been idle for [`IDLE_END`], each round on a connection of the shared
+/// `pool`. Database errors are logged and retried on a new connection;
+/// nothing claimed is lost, since an aborted claim leaves its rows NEW.
 pub async fn run_table_lane(
     cfg: TableLaneConfig,
-    db: db::Db,
+    pool: db::pool::Pool,
     parts: Arc<Parts>,
     state: Option<Arc<LaneState>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut client: Option<Client> = None;
     let mut reconnect = crate::policy::retry::Reconnect::default();
     // The outcome of the last round that sent anything: "sends succeed".
     let mut sends_ok = true;
@@ -100,20 +99,19 @@ pub async fn run_table_lane(
         if *stop.borrow() {
             return;
         }
-        let Some(round) = connect_and_claim(&mut client, &db, &cfg, &parts).await else {
+        let Some(c) = pool.checkout(&mut stop).await else {
+            if sleep_or_stop(reconnect.failed(), &mut stop).await {
+                return;
+            }
+            continue;
+        };
+        let Some(round) = one_round(c, &cfg, &parts, state.as_deref(), &mut sends_ok).await else {
             if sleep_or_stop(reconnect.failed(), &mut stop).await {
                 return;
             }
             continue;
         };
         reconnect.succeeded();
-        sends_ok = sends_now_ok(&cfg.name, &round, sends_ok);
-        if let (Some(state), Some(c)) = (&state, &client) {
-            if let Err(e) = resume_streaming(state, &cfg, &round, sends_ok, c).await {
-                tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
-                client = None;
-            }
-        }
         if round.claimed > 0 || lane_needed(state.as_deref()) {
             idle_since = None;
         } else if idle_since.get_or_insert_with(std::time::Instant::now).elapsed() >= IDLE_END {
@@ -125,32 +123,32 @@ pub async fn run_table_lane(
     }
 }
 
-/// One round on `client` (connected first if it is not); `None`, logged,
-/// when the connection or the round failed (the client is dropped).
-async fn connect_and_claim(
-    client: &mut Option<Client>,
-    db: &db::Db,
+/// One round on `c`, then (a spool's drain) whether its lane may stream
+/// again; `None`, logged, when the round failed. A connection that failed
+/// is dropped, not given back to the pool.
+async fn one_round(
+    mut c: db::pool::Pooled,
     cfg: &TableLaneConfig,
     parts: &Parts,
+    state: Option<&LaneState>,
+    sends_ok: &mut bool,
 ) -> Option<Round> {
-    if client.as_ref().is_none_or(|c| c.is_closed()) {
-        match db.connect().await {
-            Ok(c) => *client = Some(c),
-            Err(e) => {
-                tracing::warn!(destination = %cfg.name, error = %e, "table path cannot connect; retrying");
-                return None;
-            }
-        }
-    }
-    let c = client.as_mut().expect("connected above");
-    match claim_round(c, cfg, parts).await {
-        Ok(r) => Some(r),
+    let round = match claim_round(&mut c, cfg, parts).await {
+        Ok(r) => r,
         Err(e) => {
             tracing::warn!(destination = %cfg.name, error = %db::describe(&e), "table path round failed; its rows stay NEW and are claimed again");
-            *client = None;
-            None
+            db::pool::Pool::discard(c);
+            return None;
+        }
+    };
+    *sends_ok = sends_now_ok(&cfg.name, &round, *sends_ok);
+    if let Some(state) = state {
+        if let Err(e) = resume_streaming(state, cfg, &round, *sends_ok, &c).await {
+            tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
+            db::pool::Pool::discard(c);
         }
     }
+    Some(round)
 }
 
 /// Whether sends succeed after `round` (a round that sent nothing but DEAD

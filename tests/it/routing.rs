@@ -151,6 +151,60 @@ async fn polling_looks_destinations_up_from_the_table() {
     relay.stop().await;
 }
 
+/// Polling mode, 200 destinations with rows waiting (20 of them FIFO) and
+/// `max_table_connections = 4`: their table lanes take turns on the shared
+/// connections, never holding more than 4 beside the relay's fixed ones,
+/// and every row is sent, each FIFO group in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polling_many_destinations_share_a_few_connections() {
+    let db = TestDb::new("route_poll_many").await;
+    let c = db.client().await;
+    let names: Vec<String> =
+        (0..200).map(|i| if i % 10 == 0 { format!("pm-{i}.fifo") } else { format!("pm-{i}") }).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let p = publisher(&refs);
+    let mut cfg = templated(&db, Mode::Polling);
+    cfg.max_table_connections = 4;
+    let relay = start(cfg, Arc::new(p.clone()));
+    // The relay's fixed connections, once it runs with nothing to claim.
+    wait_for("the relay polls", Duration::from_secs(30), || async { !relay_connections(&db).await.is_empty() }).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let fixed = relay_connections(&db).await.len();
+    for n in &names {
+        insert_rows(&c, n, n, 5, n.ends_with(".fifo").then_some(2)).await;
+    }
+    let mut peak = 0;
+    let end = std::time::Instant::now() + Duration::from_secs(120);
+    while db.count("status = 'NEW'").await > 0 {
+        assert!(std::time::Instant::now() < end, "rows still NEW after 120 s");
+        peak = peak.max(relay_connections(&db).await.len());
+        assert!(relay.metrics.table_connections.get() <= 4);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Beside the fixed ones, the sweeper that looks destinations up opens
+    // one once rows name them; a connection per lane would be 200.
+    assert!(peak <= fixed + 1 + 4, "at most 4 table connections: {peak} in all, {fixed} fixed");
+    assert!(peak > fixed + 1, "the lanes used the pool: {peak} in all, {fixed} fixed");
+    for n in &names {
+        let sent: Vec<String> = p.sent(&url(n)).into_iter().map(|m| m.body).collect();
+        let expected: Vec<String> = (1..=5).map(|i| format!("{n}:{i}")).collect();
+        if n.ends_with(".fifo") {
+            for g in 0..2 {
+                let of = |v: &[String]| -> Vec<String> {
+                    v.iter()
+                        .filter(|b| b.rsplit(':').next().unwrap().parse::<usize>().unwrap() % 2 == g)
+                        .cloned()
+                        .collect()
+                };
+                assert_eq!(of(&sent), of(&expected), "{n}: group {g} in order");
+            }
+        } else {
+            assert_eq!(sent.iter().collect::<HashSet<_>>(), expected.iter().collect::<HashSet<_>>(), "{n}");
+        }
+    }
+    relay.stop().await;
+}
+
 /// The relay's connections to this test's database: each one's last query.
 async fn relay_connections(db: &TestDb) -> Vec<String> {
     let c = db.client().await;
