@@ -45,6 +45,12 @@ const MISSING_FOR: Duration = Duration::from_secs(60);
 /// A lookup that has not answered in this long is a failure that may pass.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How often every queue's `MaximumMessageSize` is read again
+/// ([`Destinations::reread_limits`]): a limit raised under the relay holds
+/// within this. (A lowered one holds at once: SQS refusing a message as too
+/// long reads it again.)
+pub const REREAD_EVERY: Duration = Duration::from_secs(300);
+
 /// Turns a queue as SQS describes it into the relay's view of it (fair
 /// queues, its S3 target): the same for configured and looked-up ones.
 pub type Prepare = Box<dyn Fn(&str, QueueInfo) -> QueueInfo + Send + Sync>;
@@ -142,6 +148,25 @@ impl Destinations {
         }
     }
 
+    /// Read every ready destination's `MaximumMessageSize` again, one call
+    /// at a time (a read that fails leaves the limit as it was); a changed
+    /// one holds for the router and every lane from then on. Returns how
+    /// many changed.
+    pub async fn reread_limits(&self) -> usize {
+        let mut changed = 0;
+        for d in self.all() {
+            let read = tokio::time::timeout(LOOKUP_TIMEOUT, self.publisher.queue_info(&d.queue.url)).await;
+            let Ok(Ok(info)) = read else { continue };
+            let (was, now) = (d.queue.max_message_size(), info.max_message_size());
+            if now != was {
+                tracing::info!(destination = %d.name, was, now, "the queue's MaximumMessageSize changed: its rows are judged by the new one");
+                d.queue.resize(now);
+                changed += 1;
+            }
+        }
+        changed
+    }
+
     /// A recent "no such queue" verdict on `name`.
     fn still_missing(&self, name: &str) -> Option<DeadReason> {
         let mut missing = self.missing.lock().unwrap();
@@ -193,5 +218,18 @@ mod tests {
         p.add_queue("http://memory.invalid/r1/billing", false, 1024);
         assert!(matches!(d.resolve("billing").await, Resolved::Dead(_)));
         assert_eq!(d.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_limit_changed_under_the_relay_is_read_again() {
+        let p = MemoryPublisher::new();
+        p.add_queue("http://memory.invalid/r1/orders", false, 1024);
+        let d = destinations(&p);
+        let Resolved::Ready(orders) = d.resolve("orders").await else { panic!("orders is there") };
+        let lanes_copy = orders.queue.clone();
+        assert_eq!(d.reread_limits().await, 0);
+        p.add_queue("http://memory.invalid/r1/orders", false, 4096);
+        assert_eq!(d.reread_limits().await, 1);
+        assert_eq!((orders.queue.max_message_size(), lanes_copy.max_message_size()), (4096, 4096));
     }
 }

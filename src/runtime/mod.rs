@@ -28,7 +28,7 @@ use crate::db::pool::Pool;
 use crate::db::{self, Db};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::Parts;
-use crate::pipeline::destinations::{Destination, Destinations};
+use crate::pipeline::destinations::{Destination, Destinations, REREAD_EVERY};
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
 use crate::publish::Publisher;
@@ -84,6 +84,7 @@ pub async fn run(
     let template = config.queue_url_template.clone();
     let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));
     let parts = Arc::new(Parts { settings, destinations, publisher, metrics: Arc::clone(&metrics) });
+    let rereads = tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop_rx.clone()));
     let env = Env { config: &config, db: &db, parts, mode, sharded };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
@@ -92,10 +93,22 @@ pub async fn run(
     }
     monitor.abort();
     sweeper.abort();
+    rereads.abort();
     if let Some(s) = metrics_server {
         let _ = s.await;
     }
     Ok(())
+}
+
+/// Every [`REREAD_EVERY`], every queue's `MaximumMessageSize` read again.
+async fn reread_queue_limits(parts: Arc<Parts>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(REREAD_EVERY) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        parts.destinations.reread_limits().await;
+    }
 }
 
 /// What the running relay's parts share.
