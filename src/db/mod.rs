@@ -178,6 +178,38 @@ impl Db {
     }
 }
 
+/// The one connection a periodic loop keeps: opened when first needed, and
+/// again once it closed or a query on it failed ([`Kept::lost`]).
+pub struct Kept {
+    db: Db,
+    client: Option<Client>,
+}
+
+impl Kept {
+    pub fn new(db: Db) -> Kept {
+        Kept { db, client: None }
+    }
+
+    /// The connection, opened now if none is open; `None` when it cannot be
+    /// (the loop tries again at its next turn).
+    pub async fn get(&mut self) -> Option<&Client> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = self
+                .db
+                .connect()
+                .await
+                .inspect_err(|e| tracing::debug!(error = %e, "cannot connect; trying again next time"))
+                .ok();
+        }
+        self.client.as_ref()
+    }
+
+    /// A query on it failed: the next [`Kept::get`] opens another.
+    pub fn lost(&mut self) {
+        self.client = None;
+    }
+}
+
 /// Open a connection (TLS per the URL's sslmode) with the default deadlines;
 /// its driver runs on a spawned task.
 pub async fn connect(url: &str) -> Result<Client, DbError> {

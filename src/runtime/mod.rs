@@ -164,10 +164,10 @@ async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch:
     let every = table_poll_interval(&parts, mode);
     let mut lanes = tokio::task::JoinSet::new();
     let mut running: HashMap<tokio::task::Id, Arc<str>> = HashMap::new();
-    let mut client: Option<tokio_postgres::Client> = None;
+    let mut kept = db::Kept::new(db.clone());
     let pool = Pool::new(db.clone(), parts.settings.table_connections);
     loop {
-        let waiting = waiting_now(&mut client, &db, source).await;
+        let waiting = waiting_now(&mut kept, source).await;
         for d in parts.destinations.all() {
             let wanted = waiting.contains(&*d.name) || (source == Claims::Spool && lane_needed(Some(&d.state)));
             if wanted && !running.values().any(|n| *n == d.name) {
@@ -193,20 +193,13 @@ async fn run_table_lanes(db: Db, parts: Arc<Parts>, mode: Mode, mut stop: watch:
 
 /// The destinations with rows waiting in the table (none, logged, when the
 /// query fails: lanes already running go on, and the next poll asks again).
-async fn waiting_now(client: &mut Option<tokio_postgres::Client>, db: &Db, source: Claims) -> HashSet<String> {
-    if client.as_ref().is_none_or(|c| c.is_closed()) {
-        *client = db
-            .connect()
-            .await
-            .inspect_err(|e| tracing::debug!(error = %e, "table path: cannot connect to look for waiting rows"))
-            .ok();
-    }
-    let Some(c) = client.as_ref() else { return HashSet::new() };
+async fn waiting_now(kept: &mut db::Kept, source: Claims) -> HashSet<String> {
+    let Some(c) = kept.get().await else { return HashSet::new() };
     match waiting_destinations(c, source).await {
         Ok(w) => w,
         Err(e) => {
             tracing::warn!(error = %db::describe(&e), "table path: looking for waiting rows failed; retrying");
-            *client = None;
+            kept.lost();
             HashSet::new()
         }
     }

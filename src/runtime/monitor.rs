@@ -42,7 +42,7 @@ pub(crate) async fn monitor(
     metrics: Arc<Metrics>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut client = None;
+    let mut kept = crate::db::Kept::new(db.clone());
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
     let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
     let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
@@ -62,10 +62,7 @@ pub(crate) async fn monitor(
             _ = stop.wait_for(|s| *s) => return,
         };
         crate::faults::point("monitor::tick");
-        if client.as_ref().is_none_or(|c: &tokio_postgres::Client| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         let res = db
             .query(
                 "running the slot monitor's queries",
@@ -74,7 +71,7 @@ pub(crate) async fn monitor(
             .await;
         if let Err(e) = res {
             tracing::debug!(error = %e, "monitor query failed; reconnecting");
-            client = None;
+            kept.lost();
         }
     }
 }

@@ -19,19 +19,16 @@ pub(crate) async fn sweep_retention(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_secs(60));
-    let mut client: Option<tokio_postgres::Client> = None;
+    let mut kept = db::Kept::new(db);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         if let Err(e) = prune_runs(c).await {
             tracing::warn!(error = %e, "pruning outbox_published_runs failed; retrying next minute");
-            client = None;
+            kept.lost();
             continue;
         }
         let Some(retention) = retention else { continue };
@@ -43,7 +40,7 @@ pub(crate) async fn sweep_retention(
             }
             Err(e) => {
                 tracing::warn!(error = %e, "retention sweep failed; retrying next minute");
-                client = None;
+                kept.lost();
             }
         }
     }

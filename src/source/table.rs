@@ -377,18 +377,15 @@ pub async fn run_unknown_destination_sweeper(
     source: Claims,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut client: Option<Client> = None;
+    let mut kept = db::Kept::new(db);
     loop {
         if sleep_or_stop(Duration::from_secs(5), &mut stop).await {
             return;
         }
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         if let Err(e) = sweep_unknown_destinations(c, &parts.destinations, source, &parts.metrics).await {
             tracing::warn!(error = %e, "unknown-destination sweep failed; retrying");
-            client = None;
+            kept.lost();
         }
     }
 }

@@ -116,19 +116,16 @@ fn walsender_stuck(sent: Option<u64>, probe: u64, last: &mut Option<(u64, Instan
 /// Once a second until the session ends (the task is aborted with it, and
 /// the session clears `outbox_relay_stream_held`).
 pub(crate) async fn watch_held(w: HeldWatch) {
-    let mut client: Option<Client> = None;
+    let mut kept = crate::db::Kept::new(w.db.clone());
     let mut state = Watch { advanced: Some(Instant::now()), ..Default::default() };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = w.db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         if let Err(e) = w.db.query("watching the stream", step(&w, c, &mut state)).await {
             tracing::debug!(error = %e, "held-stream watch query failed; reconnecting");
-            client = None;
+            kept.lost();
         }
     }
 }
@@ -318,8 +315,8 @@ pub async fn server_hold(c: &Client, slot: &str) -> Result<Option<String>, tokio
 pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>) {
     let db = &ctx.db;
     let after = stream_held_after(ctx.parts.settings.lanes.stall_timeout);
-    let (mut client, mut down_since, mut named): (Option<Client>, Option<Instant>, Option<(String, Instant)>) =
-        (None, None, None);
+    let mut kept = crate::db::Kept::new(db.clone());
+    let (mut down_since, mut named): (Option<Instant>, Option<(String, Instant)>) = (None, None);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -336,15 +333,12 @@ pub async fn watch_down(ctx: &StreamContext, last_error: &Mutex<Option<String>>)
         if down_since.get_or_insert_with(Instant::now).elapsed() < after {
             continue;
         }
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         let last = last_error.lock().unwrap().clone();
         let step = down_step(ctx, c, last.as_deref(), &mut named);
         if let Err(e) = db.query("watching for a replication session", step).await {
             tracing::debug!(error = %e, "session watch query failed; reconnecting");
-            client = None;
+            kept.lost();
         }
     }
 }

@@ -4,8 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_postgres::Client;
-
 use crate::db;
 use crate::pipeline::parts::Parts;
 use crate::policy::spool::lane_to_spool;
@@ -13,15 +11,12 @@ use crate::policy::spool::lane_to_spool;
 /// Four times a second: the slot's WAL held (current WAL minus confirmed
 /// flush), and the lane [`lane_to_spool`] picks, spooled.
 pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, parts: Arc<Parts>) {
-    let mut client: Option<Client> = None;
+    let mut kept = db::Kept::new(db.clone());
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            client = db.connect().await.ok();
-        }
-        let Some(c) = client.as_ref() else { continue };
+        let Some(c) = kept.get().await else { continue };
         let held = match db
             .query(
                 "reading the slot's retained WAL",
@@ -35,7 +30,7 @@ pub(crate) async fn watch_wal(db: db::Db, slot: String, max_retained_wal: u64, p
             Ok(Some(r)) => r.get::<_, Option<i64>>(0).unwrap_or(0).max(0) as u64,
             Ok(None) => continue,
             Err(_) => {
-                client = None;
+                kept.lost();
                 continue;
             }
         };
