@@ -711,6 +711,8 @@ mod workload {
             cfg.retry_max = Duration::from_secs(1);
             // Lanes close when idle and open again under the workload.
             cfg.lane_idle_timeout = Duration::from_millis(300);
+            // Spool drains take turns on two connections.
+            cfg.max_table_connections = 2;
             if !sharded {
                 // Debezium's table beside the relay's own ([`produce_debezium`]).
                 use outbox_relay::mapping::{Mapping, Preset};
