@@ -17,7 +17,7 @@ use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{classify_lookup, Lookup};
 use crate::publish::entry::QueueInfo;
 use crate::publish::queue_url::QueueUrlTemplate;
-use crate::publish::Publisher;
+use crate::publish::{reread_limit, Publisher, READ_TIMEOUT};
 
 /// A destination ready to send to: its queue and its lane's state.
 #[derive(Debug)]
@@ -41,9 +41,6 @@ pub enum Resolved {
 /// How long a "no such queue" verdict is kept before the queue is looked
 /// up again (it may have been created since).
 const MISSING_FOR: Duration = Duration::from_secs(60);
-
-/// A lookup that has not answered in this long is a failure that may pass.
-const LOOKUP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How often every queue's `MaximumMessageSize` is read again
 /// ([`Destinations::reread_limits`]): a limit raised under the relay holds
@@ -130,7 +127,7 @@ impl Destinations {
             Ok(url) => url,
             Err(reason) => return Resolved::Dead(reason),
         };
-        let answer = tokio::time::timeout(LOOKUP_TIMEOUT, self.publisher.queue_info(&url)).await;
+        let answer = tokio::time::timeout(READ_TIMEOUT, self.publisher.queue_info(&url)).await;
         match answer {
             Ok(Ok(info)) => Resolved::Ready(self.add(name, (self.prepare)(name, info))),
             Ok(Err(e)) => match classify_lookup(&e.code) {
@@ -144,7 +141,7 @@ impl Destinations {
                 }
                 Lookup::Retry => Resolved::Unavailable(format!("looking up {url}: {}: {}", e.code, e.message)),
             },
-            Err(_) => Resolved::Unavailable(format!("looking up {url}: no answer within {LOOKUP_TIMEOUT:?}")),
+            Err(_) => Resolved::Unavailable(format!("looking up {url}: no answer within {READ_TIMEOUT:?}")),
         }
     }
 
@@ -155,12 +152,8 @@ impl Destinations {
     pub async fn reread_limits(&self) -> usize {
         let mut changed = 0;
         for d in self.all() {
-            let read = tokio::time::timeout(LOOKUP_TIMEOUT, self.publisher.queue_info(&d.queue.url)).await;
-            let Ok(Ok(info)) = read else { continue };
-            let (was, now) = (d.queue.max_message_size(), info.max_message_size());
-            if now != was {
-                tracing::info!(destination = %d.name, was, now, "the queue's MaximumMessageSize changed: its rows are judged by the new one");
-                d.queue.resize(now);
+            let was = d.queue.max_message_size();
+            if reread_limit(self.publisher.as_ref(), &d.name, &d.queue).await.is_ok_and(|now| now != was) {
                 changed += 1;
             }
         }

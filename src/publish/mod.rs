@@ -48,3 +48,24 @@ pub trait Publisher: Send + Sync + 'static {
     /// Send up to 10 entries; one result per entry, in the same order.
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError>;
 }
+
+/// A read of a queue's attributes that has not answered in this long is a
+/// failure that may pass.
+pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Read `queue`'s `MaximumMessageSize` again (destination `name`'s); a
+/// changed one holds from then on for every copy of its description (the
+/// router's, every lane's). The limit read, or why it could not be.
+pub async fn reread_limit(publisher: &dyn Publisher, name: &str, queue: &QueueInfo) -> Result<usize, String> {
+    let now = match tokio::time::timeout(READ_TIMEOUT, publisher.queue_info(&queue.url)).await {
+        Ok(Ok(info)) => info.max_message_size(),
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err(format!("no answer within {READ_TIMEOUT:?}")),
+    };
+    let was = queue.max_message_size();
+    if now != was {
+        tracing::warn!(destination = %name, was, now, "the queue's MaximumMessageSize changed: its rows are judged by the new one");
+        queue.resize(now);
+    }
+    Ok(now)
+}

@@ -4,7 +4,7 @@
 //! deferred to the table (the table path).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::watch;
 use tracing::Instrument;
@@ -16,7 +16,7 @@ use crate::policy::concurrency::Signal;
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
 use crate::publish::entry::{prepare, Entry, TRACEPARENT};
-use crate::publish::{CallError, EntryResult};
+use crate::publish::{reread_limit, CallError, EntryResult};
 
 /// What becomes of one entry after a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -132,8 +132,7 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
             CallOutcome::Split => vec![Verdict::Retry("refused as a whole".into()); todo.len()],
             CallOutcome::Entries(v) => v,
         };
-        let (retry, too_long) = apply(ctx, todo.drain(..).zip(verdicts));
-        let mut retry = retry;
+        let (mut retry, too_long) = apply(ctx, todo.drain(..).zip(verdicts));
         retry.extend(judge_anew(ctx, too_long).await);
         if retry.is_empty() {
             break;
@@ -157,9 +156,6 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
     unsent
 }
 
-/// How long reading a queue's attributes again may take.
-const REREAD_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Entries SQS refused as longer than the queue takes ([`Remedy::Reread`]):
 /// the queue's `MaximumMessageSize` is read again, and holds from then on
 /// for every copy of the queue's description (the router's, every lane's).
@@ -172,22 +168,13 @@ async fn judge_anew(ctx: &Ctx, refused: Vec<(LaneItem, String)>) -> Vec<(LaneIte
         return refused;
     }
     let queue = &ctx.cfg.queue;
-    let limit = match tokio::time::timeout(REREAD_TIMEOUT, ctx.publisher.queue_info(&queue.url)).await {
-        Ok(Ok(info)) => info.max_message_size(),
-        read => {
-            let why =
-                read.map_or_else(|_| "no answer".to_string(), |r| r.err().map(|e| e.to_string()).unwrap_or_default());
-            return refused
-                .into_iter()
-                .map(|(i, e)| (i, format!("{e}; reading the queue's limit again: {why}")))
-                .collect();
+    let limit = match reread_limit(ctx.publisher.as_ref(), &ctx.cfg.name, queue).await {
+        Ok(limit) => limit,
+        Err(why) => {
+            let again = |(i, e): (LaneItem, String)| (i, format!("{e}; reading the queue's limit again: {why}"));
+            return refused.into_iter().map(again).collect();
         }
     };
-    let was = queue.max_message_size();
-    if limit != was {
-        tracing::warn!(destination = %ctx.cfg.name, was, now = limit, "the queue's MaximumMessageSize changed: its entries are judged by the new one");
-        queue.resize(limit);
-    }
     let mut retry = Vec::new();
     for (mut item, err) in refused {
         if item.entry.size <= limit {
