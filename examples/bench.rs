@@ -528,6 +528,7 @@ async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: 
         base: Duration::from_secs(2),
         max: Duration::from_secs(300),
         published,
+        bound_unpositioned: true,
     };
     let wal_before = db.current_lsn().await;
     let t = Instant::now();

@@ -20,6 +20,10 @@ pub struct OutboxEvent {
     /// from the stream: a run of published ids proves this row was published
     /// only if it was written after this commit (ids can be reused).
     pub commit_lsn: Option<replication::Lsn>,
+    /// The row's place among its transaction's rows (0 first), when read
+    /// from the stream: with `commit_lsn`, the order a FIFO group's rows
+    /// handed to the table are sent in.
+    pub commit_seq: Option<u32>,
     /// Deleted by the transaction that inserted it (seen in the stream): it
     /// has no row to settle, only the watermark records it.
     pub transient: bool,
@@ -206,6 +210,7 @@ impl OutboxEvent {
             commit_time_us: r.get(6),
             xid: None,
             commit_lsn: None,
+            commit_seq: None,
             transient: false,
             deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
             mapped: None,
@@ -237,6 +242,7 @@ impl OutboxEvent {
             commit_time_us: 0,
             xid: None,
             commit_lsn: None,
+            commit_seq: None,
             transient: false,
             deliver_at: DeliverAt::Unset,
             mapped: None,

@@ -236,6 +236,7 @@ impl Mapping {
             commit_time_us,
             xid: None,
             commit_lsn: None,
+            commit_seq: None,
             // Not in the relay's table: published from the stream, written
             // there only when it cannot go out now.
             transient: true,

@@ -69,6 +69,7 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
                 .into(),
         ));
     }
+    check_outbox_columns(client).await?;
     let row = client
         .query_one(
             "SELECT current_user::text, has_table_privilege('outbox', 'SELECT'), has_table_privilege('outbox', 'UPDATE')",
@@ -86,6 +87,33 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
         )));
     }
     Ok(())
+}
+
+/// The columns later migrations added to the outbox, with the migration
+/// that adds each.
+const LATER_COLUMNS: [(&str, i32); 3] = [("deliver_at", 11), ("commit_lsn", 13), ("commit_seq", 13)];
+
+/// Every column the relay reads or writes is there: a table migrated by an
+/// older relay is named with the migration to run, not met by a failing
+/// statement mid-run.
+async fn check_outbox_columns(client: &Client) -> Result<(), DbError> {
+    let names: Vec<&str> = LATER_COLUMNS.iter().map(|(c, _)| *c).collect();
+    let present: Vec<String> = client
+        .query(
+            "SELECT attname::text FROM pg_attribute
+              WHERE attrelid = 'outbox'::regclass AND attname = ANY($1) AND NOT attisdropped",
+            &[&names],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    match LATER_COLUMNS.iter().find(|(c, _)| !present.iter().any(|p| p == c)) {
+        None => Ok(()),
+        Some((column, version)) => Err(DbError::Check(format!(
+            "the outbox table has no column {column}: run `outbox-relay migrate --database-url ...` (migration {version})"
+        ))),
+    }
 }
 
 /// A new slot's hand-off is recorded in `outbox_relay_handoffs` while it runs

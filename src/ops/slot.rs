@@ -52,7 +52,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;
         let snap = db.connect().await?;
         import_snapshot(&snap, &snapshot).await?;
-        let handed = hand_to_table(snap, sharded.then(|| destinations.clone())).await?;
+        let handed = hand_to_table(snap, sharded.then(|| destinations.clone()), consistent).await?;
         hand_off_done(&sql, &config.slot).await?;
         Ok::<_, OpsError>((consistent, handed))
     }

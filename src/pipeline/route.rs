@@ -106,12 +106,23 @@ pub fn judge_for(queue: &QueueInfo, ev: &Arc<OutboxEvent>, now_us: i64) -> Judge
 /// more than the settlement itself.
 const REPLAYED_SQL: &str = "
 SELECT false, lo, hi, NULL::text, CASE WHEN commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn
-                                       THEN NULL ELSE event_ids END
+                                       THEN NULL ELSE event_ids END, false
   FROM outbox_published_runs r
  WHERE int8range(lo, hi, '[]') && int8range($2, $3, '[]') AND lsn > $4::text::pg_lsn
    AND ((commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn) OR event_ids IS NOT NULL)
 UNION ALL
-SELECT true, id, id, event_id, NULL FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
+SELECT true, id, id, event_id, NULL, status = 'NEW' AND (commit_lsn IS NULL OR commit_lsn < $4::text::pg_lsn)
+  FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
+
+/// Rows in the table path's care that the stream meets again get its
+/// commit position (and their place in the transaction), exact where the one they had was a bound (a slot's
+/// hand-off) or missing (rows the poller retried before the slot): a FIFO
+/// claim orders by it ([`crate::source::table`]).
+const POSITION_SQL: &str = "
+UPDATE outbox o SET commit_lsn = $3::text::pg_lsn, commit_seq = u.seq
+  FROM unnest($1::bigint[], $2::text[], $4::int4[]) AS u(id, event_id, seq)
+ WHERE o.id = u.id AND o.event_id = u.event_id AND o.status = 'NEW' AND o.next_attempt_at IS NOT NULL
+   AND (o.commit_lsn IS NULL OR o.commit_lsn < $3::text::pg_lsn)";
 
 /// Of `ids`, those settled: in `marked` (rows in the table that are no
 /// longer NEW or were handed to the table) or covered by one of `runs`
@@ -144,7 +155,9 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
     // position), only the rows in the table can say.
     let commit = events[0].commit_lsn.map_or_else(|| "FFFFFFFF/FFFFFFFF".to_string(), |l| l.to_string());
     let event_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.event_id.as_str())).collect();
-    let (mut runs, mut marked) = (Vec::new(), HashSet::new());
+    let seq_of: HashMap<i64, Option<i32>> =
+        events.iter().map(|e| (e.id, e.commit_seq.and_then(|s| i32::try_from(s).ok()))).collect();
+    let (mut runs, mut marked, mut unpositioned) = (Vec::new(), HashSet::new(), Vec::new());
     for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
         let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
         match (in_table, r.get::<_, Option<Vec<&str>>>(4)) {
@@ -160,11 +173,20 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
             }
             (false, None) => runs.push((lo, hi)),
             (true, _) => {
-                if event_of.get(&lo).copied() == r.get::<_, Option<&str>>(3) {
+                if let Some(event_id) = event_of.get(&lo).copied().filter(|e| Some(*e) == r.get::<_, Option<&str>>(3)) {
                     marked.insert(lo);
+                    if r.get::<_, bool>(5) {
+                        unpositioned.push((lo, event_id, seq_of.get(&lo).copied().flatten()));
+                    }
                 }
             }
         }
+    }
+    if !unpositioned.is_empty() && events[0].commit_lsn.is_some() {
+        let ids: Vec<i64> = unpositioned.iter().map(|u| u.0).collect();
+        let event_ids: Vec<&str> = unpositioned.iter().map(|u| u.1).collect();
+        let seqs: Vec<Option<i32>> = unpositioned.iter().map(|u| u.2).collect();
+        sql.execute(POSITION_SQL, &[&ids, &event_ids, &commit, &seqs]).await?;
     }
     Ok(settled(&ids, runs, marked))
 }

@@ -78,7 +78,12 @@ impl Settings {
                 stall_timeout: config.lane_stall_timeout,
                 idle_timeout: config.lane_idle_timeout,
             },
-            marking: Marking { base: config.retry_base, max: config.retry_max, published: config.published_rows },
+            marking: Marking {
+                base: config.retry_base,
+                max: config.retry_max,
+                published: config.published_rows,
+                bound_unpositioned: config.mode != crate::config::Mode::Polling,
+            },
             memory: Memory {
                 max_events: config.max_unsettled_events,
                 max_bytes: config.max_unsettled_bytes,

@@ -131,12 +131,20 @@ pub struct Marking {
     pub base: Duration,
     pub max: Duration,
     pub published: PublishedRows,
+    /// CDC mode: a row written back without a commit position (a mapped
+    /// table's claim) gets the WAL's insert position, so rows of its group
+    /// the stream hands over later, which committed later, follow it. In
+    /// polling mode it stays without one, and follows every row that has
+    /// one (as rows the poller has not claimed yet do).
+    pub bound_unpositioned: bool,
 }
 
 /// Most settlements marked by one statement.
 pub const MAX_FLUSH: usize = 5_000;
 
 /// The set part of marking a DEAD or deferred row (and, kept, a PUBLISHED one).
+/// A row from the stream keeps its transaction's commit position and its
+/// place in it: a FIFO claim orders by them ([`crate::source::table`]).
 fn update_set() -> String {
     format!(
         "SET status = u.status,
@@ -144,13 +152,15 @@ fn update_set() -> String {
              next_attempt_at = CASE u.defer WHEN 1 THEN now() + make_interval(secs => {})
                                             WHEN 2 THEN now() ELSE o.next_attempt_at END,
              last_error = u.err,
-             attempts = o.attempts + CASE WHEN u.defer = 2 THEN 0 ELSE 1 END",
+             attempts = o.attempts + CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
+             commit_lsn = coalesce(u.commit::pg_lsn, o.commit_lsn),
+             commit_seq = CASE WHEN u.commit IS NULL THEN o.commit_seq ELSE u.seq END",
         crate::policy::retry::backoff_sql("o.attempts", "$4", "$5")
     )
 }
 
-const MARK_INPUT: &str = "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[], $8::text[])
-                          AS u(id, event_id, status, err, defer, commit)";
+const MARK_INPUT: &str = "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[], $8::text[], $9::int4[])
+                          AS u(id, event_id, status, err, defer, commit, seq)";
 
 /// A row is the settlement's row when both its id and its event id match:
 /// ids can be reused (an identity reset, a restore), event ids are unique.
@@ -189,7 +199,12 @@ static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
 /// id (so a FIFO group keeps its order in the table), otherwise under a new
 /// one, for rows whose id another row has taken since (ids reused) and whose
 /// event is not in the table. The insert reaches the stream with a status or
-/// `next_attempt_at` set, which the decoder skips. Returns the event ids written.
+/// `next_attempt_at` set, which the decoder skips. A row keeps its commit
+/// position and its place in its transaction; one the stream did not bring
+/// (a mapped table's claim) gets, in CDC mode (`$15`), the WAL's insert
+/// position, past its commit and before any transaction committing later
+/// ([`Marking::bound_unpositioned`]).
+/// Returns the event ids written.
 fn restore_sql(own_id: bool) -> String {
     let (id_col, id_val, overriding, unless) = if own_id {
         ("id, ", "u.id, ", "OVERRIDING SYSTEM VALUE", "")
@@ -198,17 +213,20 @@ fn restore_sql(own_id: bool) -> String {
     };
     format!(
         "INSERT INTO outbox ({id_col}event_id, destination, body, group_key, attributes, created_at,
-                             status, attempts, next_attempt_at, last_error, deliver_at)
+                             status, attempts, next_attempt_at, last_error, deliver_at, commit_lsn, commit_seq)
          {overriding}
          SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
                 to_timestamp(u.created_us / 1e6), u.status, CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
                 CASE u.defer WHEN 1 THEN now() + make_interval(secs => {}) WHEN 2 THEN now() END, u.err,
                 CASE WHEN u.deliver_us = {never} THEN 'infinity'::timestamptz
                      WHEN u.deliver_us = -{never} THEN '-infinity'::timestamptz
-                     ELSE to_timestamp(u.deliver_us / 1e6) END
+                     ELSE to_timestamp(u.deliver_us / 1e6) END,
+                CASE WHEN u.commit IS NOT NULL THEN u.commit::pg_lsn WHEN $15 THEN pg_current_wal_insert_lsn() END,
+                u.seq
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
-                       $8::text[], $9::int2[], $10::text[], $13::bigint[])
-                AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err, deliver_us)
+                       $8::text[], $9::int2[], $10::text[], $13::bigint[], $14::text[], $16::int4[])
+                AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err, deliver_us,
+                     commit, seq)
          {unless}
          ON CONFLICT DO NOTHING
          RETURNING event_id",
@@ -519,9 +537,11 @@ async fn mark_once<C: GenericClient>(
     let mut errors: Vec<Option<String>> = Vec::with_capacity(batch.len());
     let mut defer = Vec::with_capacity(batch.len());
     let mut commits: Vec<Option<String>> = Vec::with_capacity(batch.len());
+    let mut seqs: Vec<Option<i32>> = Vec::with_capacity(batch.len());
     for s in batch {
         let (status, err, d) = columns(&s.outcome);
         commits.push(s.event.commit_lsn.map(|l| l.to_string()));
+        seqs.push(seq_param(&s.event));
         ids.push(s.id());
         event_ids.push(s.event.event_id.as_str());
         statuses.push(status);
@@ -537,11 +557,16 @@ async fn mark_once<C: GenericClient>(
     // Planned at every flush, never as a prepared statement: a generic plan
     // made while the table was small scans it whole once it has grown.
     Ok(client
-        .query(sql, &[&ids, &statuses, &errors, &base, &max, &defer, &event_ids, &commits])
+        .query(sql, &[&ids, &statuses, &errors, &base, &max, &defer, &event_ids, &commits, &seqs])
         .await?
         .iter()
         .map(|r| r.get(0))
         .collect())
+}
+
+/// An event's place in its transaction as the `commit_seq` column takes it.
+fn seq_param(ev: &OutboxEvent) -> Option<i32> {
+    ev.commit_seq.map(|s| i32::try_from(s).unwrap_or(i32::MAX))
 }
 
 /// Write rows that ended DEAD or deferred and are gone from the table back
@@ -641,6 +666,8 @@ async fn restore_with<C: GenericClient>(
     let (mut groups, mut attrs, mut created, mut statuses) =
         (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut defer, mut errors, mut deliver) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut commits, mut seqs): (Vec<Option<String>>, Vec<Option<i32>>) =
+        (Vec::with_capacity(n), Vec::with_capacity(n));
     for s in batch {
         let ev = &s.event;
         let (status, err, d) = columns(&s.outcome);
@@ -655,14 +682,30 @@ async fn restore_with<C: GenericClient>(
         defer.push(d);
         errors.push(err);
         deliver.push(ev.deliver_at.micros());
+        commits.push(ev.commit_lsn.map(|l| l.to_string()));
+        seqs.push(seq_param(ev));
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
     let rows = client
         .query(
             sql,
             &[
-                &ids, &event_ids, &dests, &bodies, &groups, &attrs, &created, &statuses, &defer, &errors, &base, &max,
+                &ids,
+                &event_ids,
+                &dests,
+                &bodies,
+                &groups,
+                &attrs,
+                &created,
+                &statuses,
+                &defer,
+                &errors,
+                &base,
+                &max,
                 &deliver,
+                &commits,
+                &marking.bound_unpositioned,
+                &seqs,
             ],
         )
         .await?;

@@ -69,6 +69,7 @@ pub async fn run(
         return Ok(());
     };
     let Started { mode, sharded, queues, listener, retention, mapped_id_types, prepare } = started;
+    settings.marking.bound_unpositioned = mode != Mode::Polling;
     for (m, t) in settings.mapped.iter_mut().zip(mapped_id_types) {
         m.id_type = Some(t);
     }

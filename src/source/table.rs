@@ -221,9 +221,28 @@ pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio
     Ok(c.query_opt(&sql, &[&destination]).await?.is_none())
 }
 
+/// The order a claim reads a destination's rows in. Any order does for a
+/// standard queue; a FIFO queue's rows go in commit order: first those
+/// whose commit position the stream recorded (rows it handed to the table,
+/// [`crate::pipeline::settle`]), by it and their place in their transaction
+/// (rows written back under new ids keep it); then the rest (rows the stream never
+/// brought: polling), by id. Ids alone follow commits only until the
+/// identity is reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ClaimOrder {
+    /// A standard queue: by id.
+    Id,
+    /// A FIFO queue's rows with a commit position, by it, their place in
+    /// their transaction, then id.
+    Committed,
+    /// A FIFO queue's rows without one, by id.
+    Unpositioned,
+}
+
 /// The claim locks rows and reads their sizes, not their bodies; the bodies
 /// of the rows that fit in `claim_bytes` are read next ([`fetch_sql`]).
-fn claim_sql(source: Claims, fifo: bool) -> String {
+fn claim_sql(source: Claims, order: ClaimOrder) -> String {
+    let fifo = order != ClaimOrder::Id;
     let mut sql = String::from(
         "SELECT id, octet_length(body)::bigint + coalesce(octet_length(attributes::text), 0)::bigint,
                 next_attempt_at IS NULL OR next_attempt_at <= now(), group_key
@@ -241,19 +260,43 @@ fn claim_sql(source: Claims, fifo: bool) -> String {
         // row waits holds its later rows back.
         sql += " AND (next_attempt_at IS NULL OR next_attempt_at <= now())";
     }
-    sql += " ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED";
+    sql += match order {
+        ClaimOrder::Id => " ORDER BY id",
+        ClaimOrder::Committed => " AND commit_lsn IS NOT NULL ORDER BY commit_lsn, commit_seq, id",
+        ClaimOrder::Unpositioned => " AND commit_lsn IS NULL ORDER BY id",
+    };
+    sql += " LIMIT $2 FOR UPDATE SKIP LOCKED";
     sql
 }
 
-/// The full rows of the chosen ids, in id order, and the database's clock
-/// (microseconds), which the claim judged `deliver_at` by.
+/// Lock up to `claim_limit` of the destination's rows, in the order they
+/// are to be sent ([`ClaimOrder`]).
+async fn lock_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    cfg: &TableLaneConfig,
+) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+    let (name, limit) = (&*cfg.name, cfg.claim_limit as i64);
+    if !cfg.queue.fifo {
+        return tx.query(&claim_sql(cfg.source, ClaimOrder::Id), &[&name, &limit]).await;
+    }
+    let mut rows = tx.query(&claim_sql(cfg.source, ClaimOrder::Committed), &[&name, &limit]).await?;
+    let rest = limit - rows.len() as i64;
+    if rest > 0 {
+        rows.extend(tx.query(&claim_sql(cfg.source, ClaimOrder::Unpositioned), &[&name, &rest]).await?);
+    }
+    Ok(rows)
+}
+
+/// The full rows of the chosen ids, in the order given (the claim's), and
+/// the database's clock (microseconds), which the claim judged `deliver_at` by.
 fn fetch_sql() -> String {
     format!(
-        "SELECT {OUTBOX_COLUMNS}, (extract(epoch FROM now()) * 1000000)::bigint FROM outbox WHERE id = ANY($1) ORDER BY id"
+        "SELECT {OUTBOX_COLUMNS}, (extract(epoch FROM now()) * 1000000)::bigint
+           FROM unnest($1::bigint[]) WITH ORDINALITY AS k(id, n) JOIN outbox USING (id) ORDER BY k.n"
     )
 }
 
-/// Of the locked rows (id, size, due, group) in id order: the due ones to
+/// Of the locked rows (id, size, due, group) in claim order: the due ones to
 /// send now, while their sizes fit in `budget` (the first always does). On a
 /// FIFO queue a group whose earlier row is not due, or did not fit, holds its
 /// later rows back.
@@ -297,7 +340,7 @@ pub async fn claim_round(
             return Ok(Round::default());
         }
     }
-    let locked = tx.query(&claim_sql(cfg.source, fifo), &[&&*cfg.name, &(cfg.claim_limit as i64)]).await?;
+    let locked = lock_rows(&tx, cfg).await?;
     let mut round = Round { claimed: locked.len(), ..Default::default() };
     let ids = due_within_budget(&locked, fifo, parts.settings.memory.table_claim_bytes());
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };

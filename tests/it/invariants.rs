@@ -169,6 +169,100 @@ async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
     relay.stop().await;
 }
 
+const FIFO: &str = "http://memory.invalid/orders.fifo";
+
+/// One transaction writes a FIFO group's first 300 rows (`a:`) under ids
+/// from 1,000 and deletes them (transient); the identity is reset; a later
+/// transaction writes the group's next 300 (`b:`) under ids from 1. The
+/// rows wait in the table, and whatever drains them must send `a:` first:
+/// id order would send `b:` first.
+async fn spool_across_identity_reset(c: &tokio_postgres::Client) {
+    c.batch_execute(
+        "ALTER TABLE outbox ALTER COLUMN id RESTART WITH 1000;
+         BEGIN;
+         INSERT INTO outbox (event_id, destination, body, group_key)
+              SELECT 'a:' || i, 'orders', 'a:' || i, 'g' FROM generate_series(1, 300) i;
+         DELETE FROM outbox WHERE event_id LIKE 'a:%';
+         COMMIT;
+         ALTER TABLE outbox ALTER COLUMN id RESTART;",
+    )
+    .await
+    .unwrap();
+}
+
+/// The group's next 300 rows (`b:`), in one later transaction.
+async fn write_next_rows(c: &tokio_postgres::Client) {
+    c.batch_execute(
+        "INSERT INTO outbox (event_id, destination, body, group_key)
+              SELECT 'b:' || i, 'orders', 'b:' || i, 'g' FROM generate_series(1, 300) i",
+    )
+    .await
+    .unwrap();
+}
+
+/// The group's 600 rows, sent once each, `a:1..300` then `b:1..300`.
+async fn assert_commit_order(p: &MemoryPublisher) {
+    wait_for("the group's 600 rows sent", Duration::from_secs(90), || async { p.sent(FIFO).len() >= 600 }).await;
+    let bodies: Vec<String> = p.sent(FIFO).into_iter().map(|s| s.body).collect();
+    let expected: Vec<String> = ["a", "b"].iter().flat_map(|t| (1..=300).map(move |i| format!("{t}:{i}"))).collect();
+    let first_wrong = bodies.iter().zip(&expected).position(|(b, e)| b != e);
+    assert!(
+        bodies == expected,
+        "sent {} rows, first out of order at {first_wrong:?}: {:?}",
+        bodies.len(),
+        first_wrong.map(|i| &bodies[i])
+    );
+}
+
+/// A FIFO group spooled across an identity reset is drained in commit
+/// order, not id order: the stream hands each row to the table with its
+/// transaction's commit position, and the drain claims by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_group_spooled_across_an_identity_reset_keeps_its_order() {
+    let db = TestDb::new("fifo_reset_spool").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(FIFO, true, 262_144);
+    let relay = streaming(&db, quick_spool_to(&db, FIFO), &p).await;
+    let c = db.client().await;
+    p.break_queue(FIFO, CallError::transport("connection refused"));
+    spool_across_identity_reset(&c).await;
+    write_next_rows(&c).await;
+    wait_for("both transactions in the table", Duration::from_secs(30), || async {
+        db.count("status = 'NEW' AND next_attempt_at IS NOT NULL").await == 600
+    })
+    .await;
+    p.fix_queue(FIFO);
+    assert_commit_order(&p).await;
+    relay.stop().await;
+}
+
+/// The same group, its first rows spooled by a streaming relay, its next
+/// ones written while no relay runs, then drained by a polling relay (the
+/// fallback while a slot is repaired): the spooled rows, which committed
+/// first, go first whatever their ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_polling_relay_sends_the_spooled_rows_of_a_fifo_group_first() {
+    let db = TestDb::new("fifo_reset_poll").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(FIFO, true, 262_144);
+    let relay = streaming(&db, quick_spool_to(&db, FIFO), &p).await;
+    let c = db.client().await;
+    p.break_queue(FIFO, CallError::transport("connection refused"));
+    spool_across_identity_reset(&c).await;
+    wait_for("the first transaction written back", Duration::from_secs(30), || async {
+        db.count("status = 'NEW' AND next_attempt_at IS NOT NULL AND event_id LIKE 'a:%'").await == 300
+    })
+    .await;
+    relay.stop().await;
+    write_next_rows(&c).await;
+    let mut cfg = quick_spool_to(&db, FIFO);
+    cfg.mode = outbox_relay::config::Mode::Polling;
+    p.fix_queue(FIFO);
+    let relay = start(cfg, Arc::new(p.clone()));
+    assert_commit_order(&p).await;
+    relay.stop().await;
+}
+
 /// What is sent is what was committed: a row inserted and then updated by
 /// its own transaction goes out as updated (body, destination), a TOASTed
 /// body the update left alone included, in CDC as in polling; in a
@@ -277,7 +371,7 @@ async fn reused_ids_are_never_taken_for_published_ones() {
 }
 
 fn marking(published: PublishedRows) -> Marking {
-    Marking { base: Duration::from_secs(1), max: Duration::from_secs(2), published }
+    Marking { base: Duration::from_secs(1), max: Duration::from_secs(2), published, bound_unpositioned: true }
 }
 
 /// Row `id` (event `event_id`) as the stream read it, committed at `commit`.
@@ -292,6 +386,7 @@ fn read(id: i64, event_id: &str, commit: u64) -> Arc<OutboxEvent> {
         commit_time_us: 0,
         xid: None,
         commit_lsn: Some(replication::Lsn(commit)),
+        commit_seq: None,
         transient: false,
         deliver_at: Default::default(),
         mapped: None,

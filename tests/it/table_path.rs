@@ -399,6 +399,7 @@ fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::O
         commit_time_us: 0,
         xid: Some(xid),
         commit_lsn: Some(replication::Lsn(1)),
+        commit_seq: None,
         transient: false,
         deliver_at: Default::default(),
         mapped: None,
@@ -407,7 +408,12 @@ fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::O
 
 /// Marking with a test backoff, published rows kept or deleted.
 fn marking(published: PublishedRows) -> outbox_relay::pipeline::settle::Marking {
-    outbox_relay::pipeline::settle::Marking { base: Duration::from_secs(1), max: Duration::from_secs(2), published }
+    outbox_relay::pipeline::settle::Marking {
+        base: Duration::from_secs(1),
+        max: Duration::from_secs(2),
+        published,
+        bound_unpositioned: false,
+    }
 }
 
 /// The low 32 bits of the current transaction's id, as pgoutput's Begin gives it.

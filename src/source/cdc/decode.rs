@@ -81,6 +81,7 @@ impl Decoder {
                     final_lsn: from_wire(final_lsn),
                     commit_time_us: pg_micros_to_unix_micros(commit_time_micros),
                     buf: Vec::new(),
+                    rows: 0,
                     buf_bytes: 0,
                     buffered: HashMap::new(),
                     mapped_buffered: HashMap::new(),
@@ -141,7 +142,7 @@ impl Decoder {
             .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
         let table = self.table(rel);
         let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
-        let (row, key) = match table {
+        let (mut row, key) = match table {
             None => return Ok(None),
             Some(Table::Outbox) if owned_by_table(rel, new) => return Ok(None),
             Some(Table::Outbox) => (row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?, None),
@@ -151,6 +152,7 @@ impl Decoder {
                 let mut row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref())?;
                 // Its published column is set once the transaction is visible.
                 row.xid = Some(t.xid);
+                row.commit_lsn = Some(t.final_lsn);
                 (row, mapped_key(m, rel, new).map(|k| (relation, k)))
             }
         };
@@ -166,6 +168,8 @@ impl Decoder {
             full = Some(Chunk { events, replayed: self.replayed(final_lsn) });
         }
         let t = self.txn.as_mut().expect("checked above");
+        row.commit_seq = Some(t.rows);
+        t.rows += 1;
         t.buf_bytes += row.size();
         match key {
             Some(key) => t.mapped_buffered.insert(key, t.buf.len()),
@@ -187,7 +191,7 @@ impl Decoder {
             let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
             if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
                 let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref())?;
-                row.xid = Some(t.xid);
+                (row.xid, row.commit_lsn, row.commit_seq) = (Some(t.xid), Some(t.final_lsn), t.buf[i].commit_seq);
                 t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                 t.buf[i] = row;
             }
@@ -223,6 +227,8 @@ pub(crate) struct OpenTxn {
     pub(crate) final_lsn: Lsn,
     pub(crate) commit_time_us: i64,
     pub(crate) buf: Vec<OutboxEvent>,
+    /// Rows inserted so far: the next row's `commit_seq`.
+    pub(crate) rows: u32,
     pub(crate) buf_bytes: usize,
     /// Id → index in `buf`, to find a row its own transaction deletes. A row
     /// already dispatched in an earlier chunk is settled as usual (its

@@ -67,6 +67,7 @@ pub(crate) fn row_from_tuple(
         commit_time_us,
         xid,
         commit_lsn: Some(commit_lsn),
+        commit_seq: None,
         transient: false,
         // Optional: a table migrated before `deliver_at` existed has none.
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),

@@ -107,7 +107,7 @@ async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationCl
     db.within("importing the new slot's snapshot", import_snapshot(&snap_client, &snapshot)).await?;
     // A task of its own: a shutdown arriving meanwhile does not cut the
     // hand-off short.
-    let handed = match tokio::spawn(hand_to_table(snap_client, ctx.shard.clone())).await {
+    let handed = match tokio::spawn(hand_to_table(snap_client, ctx.shard.clone(), consistent)).await {
         Ok(Ok(n)) => n,
         failed => {
             // The slot must not stay without its hand-off: drop it, so the

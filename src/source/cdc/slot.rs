@@ -144,11 +144,15 @@ pub(crate) async fn drop_unfinished_slot(db: &Db, slot: &str, sql: &Client) {
 /// the table yet; only this shard's destinations) are handed to the table
 /// path: `next_attempt_at = now()`, so the spool drain publishes them and the
 /// lanes stream again once it is empty. Ids are read in the snapshot, then
-/// updated outside it (no conflict with later writers). Returns the rows handed.
-pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>) -> Result<u64, CdcError> {
+/// updated outside it (no conflict with later writers). Every NEW row of the
+/// snapshot without a commit position gets `consistent` (the slot's
+/// consistent point): it committed before any row the slot streams, and
+/// after any the table holds with a position ([`position_handed`]). Returns
+/// the rows handed.
+pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>, consistent: Lsn) -> Result<u64, CdcError> {
     let ids: Vec<i64> = snap
         .query(
-            "SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL
+            "SELECT id FROM outbox WHERE status = 'NEW' AND (next_attempt_at IS NULL OR commit_lsn IS NULL)
                 AND ($1::text[] IS NULL OR destination = ANY($1)) ORDER BY id",
             &[&shard],
         )
@@ -161,12 +165,38 @@ pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>) -> R
     for chunk in ids.chunks(10_000) {
         handed += snap
             .execute(
-                "UPDATE outbox SET next_attempt_at = now() WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
-                &[&chunk],
+                "UPDATE outbox SET next_attempt_at = now(), commit_lsn = coalesce(commit_lsn, $2::text::pg_lsn)
+                  WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
+                &[&chunk, &consistent.to_string()],
             )
             .await?;
+        position_handed(&snap, PositionRows::Ids(chunk), consistent).await?;
     }
     Ok(handed)
+}
+
+/// Which rows [`position_handed`] gives a position.
+pub(crate) enum PositionRows<'a> {
+    Ids(&'a [i64]),
+    /// Every row of these destinations (all: `None`).
+    Destinations(Option<&'a [String]>),
+}
+
+/// Rows in the table path's care (NEW, `next_attempt_at` set) without a
+/// commit position get `at`: rows the poller retried before this slot, or a
+/// `dead redrive` brought back, committed before the slot's consistent
+/// point, and after every row the table holds with a position (a stream
+/// handed those over before it reached them). A FIFO claim sends them after
+/// the latter and before the rows the slot will hand over.
+pub(crate) async fn position_handed(c: &Client, rows: PositionRows<'_>, at: Lsn) -> Result<u64, CdcError> {
+    const SQL: &str = "UPDATE outbox SET commit_lsn = $3::text::pg_lsn
+        WHERE status = 'NEW' AND next_attempt_at IS NOT NULL AND commit_lsn IS NULL
+          AND ($1::bigint[] IS NULL OR id = ANY($1)) AND ($2::text[] IS NULL OR destination = ANY($2))";
+    let (ids, destinations) = match rows {
+        PositionRows::Ids(ids) => (Some(ids), None),
+        PositionRows::Destinations(d) => (None, d),
+    };
+    Ok(c.execute(SQL, &[&ids, &destinations, &at.to_string()]).await?)
 }
 
 /// Record that `slot`'s hand-off is about to run, before the slot is
@@ -181,6 +211,18 @@ pub(crate) async fn hand_off_begins(sql: &Client, slot: &str) -> Result<(), CdcE
 pub(crate) async fn hand_off_done(sql: &Client, slot: &str) -> Result<(), CdcError> {
     sql.execute("DELETE FROM outbox_relay_handoffs WHERE slot = $1", &[&slot]).await?;
     Ok(())
+}
+
+/// A slot that has streamed nothing yet: its confirmed position, which is
+/// its consistent point ([`hand_to_table`]'s position for the rows handed).
+async fn consistent_point(sql: &Client, slot: &str) -> Result<Lsn, CdcError> {
+    let at: Option<String> = sql
+        .query_opt("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1", &[&slot])
+        .await?
+        .and_then(|r| r.get(0));
+    at.ok_or_else(|| CdcError::Protocol(format!("slot {slot:?} has no confirmed position")))?
+        .parse()
+        .map_err(|e| CdcError::Protocol(format!("confirmed_flush_lsn: {e}")))
 }
 
 /// A slot found with its hand-off still recorded: the relay stopped between
@@ -204,18 +246,20 @@ pub(crate) async fn finish_hand_off(
     // none has an id over the highest visible: rows written later are
     // streamed.
     let hi: Option<i64> = sql.query_one("SELECT max(id) FROM outbox", &[]).await?.get(0);
+    let at = consistent_point(sql, slot).await?;
+    position_handed(sql, PositionRows::Destinations(shard), at).await?;
     let (mut handed, mut from) = (0u64, i64::MIN);
     loop {
         let r = sql
             .query_one(
                 "WITH handed AS (
-                     UPDATE outbox SET next_attempt_at = now()
+                     UPDATE outbox SET next_attempt_at = now(), commit_lsn = coalesce(commit_lsn, $4::text::pg_lsn)
                       WHERE id IN (SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL
                                       AND id > $1 AND id <= $2 AND ($3::text[] IS NULL OR destination = ANY($3))
                                     ORDER BY id LIMIT 10000)
                      RETURNING id)
                  SELECT max(id), count(*) FROM handed",
-                &[&from, &hi.unwrap_or(i64::MIN), &shard],
+                &[&from, &hi.unwrap_or(i64::MIN), &shard, &at.to_string()],
             )
             .await?;
         let (last, n): (Option<i64>, i64) = (r.get(0), r.get(1));
