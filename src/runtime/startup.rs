@@ -221,7 +221,7 @@ async fn resolve_mode(
         .await
     };
     let outbox_table = || db.within("checking the outbox table", db::schema::check_outbox_table(sql));
-    let (mode, sharded) = match config.mode {
+    let (mode, mut sharded) = match config.mode {
         Mode::Cdc => (Mode::Cdc, cdc().await.map_err(startup)?),
         Mode::Polling => {
             outbox_table().await.map_err(startup)?;
@@ -232,6 +232,13 @@ async fn resolve_mode(
             auto_mode(cdc().await).map_err(startup)?
         }
     };
+    if mode == Mode::Polling {
+        // A shard's relay polling (the fallback while its slot is repaired)
+        // is still a shard: the other shards' rows are not its to judge.
+        let destinations: Vec<String> = config.destinations.keys().cloned().collect();
+        let shard = crate::source::cdc::publication::check_shard(sql, &config.publication, &destinations);
+        sharded = db.within("checking the publication's shard", shard).await.map_err(startup)?;
+    }
     if sharded && config.queue_url_template.is_some() {
         return Err(startup(db::DbError::Check(format!(
             "publication {:?} is a shard (filtered to its destinations), and a shard sends only its [destinations]: \

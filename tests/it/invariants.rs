@@ -586,7 +586,9 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// several destinations (one FIFO), unknown destinations, queue outages,
 /// bursts of throttled calls and entries over a round trip of a few
 /// milliseconds (the lanes' adaptive limits growing and shrinking),
-/// identity resets, relays killed without a goodbye and restarted,
+/// identity resets, relays killed without a goodbye and restarted (a
+/// shard's relay now and then polling, the fallback, until its next
+/// restart or the end),
 /// PostgreSQL crashed or stopped and started again (each seed runs a server
 /// of its own), rows due later (`deliver_at` in seconds, or in 20 minutes
 /// and then moved by an UPDATE), and, for even seeds, two shards
@@ -684,14 +686,16 @@ mod workload {
         /// Big rows DEAD `too_large` once queue `b`'s size limit was
         /// lowered under the relays (the in-process variant).
         too_large: usize,
+        /// Relays started again in the other mode, polling or CDC.
+        mode_switches: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.failed_txns
             )
         }
     }
@@ -726,12 +730,14 @@ mod workload {
 
     /// FIFO order per group: on the FIFO queue, the first send of each row
     /// of a group comes after the first send of every row committed before
-    /// it in that group (rows with a `deliver_at` keep no order, by design).
-    fn fifo_order_kept(p: &MemoryPublisher, committed: &[Row], seed: u64) {
+    /// it in that group (rows with a `deliver_at` keep no order, by design;
+    /// nor do transient rows committed while a relay polled, `unseen`:
+    /// polling cannot see them, and they are sent once streaming resumes).
+    fn fifo_order_kept(p: &MemoryPublisher, committed: &[Row], unseen: &HashSet<String>, seed: u64) {
         let (_, f, _) = QUEUES.iter().find(|q| q.2).expect("a FIFO queue");
         let order: HashMap<&str, usize> = committed
             .iter()
-            .filter(|r| r.3.is_none() && r.1 == "f")
+            .filter(|r| r.3.is_none() && r.1 == "f" && !unseen.contains(&r.0))
             .enumerate()
             .map(|(i, r)| (r.0.as_str(), i))
             .collect();
@@ -766,11 +772,34 @@ mod workload {
     struct Relays {
         configs: Vec<outbox_relay::config::Config>,
         running: Vec<Option<Running>>,
+        /// Started in polling mode (the operator's fallback, the slot kept)
+        /// rather than CDC.
+        polling: Vec<bool>,
     }
 
     impl Relays {
         fn start(&mut self, i: usize, p: &MemoryPublisher) {
-            self.running[i] = Some(start(self.configs[i].clone(), Arc::new(p.clone())));
+            let mut cfg = self.configs[i].clone();
+            if self.polling[i] {
+                cfg.mode = outbox_relay::config::Mode::Polling;
+            }
+            self.running[i] = Some(start(cfg, Arc::new(p.clone())));
+        }
+
+        /// Every relay streaming again (a slot is confirmed past the last
+        /// commit only by a stream). Returns how many were switched.
+        async fn all_streaming(&mut self, p: &MemoryPublisher) -> usize {
+            let mut switched = 0;
+            for i in 0..self.running.len() {
+                if std::mem::take(&mut self.polling[i]) {
+                    if let Some(r) = self.running[i].take() {
+                        r.abort();
+                    }
+                    self.start(i, p);
+                    switched += 1;
+                }
+            }
+            switched
         }
 
         /// Do what a supervisor does (systemd's `Restart=on-failure`): start
@@ -824,7 +853,8 @@ mod workload {
             configs.push(cfg);
         }
         let running = configs.iter().map(|_| None).collect();
-        Relays { configs, running }
+        let polling = vec![false; configs.len()];
+        Relays { configs, running, polling }
     }
 
     /// A committed row: event id, destination, transient, and its
@@ -1247,13 +1277,24 @@ mod workload {
         let mut c = db.client().await;
         let mut tally = Tally::default();
         let mut committed = before_slot;
+        let mut unseen = HashSet::new();
         for step in 0..steps {
             let tag = format!("s{seed}t{step}");
+            let (polled, before) = (relays.polling.clone(), committed.len());
             if let Some(rows) = env.step(&mut rng, &mut relays, &mut c, &mut tally, &tag, &dests).await {
                 committed.extend(rows);
             }
+            if relays.polling.iter().zip(&polled).any(|(now, before)| *now && !before) {
+                // A relay polls from now on: transient rows it had not sent
+                // are unseen until it streams again.
+                let sent: HashSet<String> = p.sent(QUEUES[2].1).into_iter().map(|s| s.event_id).collect();
+                unseen.extend(committed.iter().filter(|r| r.2 && !sent.contains(&r.0)).map(|r| r.0.clone()));
+            } else if relays.polling.iter().any(|p| *p) {
+                unseen.extend(committed[before..].iter().filter(|r| r.2).map(|r| r.0.clone()));
+            }
             tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
         }
+        tally.mode_switches += relays.all_streaming(&p).await;
         let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
         // Sent, or DEAD `too_large` if sent after the limit was lowered.
         let lowered = env.lowered.load(std::sync::atomic::Ordering::Relaxed);
@@ -1277,7 +1318,7 @@ mod workload {
         }
         let moved = env.moved.lock().unwrap().clone();
         none_early(&p, &committed, &moved, seed);
-        fifo_order_kept(&p, &committed, seed);
+        fifo_order_kept(&p, &committed, &unseen, seed);
         tally.moved = moved.len();
         tally.delayed = committed.iter().filter(|r| r.3.is_some()).count();
         slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
@@ -1365,6 +1406,12 @@ mod workload {
                         r.abort();
                     }
                     tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+                    // Started again polling (the fallback; a relay with a
+                    // mapped table lacking a published column cannot poll),
+                    // or streaming.
+                    let polling = relays.configs[i].mapped.is_empty() && rng.random_bool(0.4);
+                    tally.mode_switches += usize::from(polling != relays.polling[i]);
+                    relays.polling[i] = polling;
                     relays.start(i, self.p);
                     tally.restarts += 1;
                 }
