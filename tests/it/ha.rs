@@ -243,7 +243,7 @@ async fn two_sharded_relays_over_disjoint_destinations_deliver_every_row_to_its_
     let e = start_up_error(wrong, Arc::new(p.clone())).await;
     assert!(e.contains("must be the same"), "{e}");
 
-    let r1 = start(ab, Arc::new(p.clone()));
+    let r1 = start(ab.clone(), Arc::new(p.clone()));
     let r2 = start(only_c, Arc::new(p.clone()));
     for k in 0..5 {
         for d in ["a", "b", "c"] {
@@ -263,4 +263,21 @@ async fn two_sharded_relays_over_disjoint_destinations_deliver_every_row_to_its_
     }
     r1.stop().await;
     r2.stop().await;
+    // A shard's relay polling (the fallback while its slot is repaired) is
+    // still a shard: the other shard's rows wait for their own relay, past
+    // the first sweep for unknown destinations (5 s after start-up).
+    insert_rows(&c, "late_c", "c", 20, None).await;
+    let mut polling = ab;
+    polling.mode = outbox_relay::config::Mode::Polling;
+    let r3 = start(polling, Arc::new(p.clone()));
+    insert_rows(&c, "late_a", "a", 20, None).await;
+    wait_for("the polling shard sends its own rows", Duration::from_secs(30), || async { bodies(qa).len() == 250 })
+        .await;
+    let until = std::time::Instant::now() + Duration::from_secs(7);
+    while std::time::Instant::now() < until {
+        assert_eq!(db.count("status = 'DEAD'").await, 0, "a polling shard marked another shard's rows DEAD");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(db.count("status = 'NEW' AND destination = 'c'").await, 20, "the other shard's rows wait for it");
+    r3.stop().await;
 }
