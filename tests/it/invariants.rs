@@ -171,12 +171,18 @@ async fn transient_rows_whose_ids_were_reused_survive_a_spool() {
 
 const FIFO: &str = "http://memory.invalid/orders.fifo";
 
-/// One transaction writes a FIFO group's first 300 rows (`a:`) under ids
-/// from 1,000 and deletes them (transient); the identity is reset; a later
-/// transaction writes the group's next 300 (`b:`) under ids from 1. The
-/// rows wait in the table, and whatever drains them must send `a:` first:
-/// id order would send `b:` first.
-async fn spool_across_identity_reset(c: &tokio_postgres::Client) {
+/// A streaming relay whose FIFO queue fails; one transaction writes a FIFO
+/// group's first 300 rows (`a:`) under ids from 1,000 and deletes them
+/// (transient); the identity is reset. A later transaction writes the
+/// group's next 300 (`b:`, [`write_next_rows`]) under ids from 1. The rows
+/// wait in the table, and whatever drains them must send `a:` first: id
+/// order would send `b:` first. Returns the publisher, the relay and a client.
+async fn spooling_across_identity_reset(db: &TestDb) -> (MemoryPublisher, Running, tokio_postgres::Client) {
+    let p = MemoryPublisher::new();
+    p.add_queue(FIFO, true, 262_144);
+    let relay = streaming(db, quick_spool_to(db, FIFO), &p).await;
+    let c = db.client().await;
+    p.break_queue(FIFO, CallError::transport("connection refused"));
     c.batch_execute(
         "ALTER TABLE outbox ALTER COLUMN id RESTART WITH 1000;
          BEGIN;
@@ -188,6 +194,7 @@ async fn spool_across_identity_reset(c: &tokio_postgres::Client) {
     )
     .await
     .unwrap();
+    (p, relay, c)
 }
 
 /// The group's next 300 rows (`b:`), in one later transaction.
@@ -220,12 +227,7 @@ async fn assert_commit_order(p: &MemoryPublisher) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fifo_group_spooled_across_an_identity_reset_keeps_its_order() {
     let db = TestDb::new("fifo_reset_spool").await;
-    let p = MemoryPublisher::new();
-    p.add_queue(FIFO, true, 262_144);
-    let relay = streaming(&db, quick_spool_to(&db, FIFO), &p).await;
-    let c = db.client().await;
-    p.break_queue(FIFO, CallError::transport("connection refused"));
-    spool_across_identity_reset(&c).await;
+    let (p, relay, c) = spooling_across_identity_reset(&db).await;
     write_next_rows(&c).await;
     wait_for("both transactions in the table", Duration::from_secs(30), || async {
         db.count("status = 'NEW' AND next_attempt_at IS NOT NULL").await == 600
@@ -243,12 +245,7 @@ async fn a_fifo_group_spooled_across_an_identity_reset_keeps_its_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_polling_relay_sends_the_spooled_rows_of_a_fifo_group_first() {
     let db = TestDb::new("fifo_reset_poll").await;
-    let p = MemoryPublisher::new();
-    p.add_queue(FIFO, true, 262_144);
-    let relay = streaming(&db, quick_spool_to(&db, FIFO), &p).await;
-    let c = db.client().await;
-    p.break_queue(FIFO, CallError::transport("connection refused"));
-    spool_across_identity_reset(&c).await;
+    let (p, relay, c) = spooling_across_identity_reset(&db).await;
     wait_for("the first transaction written back", Duration::from_secs(30), || async {
         db.count("status = 'NEW' AND next_attempt_at IS NOT NULL AND event_id LIKE 'a:%'").await == 300
     })
