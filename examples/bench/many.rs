@@ -2,10 +2,12 @@
 //! queue-URL template only (every queue looked up on first use), a steady
 //! load spread over a thousand queues of the SQS stand-in at a 15 ms round
 //! trip. Commit → SQS's answer per message (HDR), after the first seconds
-//! (the lookups) and for them; the relay's peak RSS and CPU.
+//! (the lookups) and for them; the relay's peak RSS and CPU; its RSS once
+//! the load stopped and again once its idle lanes closed.
 
 use super::*;
 use std::collections::HashMap;
+use testkit::process::current_rss;
 use testkit::standin::{Settings, Standin};
 
 #[derive(serde::Serialize)]
@@ -27,11 +29,20 @@ pub(super) struct Many {
     /// SendMessageBatch calls per message.
     calls_per_message: f64,
     pub(super) relay_peak_rss_mb: f64,
+    /// Stream lanes open and RSS when every row was answered, and RSS once
+    /// the idle lanes closed ([`LANE_IDLE`]).
+    lanes_open_loaded: u64,
+    relay_rss_loaded_mb: f64,
+    relay_rss_lanes_closed_mb: f64,
     relay_cpu_s_per_100k: f64,
     machine_busy_pct: f64,
 }
 
 const WARMUP: Duration = Duration::from_secs(3);
+
+/// The relay's `lane_idle_timeout` here: longer than a destination's gap
+/// between rows at the loads measured, shorter than the default.
+const LANE_IDLE: &str = "2s";
 
 /// `destinations` queues, `each` rows/s to each, for `secs` (after the warm-up).
 pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) -> Many {
@@ -40,7 +51,9 @@ pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) ->
     let standin = Standin::start(([127, 0, 0, 1], 0).into(), settings).await.unwrap();
     let db = TestDb::new("bench_many").await;
     let template = format!("{}/000000000000/{{destination}}", standin.endpoint());
-    let cfg = RelayConfig::templated(&db, "cdc", "", standin.endpoint(), &template);
+    let addr = free_addr();
+    let extra = format!("metrics_addr = \"{addr}\"\nlane_idle_timeout = \"{LANE_IDLE}\"");
+    let cfg = RelayConfig::templated(&db, "cdc", &extra, standin.endpoint(), &template);
     let relay = cfg.spawn();
     wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let commits = Mutex::new(Vec::new());
@@ -54,6 +67,7 @@ pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) ->
     wait_for("every row answered", Duration::from_secs(300), || async { standin.stats().messages >= rows }).await;
     let (_, busy) = phase.end();
     let (cpu, rss) = cpu_and_peak_rss(relay.pid()).unwrap_or((0.0, 0));
+    let (lanes_open_loaded, rss_loaded, rss_closed) = rss_as_lanes_close(relay.pid(), &addr).await;
     relay.terminate(Duration::from_secs(15)).await;
     let commits: HashMap<i32, i64> = commits.into_inner().unwrap().into_iter().collect();
     let warm_until = commits.iter().filter(|(_, us)| **us - first(&commits) < WARMUP.as_micros() as i64).count() as i32;
@@ -72,10 +86,29 @@ pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) ->
         warmup_s: warm_secs,
         warmup_p99_ms: ms(&warm, 0.99),
         calls_per_message: r2(standin.stats().send_calls as f64 / rows.max(1) as f64),
-        relay_peak_rss_mb: (rss as f64 / 1048576.0 * 10.0).round() / 10.0,
+        relay_peak_rss_mb: mb(rss),
+        lanes_open_loaded,
+        relay_rss_loaded_mb: mb(rss_loaded),
+        relay_rss_lanes_closed_mb: mb(rss_closed),
         relay_cpu_s_per_100k: (cpu * 100_000.0 / rows.max(1) as f64 * 100.0).round() / 100.0,
         machine_busy_pct: busy,
     }
+}
+
+fn mb(bytes: u64) -> f64 {
+    (bytes as f64 / 1048576.0 * 10.0).round() / 10.0
+}
+
+/// The stream lanes open and the relay's RSS now, and its RSS once no lane
+/// is open (60 s at most; heartbeats keep the stream going meanwhile).
+async fn rss_as_lanes_close(pid: u32, addr: &str) -> (u64, u64, u64) {
+    let lanes = || async {
+        let text = scrape(addr).await?;
+        series(&text, "outbox_relay_stream_lanes").first().map(|(_, v)| *v as u64)
+    };
+    let (open, loaded) = (lanes().await.unwrap_or(0), current_rss(pid).unwrap_or(0));
+    wait_for("the idle lanes closed", Duration::from_secs(60), || async { lanes().await == Some(0) }).await;
+    (open, loaded, current_rss(pid).unwrap_or(0))
 }
 
 fn first(commits: &HashMap<i32, i64>) -> i64 {
@@ -107,11 +140,11 @@ fn histograms(
 }
 
 pub(super) fn print_many(rows: &[Many]) {
-    println!("\n| destinations (template, looked up on first use) | rows/s | p50 / p99 / p99.9 ms | max ms | warm-up p99 ms | calls/msg | relay peak RSS | relay CPU s/100k | machine busy |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("\n| destinations (template, looked up on first use) | rows/s | p50 / p99 / p99.9 ms | max ms | warm-up p99 ms | calls/msg | relay peak RSS | RSS loaded (lanes) / lanes closed | relay CPU s/100k | machine busy |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for m in rows {
         println!(
-            "| {} × {}/s, {} ms round trip | {:.0} | {} / {} / {} | {} | {} | {} | {} MB | {} | {:.0}% |",
+            "| {} × {}/s, {} ms round trip | {:.0} | {} / {} / {} | {} | {} | {} | {} MB | {} MB ({}) / {} MB | {} | {:.0}% |",
             m.destinations,
             m.rows_per_s_each,
             m.rtt_ms,
@@ -123,6 +156,9 @@ pub(super) fn print_many(rows: &[Many]) {
             m.warmup_p99_ms,
             m.calls_per_message,
             m.relay_peak_rss_mb,
+            m.relay_rss_loaded_mb,
+            m.lanes_open_loaded,
+            m.relay_rss_lanes_closed_mb,
             m.relay_cpu_s_per_100k,
             m.machine_busy_pct
         );

@@ -143,8 +143,9 @@ pub struct Marking {
 pub const MAX_FLUSH: usize = 5_000;
 
 /// The set part of marking a DEAD or deferred row (and, kept, a PUBLISHED one).
-/// A row from the stream keeps its transaction's commit position and its
-/// place in it: a FIFO claim orders by them ([`crate::source::table`]).
+/// A row from the stream left NEW or DEAD keeps its transaction's commit
+/// position and its place in it: a FIFO claim orders by them
+/// ([`crate::source::table`]); a PUBLISHED one needs neither.
 fn update_set() -> String {
     format!(
         "SET status = u.status,
@@ -153,8 +154,9 @@ fn update_set() -> String {
                                             WHEN 2 THEN now() ELSE o.next_attempt_at END,
              last_error = u.err,
              attempts = o.attempts + CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
-             commit_lsn = coalesce(u.commit::pg_lsn, o.commit_lsn),
-             commit_seq = CASE WHEN u.commit IS NULL THEN o.commit_seq ELSE u.seq END",
+             commit_lsn = CASE WHEN u.commit IS NULL OR u.status = 'PUBLISHED' THEN o.commit_lsn
+                               ELSE u.commit::pg_lsn END,
+             commit_seq = CASE WHEN u.commit IS NULL OR u.status = 'PUBLISHED' THEN o.commit_seq ELSE u.seq END",
         crate::policy::retry::backoff_sql("o.attempts", "$4", "$5")
     )
 }

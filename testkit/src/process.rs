@@ -202,6 +202,14 @@ pub fn cpu_and_peak_rss(pid: u32) -> Option<(f64, u64)> {
     Some((cpu, hwm_kb * 1024))
 }
 
+/// A process's resident set now (bytes).
+pub fn current_rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 =
+        status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// CPU seconds of the stack's PostgreSQL (`OUTBOX_RELAY_STACK_DIR`): the
 /// postmaster, its live children (walsenders, backends, background
 /// workers) and its reaped ones (`cutime`, `cstime`), so the difference of
