@@ -40,9 +40,9 @@ pub(super) struct Many {
 
 const WARMUP: Duration = Duration::from_secs(3);
 
-/// The relay's `lane_idle_timeout` here: longer than a destination's gap
-/// between rows at the loads measured, shorter than the default.
-const LANE_IDLE: &str = "2s";
+/// The relay's `lane_idle_timeout` here, its default: no lane closes while
+/// the load runs, and every one closes within a minute after it.
+const LANE_IDLE: &str = "30s";
 
 /// `destinations` queues, `each` rows/s to each, for `secs` (after the warm-up).
 pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) -> Many {
