@@ -131,7 +131,15 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     let queue = "http://memory.invalid/000000000000/failover";
     let publisher = MemoryPublisher::new();
     publisher.add_queue(queue, false, 262_144);
-    let cfg = relay_config(&pair, queue);
+    let tenant = |t: &str| format!("http://memory.invalid/000000000000/{t}");
+    for t in ["tenant_a", "tenant_b"] {
+        publisher.add_queue(&tenant(t), false, 262_144);
+    }
+    let mut cfg = relay_config(&pair, queue);
+    // Destinations beside `d` are looked up by the template on first use,
+    // before the failover and after it.
+    cfg.queue_url_template =
+        Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(&tenant("{destination}"), "r").unwrap());
     let max_in_flight = cfg.max_unsettled_events;
     let relay = start(cfg, Arc::new(publisher.clone()));
 
@@ -140,6 +148,17 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     wait_for("rows streaming from the primary", Duration::from_secs(60), || {
         let p = publisher.clone();
         async move { delivered(&p, queue).len() >= 200 }
+    })
+    .await;
+    let tenant_rows = |url: String, prefix: &'static str, t: &'static str| async move {
+        let c = db::connect(&url).await.unwrap();
+        insert_rows(&c, prefix, t, 10, None).await;
+    };
+    let arrived =
+        |t: &str, prefix: &str| publisher.sent(&tenant(t)).iter().filter(|s| s.body.starts_with(prefix)).count();
+    tenant_rows(pair.primary.url("app"), "tenant_a_before", "tenant_a").await;
+    wait_for("a looked-up destination's rows sent", Duration::from_secs(30), || async {
+        arrived("tenant_a", "tenant_a_before") == 10
     })
     .await;
     // The standby alone is refused, with the fix.
@@ -207,11 +226,23 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     .await;
     stop_after.store(true, std::sync::atomic::Ordering::Relaxed);
     let batches_after = after.await.unwrap();
+    // Looked up before the failover (known) and after it (first use).
+    tenant_rows(pair.standby.url("app"), "tenant_a_after", "tenant_a").await;
+    tenant_rows(pair.standby.url("app"), "tenant_b_after", "tenant_b").await;
+    wait_for("looked-up destinations' rows sent from the new primary", Duration::from_secs(30), || async {
+        arrived("tenant_a", "tenant_a_after") >= 10 && arrived("tenant_b", "tenant_b_after") >= 10
+    })
+    .await;
 
     // Every row the new primary holds is delivered.
     let c = db::connect(&pair.standby.url("app")).await.unwrap();
-    let held: HashSet<String> =
-        c.query("SELECT event_id FROM outbox_audit", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let held: HashSet<String> = c
+        .query("SELECT event_id FROM outbox_audit WHERE event_id NOT LIKE 'tenant%'", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     wait_for("every row the new primary holds delivered", Duration::from_secs(90), || {
         let (p, held) = (publisher.clone(), &held);
         async move {
