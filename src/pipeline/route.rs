@@ -19,7 +19,7 @@ use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
 use crate::pipeline::lane::{run_lane, Finished, Flow, Input, LaneConfig, LaneItem};
 use crate::pipeline::parts::Parts;
-use crate::pipeline::settle::{Due, Outcome, Settlement};
+use crate::pipeline::settle::{seq_param, Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
 use crate::policy::delay::Timing;
@@ -154,9 +154,7 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
     // One transaction's chunk: one commit. Read from the table (no commit
     // position), only the rows in the table can say.
     let commit = events[0].commit_lsn.map_or_else(|| "FFFFFFFF/FFFFFFFF".to_string(), |l| l.to_string());
-    let event_of: HashMap<i64, &str> = events.iter().map(|e| (e.id, e.event_id.as_str())).collect();
-    let seq_of: HashMap<i64, Option<i32>> =
-        events.iter().map(|e| (e.id, e.commit_seq.and_then(|s| i32::try_from(s).ok()))).collect();
+    let event_of: HashMap<i64, &OutboxEvent> = events.iter().map(|e| (e.id, *e)).collect();
     let (mut runs, mut marked, mut unpositioned) = (Vec::new(), HashSet::new(), Vec::new());
     for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
         let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
@@ -173,10 +171,11 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
             }
             (false, None) => runs.push((lo, hi)),
             (true, _) => {
-                if let Some(event_id) = event_of.get(&lo).copied().filter(|e| Some(*e) == r.get::<_, Option<&str>>(3)) {
+                let ev = event_of.get(&lo).copied();
+                if let Some(ev) = ev.filter(|e| Some(e.event_id.as_str()) == r.get::<_, Option<&str>>(3)) {
                     marked.insert(lo);
                     if r.get::<_, bool>(5) {
-                        unpositioned.push((lo, event_id, seq_of.get(&lo).copied().flatten()));
+                        unpositioned.push((lo, ev.event_id.as_str(), seq_param(ev)));
                     }
                 }
             }

@@ -567,7 +567,7 @@ async fn mark_once<C: GenericClient>(
 }
 
 /// An event's place in its transaction as the `commit_seq` column takes it.
-fn seq_param(ev: &OutboxEvent) -> Option<i32> {
+pub(crate) fn seq_param(ev: &OutboxEvent) -> Option<i32> {
     ev.commit_seq.map(|s| i32::try_from(s).unwrap_or(i32::MAX))
 }
 
