@@ -50,13 +50,13 @@ impl Throttled {
 }
 
 /// A stand-in in a child process: this benchmark with `--serve-standin`.
-struct ChildStandin {
+pub(super) struct ChildStandin {
     child: tokio::process::Child,
-    endpoint: String,
+    pub(super) endpoint: String,
 }
 
 impl ChildStandin {
-    async fn spawn(rtt: Duration) -> ChildStandin {
+    pub(super) async fn spawn(rtt: Duration) -> ChildStandin {
         use tokio::io::AsyncBufReadExt;
         let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
             .args(["--serve-standin", &rtt.as_millis().to_string()])
@@ -70,7 +70,7 @@ impl ChildStandin {
         ChildStandin { child, endpoint }
     }
 
-    async fn stop(mut self) {
+    pub(super) async fn stop(mut self) {
         let _ = self.child.kill().await;
     }
 }

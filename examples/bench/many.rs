@@ -3,8 +3,12 @@
 //! load spread over a thousand queues of the SQS stand-in at a 15 ms round
 //! trip. Commit → SQS's answer per message (HDR), after the first seconds
 //! (the lookups) and for them; the relay's peak RSS and CPU; its RSS once
-//! the load stopped and again once its idle lanes closed.
+//! the load stopped and again once its idle lanes closed. Beside it, the
+//! same writer with a raw aws-sdk client sending each row as it commits,
+//! to a stand-in in a child process: what the SDK alone costs at that load
+//! on this machine.
 
+use super::hot_queue::ChildStandin;
 use super::*;
 use std::collections::HashMap;
 use testkit::process::current_rss;
@@ -36,6 +40,15 @@ pub(super) struct Many {
     relay_rss_lanes_closed_mb: f64,
     relay_cpu_s_per_100k: f64,
     machine_busy_pct: f64,
+    /// The raw client at the same load: rows/s its writer reached (the
+    /// writer shares the process: below the load when the client falls
+    /// behind), commit → answer after the warm-up.
+    raw_rows_per_s_achieved: f64,
+    raw_p50_ms: f64,
+    raw_p99_ms: f64,
+    /// Its CPU (the benchmark's own, the stand-in being a child).
+    raw_cpu_s_per_100k: f64,
+    raw_machine_busy_pct: f64,
 }
 
 const WARMUP: Duration = Duration::from_secs(3);
@@ -73,6 +86,7 @@ pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) ->
     let warm_until = commits.iter().filter(|(_, us)| **us - first(&commits) < WARMUP.as_micros() as i64).count() as i32;
     let (steady, warm) = histograms(&standin, destinations, &commits, warm_until, rtt);
     let ms = |h: &Histogram<u64>, q: f64| (h.value_at_quantile(q) as f64 / 100.0).round() / 10.0;
+    let raw = raw_many(&load, each * destinations as u64, secs).await;
     Many {
         destinations,
         rows_per_s_each: each,
@@ -90,9 +104,64 @@ pub(super) async fn many(a: &Args, destinations: usize, each: u64, secs: u64) ->
         lanes_open_loaded,
         relay_rss_loaded_mb: mb(rss_loaded),
         relay_rss_lanes_closed_mb: mb(rss_closed),
-        relay_cpu_s_per_100k: (cpu * 100_000.0 / rows.max(1) as f64 * 100.0).round() / 100.0,
+        relay_cpu_s_per_100k: per_100k(cpu, rows),
         machine_busy_pct: busy,
+        raw_rows_per_s_achieved: raw.achieved.round(),
+        raw_p50_ms: ms(&raw.latency, 0.5),
+        raw_p99_ms: ms(&raw.latency, 0.99),
+        raw_cpu_s_per_100k: per_100k(raw.cpu, raw.rows),
+        raw_machine_busy_pct: raw.busy,
     }
+}
+
+fn per_100k(cpu: f64, rows: u64) -> f64 {
+    (cpu * 100_000.0 / rows.max(1) as f64 * 100.0).round() / 100.0
+}
+
+struct RawMany {
+    /// Commit → answer of the rows committed after the warm-up.
+    latency: Histogram<u64>,
+    rows: u64,
+    achieved: f64,
+    cpu: f64,
+    busy: f64,
+}
+
+/// The same writer and load as the relay's run, each row sent by a raw
+/// aws-sdk client as its transaction commits, in a call of its own (a
+/// transaction's rows go to distinct destinations, each of which has a row
+/// every 1/`each` s: nothing to batch within the latency target), to a
+/// stand-in at the same round trip in a child process.
+async fn raw_many(load: &Args, rate: u64, secs: u64) -> RawMany {
+    let standin = ChildStandin::spawn(RTT).await;
+    let sqs = SqsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
+    let db = TestDb::new("bench_many_raw").await;
+    let urls: Vec<String> = (0..load.destinations).map(|d| format!("{}/000000000000/d{d}", standin.endpoint)).collect();
+    let latency = Arc::new(Mutex::new(latency_histogram()));
+    let per_tick = (rate / 100).max(1) as i32;
+    let warm_ticks = (WARMUP.as_millis() / 10) as i32;
+    let mut sends = tokio::task::JoinSet::new();
+    let phase = Phase::start();
+    let (rows, achieved) = write_steadily(load, &db, rate, WARMUP.as_secs() + secs, |k, committed_us| {
+        for i in 1..=per_tick {
+            let url = &urls[(k + i) as usize % urls.len()];
+            let body = format!("{:x<size$}", format!("l{k}:{i}:"), size = load.row_size);
+            let (req, latency) = (raw_batch(&sqs, url, std::iter::once(body)), Arc::clone(&latency));
+            sends.spawn(async move {
+                req.send().await.expect("the stand-in takes every call");
+                if k >= warm_ticks {
+                    latency.lock().unwrap().saturating_record((now_us() - committed_us).max(1) as u64);
+                }
+            });
+        }
+        while sends.try_join_next().is_some() {}
+    })
+    .await;
+    while sends.join_next().await.is_some() {}
+    let (cpu, busy) = phase.end();
+    standin.stop().await;
+    let latency = Arc::try_unwrap(latency).map(|m| m.into_inner().unwrap()).unwrap_or_else(|_| latency_histogram());
+    RawMany { latency, rows, achieved, cpu, busy }
 }
 
 fn mb(bytes: u64) -> f64 {
@@ -140,11 +209,11 @@ fn histograms(
 }
 
 pub(super) fn print_many(rows: &[Many]) {
-    println!("\n| destinations (template, looked up on first use) | rows/s | p50 / p99 / p99.9 ms | max ms | warm-up p99 ms | calls/msg | relay peak RSS | RSS loaded (lanes) / lanes closed | relay CPU s/100k | machine busy |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("\n| destinations (template, looked up on first use) | rows/s | p50 / p99 / p99.9 ms | max ms | warm-up p99 ms | calls/msg | relay peak RSS | RSS loaded (lanes) / lanes closed | relay CPU s/100k | machine busy | raw client at the same load: rows/s, p50 / p99 ms, CPU s/100k, machine busy |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for m in rows {
         println!(
-            "| {} × {}/s, {} ms round trip | {:.0} | {} / {} / {} | {} | {} | {} | {} MB | {} MB ({}) / {} MB | {} | {:.0}% |",
+            "| {} × {}/s, {} ms round trip | {:.0} | {} / {} / {} | {} | {} | {} | {} MB | {} MB ({}) / {} MB | {} | {:.0}% | {:.0}, {} / {}, {}, {:.0}% |",
             m.destinations,
             m.rows_per_s_each,
             m.rtt_ms,
@@ -160,7 +229,12 @@ pub(super) fn print_many(rows: &[Many]) {
             m.lanes_open_loaded,
             m.relay_rss_lanes_closed_mb,
             m.relay_cpu_s_per_100k,
-            m.machine_busy_pct
+            m.machine_busy_pct,
+            m.raw_rows_per_s_achieved,
+            m.raw_p50_ms,
+            m.raw_p99_ms,
+            m.raw_cpu_s_per_100k,
+            m.raw_machine_busy_pct
         );
     }
 }
