@@ -75,9 +75,15 @@ pub struct Mapping {
     /// A timestamptz column: when the message may be delivered
     /// (`DelaySeconds`, or held in the relay's table until due).
     pub deliver_at: Option<String>,
-    /// A column holding the producer's W3C `traceparent`: sent as the
-    /// `traceparent` attribute and as `AWSTraceHeader`.
+    /// A column holding the producer's W3C `traceparent` (or Debezium's
+    /// span context): sent as the `traceparent` attribute and as
+    /// `AWSTraceHeader` ([`crate::publish::entry::trace_context`]).
     pub traceparent: Option<String>,
+    /// Read as `traceparent` when the table has this column and
+    /// `traceparent` is not set: the Debezium preset's `tracingspancontext`,
+    /// which its Quarkus extension adds only when tracing is on. Settled at
+    /// start-up ([`Mapping::settle_columns`]).
+    pub traceparent_if_present: Option<String>,
     /// A timestamptz (or timestamp) column, NULL until the row is published:
     /// the relay sets it, sends only rows with it NULL, and claims those
     /// from the table as well as from the stream.
@@ -121,6 +127,7 @@ impl Mapping {
             attribute_columns: vec![],
             deliver_at: None,
             traceparent: None,
+            traceparent_if_present: None,
             published: None,
             id_type: None,
         }
@@ -132,12 +139,22 @@ impl Mapping {
             Preset::Debezium => Mapping {
                 group_key: Some("aggregateid".into()),
                 attribute_columns: vec!["type".into()],
+                traceparent_if_present: Some("tracingspancontext".into()),
                 ..Mapping::of(schema, table, "id", "aggregatetype", "payload")
             },
             Preset::TopicPayload => Mapping {
                 published: Some("published_at".into()),
                 ..Mapping::of(schema, table, "id", "topic", "payload")
             },
+        }
+    }
+
+    /// What start-up read of the table: the key's type, and whether the
+    /// optional trace-context column is there.
+    pub fn settle_columns(&mut self, id_type: String, has: impl Fn(&str) -> bool) {
+        self.id_type = Some(id_type);
+        if self.traceparent.is_none() {
+            self.traceparent = self.traceparent_if_present.take().filter(|c| has(c));
         }
     }
 
@@ -285,7 +302,7 @@ impl Mapping {
             string_attribute(c, c)?;
         }
         if let Some(c) = &self.traceparent {
-            string_attribute(crate::publish::entry::TRACEPARENT, c)?;
+            trace_attributes(&mut out, col(c)?, &old);
         }
         if bytea_body {
             out.insert(BODY_ENCODING_ATTRIBUTE.into(), serde_json::Value::String("base64".into()));
@@ -295,6 +312,35 @@ impl Mapping {
 
     fn error(&self, what: String) -> MappingError {
         MappingError { table: format!("{}.{}", self.schema, self.table), what }
+    }
+}
+
+type Attributes = serde_json::Map<String, serde_json::Value>;
+
+/// The trace-context column's value as the `traceparent` attribute, with a
+/// `tracestate` when Debezium's span context holds one and the row's own
+/// attributes do not ([`trace_context`]); an unchanged value keeps both as
+/// inserted, a blank one gives neither.
+fn trace_attributes(out: &mut Attributes, value: Value<'_>, old: &Attributes) {
+    use crate::publish::entry::{trace_context, TRACEPARENT, TRACESTATE};
+    match value {
+        Value::Null => {}
+        Value::Unchanged => {
+            for name in [TRACEPARENT, TRACESTATE] {
+                if let Some(v) = old.get(name) {
+                    out.insert(name.into(), v.clone());
+                }
+            }
+        }
+        // Blank: no trace (SQS takes no empty attribute).
+        Value::Text(t) if t.trim().is_empty() => {}
+        Value::Text(t) => {
+            let (traceparent, state) = trace_context(&t);
+            out.insert(TRACEPARENT.into(), traceparent.into());
+            if let Some(state) = state {
+                out.entry(TRACESTATE).or_insert(state.into());
+            }
+        }
     }
 }
 
@@ -395,6 +441,34 @@ mod tests {
         assert!(ev.attributes.unwrap().contains(tp));
         let ev = m.event(row(&[("id", Some("1"))]), |_| false, None, 0, None).unwrap();
         assert_eq!((ev.deliver_at, ev.attributes), (DeliverAt::Unset, None));
+    }
+
+    /// Debezium's table reads `tracingspancontext` when it has the column
+    /// (its Quarkus extension adds it with tracing on), and its Java
+    /// properties text gives the traceparent and tracestate.
+    #[test]
+    fn debeziums_span_context_column_when_the_table_has_it() {
+        let mut with = Mapping::preset(Preset::Debezium, "s", "t");
+        with.settle_columns("uuid".into(), |c| c == "tracingspancontext");
+        assert_eq!(with.traceparent.as_deref(), Some("tracingspancontext"));
+        assert!(with.columns().contains(&"tracingspancontext"));
+        let mut without = Mapping::preset(Preset::Debezium, "s", "t");
+        without.settle_columns("uuid".into(), |_| false);
+        assert_eq!((without.traceparent, without.id_type.as_deref()), (None, Some("uuid")));
+        let mut named = Mapping { traceparent: Some("tp".into()), ..Mapping::preset(Preset::Debezium, "s", "t") };
+        named.settle_columns("uuid".into(), |_| true);
+        assert_eq!(named.traceparent.as_deref(), Some("tp"), "a named column wins");
+
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let context = format!("#Sun Dec 06 22:00:00 UTC 2026\ntraceparent={tp}\ntracestate=rojo\\=00f067aa0ba902b7\n");
+        let cols = [("id", Some("1")), ("tracingspancontext", Some(context.as_str()))];
+        let attrs: serde_json::Value =
+            serde_json::from_str(&with.event(row(&cols), |_| false, None, 0, None).unwrap().attributes.unwrap())
+                .unwrap();
+        assert_eq!(attrs["traceparent"], tp);
+        assert_eq!(attrs["tracestate"], "rojo=00f067aa0ba902b7");
+        let blank = [("id", Some("1")), ("tracingspancontext", Some(" "))];
+        assert_eq!(with.event(row(&blank), |_| false, None, 0, None).unwrap().attributes, None);
     }
 
     #[test]

@@ -68,10 +68,10 @@ pub async fn run(
         tracing::info!("shutdown requested during start-up; stopped");
         return Ok(());
     };
-    let Started { mode, sharded, queues, listener, retention, mapped_id_types, prepare } = started;
+    let Started { mode, sharded, queues, listener, retention, mapped_columns, prepare } = started;
     settings.marking.bound_unpositioned = mode != Mode::Polling;
-    for (m, t) in settings.mapped.iter_mut().zip(mapped_id_types) {
-        m.id_type = Some(t);
+    for (m, (id_type, columns)) in settings.mapped.iter_mut().zip(mapped_columns) {
+        m.settle_columns(id_type, |c| columns.iter().any(|n| n == c));
     }
     let metrics_server = listener.map(|listener| {
         let mut stop = stop_rx.clone();

@@ -26,8 +26,8 @@ pub(crate) struct Started {
     pub(crate) queues: BTreeMap<String, crate::publish::entry::QueueInfo>,
     pub(crate) listener: Option<tokio::net::TcpListener>,
     pub(crate) retention: Option<Duration>,
-    /// Each mapped table's key type, in `settings.mapped`'s order.
-    pub(crate) mapped_id_types: Vec<String>,
+    /// Each mapped table's key type and columns, in `settings.mapped`'s order.
+    pub(crate) mapped_columns: Vec<(String, Vec<String>)>,
     /// How a queue looked up later is prepared, as the configured ones were.
     pub(crate) prepare: Prepare,
 }
@@ -107,7 +107,7 @@ async fn start_up(
     db.within("checking the server", db::server::check_server(&sql, &db.server(), config.failover))
         .await
         .map_err(startup)?;
-    let (mode, sharded, mapped_id_types) = resolve_mode(&sql, config, settings, db).await?;
+    let (mode, sharded, mapped_columns) = resolve_mode(&sql, config, settings, db).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
@@ -150,7 +150,7 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    Ok(Started { mode, sharded, queues, listener, retention, mapped_id_types, prepare })
+    Ok(Started { mode, sharded, queues, listener, retention, mapped_columns, prepare })
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.
@@ -207,7 +207,7 @@ async fn resolve_mode(
     config: &Config,
     settings: &Settings,
     db: &db::Db,
-) -> Result<(Mode, bool, Vec<String>), NotStarted> {
+) -> Result<(Mode, bool, Vec<(String, Vec<String>)>), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
@@ -246,8 +246,8 @@ async fn resolve_mode(
             config.publication
         ))));
     }
-    let id_types = check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
-    Ok((mode, sharded, id_types))
+    let columns = check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
+    Ok((mode, sharded, columns))
 }
 
 /// `auto`: CDC if its checks passed, polling if CDC is not possible here.
@@ -270,14 +270,14 @@ fn auto_mode(cdc: Result<bool, db::DbError>) -> Result<(Mode, bool), db::DbError
 
 /// Mapped tables are read from the slot, and polled only by their published
 /// column: each is checked, and polling is refused for a table without one.
-/// Returns each table's key type.
+/// Returns each table's key type and columns.
 async fn check_mapped_tables(
     sql: &tokio_postgres::Client,
     settings: &Settings,
     mode: Mode,
     sharded: bool,
     db: &db::Db,
-) -> Result<Vec<String>, db::DbError> {
+) -> Result<Vec<(String, Vec<String>)>, db::DbError> {
     let Some(first) = settings.mapped.first() else { return Ok(Vec::new()) };
     if sharded {
         return Err(db::DbError::Check(format!(
@@ -296,10 +296,10 @@ async fn check_mapped_tables(
         )));
     }
     let publication = (mode != Mode::Polling).then_some(settings.slot.publication.as_str());
-    let mut id_types = Vec::with_capacity(settings.mapped.len());
+    let mut found = Vec::with_capacity(settings.mapped.len());
     for m in &settings.mapped {
         let check = crate::source::cdc::mapped::check_mapped(sql, m, publication);
-        id_types.push(db.within("checking a mapped table", check).await?);
+        found.push(db.within("checking a mapped table", check).await?);
     }
-    Ok(id_types)
+    Ok(found)
 }

@@ -920,7 +920,7 @@ mod workload {
             .batch_execute(
                 "CREATE SCHEMA app;
                  CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL,
-                     aggregateid text NOT NULL, type text NOT NULL, payload jsonb);
+                     aggregateid text NOT NULL, type text NOT NULL, payload jsonb, tracingspancontext text);
                  ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
             )
             .await
@@ -1016,8 +1016,12 @@ mod workload {
         let tx = c.transaction().await.ok()?;
         let ids: Vec<String> = tx
             .query(
-                "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
-                 SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e)
+                // A third traced (Debezium's span context), a third with a
+                // context that holds no traceparent, a third without.
+                "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
+                 SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e),
+                        CASE o % 3 WHEN 0 THEN E'#Sun Dec 06 22:00:00 UTC 2026\ntraceparent=00-' || md5(e) || '-00f067aa0ba902b7-01\n'
+                                   WHEN 1 THEN 'uber-trace-id=' || md5(e) ELSE NULL END
                    FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(e, d, o) ORDER BY o
                  RETURNING id::text",
                 &[&tags, &ds],

@@ -111,9 +111,33 @@ async fn debezium_rows_are_published_with_the_producers_sql_unchanged() {
     .await
     .unwrap();
     produce(&c, "b", "orders", 50, 3).await;
+    // Traced (the Quarkus extension with OpenTelemetry on): its span
+    // context, a Java properties text, carries the producer's trace.
+    let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let context = format!("#Sun Dec 06 22:00:00 UTC 2026\ntracestate=rojo\\=00f067aa0ba902b7\ntraceparent={tp}\n");
+    let mut traced = db.client().await;
+    let tx = traced.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
+         VALUES ('00000000-0000-4000-8000-000000000002', 'orders', 'aggT', 'Created', '{\"e\": \"traced\"}', $1)",
+        &[&context],
+    )
+    .await
+    .unwrap();
+    tx.batch_execute("DELETE FROM app.outboxevent").await.unwrap();
+    tx.commit().await.unwrap();
     let after = db.current_lsn().await;
     wait_for("every event settled", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await >= after })
         .await;
+    let t = p.sent(Q).into_iter().find(|s| s.body.contains("traced")).expect("the traced event");
+    assert_eq!(
+        t.trace_header.as_deref(),
+        Some("Root=1-4bf92f35-77b34da6a3ce929d0e0e4736;Parent=00f067aa0ba902b7;Sampled=1")
+    );
+    let attr = |n: &str| t.attributes.iter().find(|a| a.0 == n).map(|a| a.2.clone());
+    assert_eq!(attr("traceparent").as_deref(), Some(tp));
+    assert_eq!(attr("tracestate").as_deref(), Some("rojo=00f067aa0ba902b7"));
+    assert!(p.sent(Q).iter().filter(|s| !s.body.contains("traced")).all(|s| s.trace_header.is_none()));
     in_order_per_group(&arrived(&p, "a"), 300);
     in_order_per_group(&arrived(&p, "b"), 50);
     let first = &p.sent(Q)[0];
@@ -227,6 +251,7 @@ async fn a_custom_mapping_carries_bytea_attributes_delay_and_trace_context() {
         attribute_columns: vec!["tenant".into()],
         deliver_at: Some("due".into()),
         traceparent: Some("trace".into()),
+        traceparent_if_present: None,
         published: None,
         id_type: None,
     }];

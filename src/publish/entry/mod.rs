@@ -20,7 +20,7 @@ pub use attributes::{
 };
 pub use ids::dedup_id;
 use ids::is_sqs_token;
-pub use trace::{xray_trace_header, Traceparent, TRACEPARENT};
+pub use trace::{trace_context, xray_trace_header, Traceparent, TRACEPARENT, TRACESTATE};
 
 /// What SQS needs to know about a queue to batch for it.
 #[derive(Debug, Clone)]

@@ -2,6 +2,8 @@
 
 /// The W3C trace-context attribute a producer sets to join its trace.
 pub const TRACEPARENT: &str = "traceparent";
+/// Its vendors' part, carried beside it when a producer gives one.
+pub const TRACESTATE: &str = "tracestate";
 
 /// A W3C `traceparent` (`00-<32 hex trace id>-<16 hex parent id>-<2 hex
 /// flags>`) as an X-Ray trace header (`Root=1-<8 hex>-<24 hex>;Parent=<16
@@ -35,5 +37,56 @@ impl<'a> Traceparent<'a> {
             return None;
         }
         Some(Traceparent { trace, parent, flags: u8::from_str_radix(flags, 16).ok()? })
+    }
+}
+
+/// A trace-context column's value as (`traceparent`, `tracestate`): a W3C
+/// `traceparent` as it is, or Debezium's span context (its outbox
+/// extension's `tracingspancontext`: a Java properties text whose
+/// `traceparent` and `tracestate` keys hold the W3C values). A value that
+/// is neither goes as it is, as any invalid traceparent does.
+pub fn trace_context(value: &str) -> (String, Option<String>) {
+    if Traceparent::parse(value).is_some() {
+        return (value.to_string(), None);
+    }
+    // Trace context is ASCII (W3C), which Java's properties encoding keeps as it is.
+    match java_properties::read(value.as_bytes()) {
+        Ok(mut p) => match p.remove(TRACEPARENT) {
+            Some(tp) => (tp, p.remove(TRACESTATE).filter(|s| !s.is_empty())),
+            None => (value.to_string(), None),
+        },
+        Err(_) => (value.to_string(), None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn a_traceparent_goes_as_it_is() {
+        assert_eq!(trace_context(TP), (TP.to_string(), None));
+    }
+
+    /// What Debezium's Quarkus outbox extension stores (`Properties.store`):
+    /// a date comment, then the keys, `=` and `:` in values escaped.
+    #[test]
+    fn debeziums_span_context_gives_its_traceparent_and_tracestate() {
+        let stored = format!(
+            "#Sun Dec 06 22:00:00 UTC 2026\ntracestate=congo\\=t61rcWkgMzE,rojo\\=00f067aa0ba902b7\ntraceparent={TP}\n"
+        );
+        assert_eq!(trace_context(&stored), (TP.to_string(), Some("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7".into())));
+        let crlf = format!("#comment\r\ntraceparent = {TP}\r\n");
+        assert_eq!(trace_context(&crlf), (TP.to_string(), None));
+        assert_eq!(xray_trace_header(&trace_context(&crlf).0).as_deref(), xray_trace_header(TP).as_deref());
+    }
+
+    #[test]
+    fn anything_else_goes_as_it_is() {
+        for v in ["uber-trace-id=abc:def:0:1", "#only a comment\n", "not a trace", ""] {
+            assert_eq!(trace_context(v), (v.to_string(), None), "{v:?}");
+        }
     }
 }

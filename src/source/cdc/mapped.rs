@@ -13,8 +13,12 @@ const BODY_TYPES: &[&str] = &["text", "character varying", "character", "json", 
 /// columns have types that carry them, producers' UPDATE and DELETE keep
 /// working once it is published (a replica identity), and `publication`
 /// carries it (`None`: polling, no publication). Returns the key column's
-/// type.
-pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<String, DbError> {
+/// type and the table's columns ([`Mapping::settle_columns`]).
+pub async fn check_mapped(
+    client: &Client,
+    m: &Mapping,
+    publication: Option<&str>,
+) -> Result<(String, Vec<String>), DbError> {
     let name = format!("{}.{}", m.schema, m.table);
     let refuse = |what: String| Err(DbError::Check(format!("mapped table {name}: {what}")));
     let Some(table) = client
@@ -58,8 +62,8 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str
             return refuse(format!("published column {p:?} is {}; it must be timestamptz or timestamp", type_of(p)));
         }
     }
-    let id_type = type_of(&m.id).to_string();
-    let Some(publication) = publication else { return Ok(id_type) };
+    let found = (type_of(&m.id).to_string(), types.iter().map(|(n, _)| n.clone()).collect());
+    let Some(publication) = publication else { return Ok(found) };
     check_identity(client, oid, &identity, &name).await?;
     let published = client
         .query_opt(
@@ -73,7 +77,7 @@ pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str
             m.qualified()
         ));
     }
-    Ok(id_type)
+    Ok(found)
 }
 
 /// A published table without a replica identity refuses its producers'
