@@ -946,53 +946,92 @@ async fn write_steadily(a: &Args, db: &TestDb, rate: u64, secs: u64, mut after: 
     (rows, rows as f64 / t.elapsed().as_secs_f64())
 }
 
-/// The floor under the relay's latency on this machine: the same writer,
-/// and the same messages sent to ministack by the bench itself as each
-/// transaction commits (batches of 10 per destination, at most 8 in flight
-/// per destination, as the relay's lanes), from the commit to SQS's answer.
-/// What is left between it and the relay is the relay (its reading of the
-/// slot, batching and settling), not ministack or the machine's two cores.
-async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Latency {
-    let db = TestDb::new("bench_lat_raw").await;
-    let queues = create_queues(sqs, a.destinations).await;
-    let hist = Arc::new(Mutex::new(latency_histogram()));
-    let calls = Arc::new(AtomicU64::new(0));
-    let lanes: Vec<Arc<tokio::sync::Semaphore>> =
-        (0..a.destinations).map(|_| Arc::new(tokio::sync::Semaphore::new(8))).collect();
-    let mut sends = tokio::task::JoinSet::new();
-    let per_tick = (rate / 100).max(1) as i32;
-    let phase = Phase::start();
-    let (rows, achieved) = write_steadily(a, &db, rate, secs, |k, committed_us| {
-        for (d, (_, url)) in queues.iter().enumerate() {
-            let bodies: Vec<String> = (1..=per_tick)
-                .filter(|i| (k + i) as usize % a.destinations == d)
-                .map(|i| format!("{:x<size$}", format!("l{k}:{i}:"), size = a.row_size))
-                .collect();
+/// A raw client sending a tick's rows as their transaction commits, as the
+/// relay's lanes would: per destination (row `i` of tick `k` to
+/// `urls[(k + i) % urls.len()]`), batches of 10, at most 8 calls in flight;
+/// commit → answer of the rows of ticks from `record_from` on.
+struct RawSender {
+    sqs: SqsPublisher,
+    urls: Vec<String>,
+    lanes: Vec<Arc<tokio::sync::Semaphore>>,
+    hist: Arc<Mutex<Histogram<u64>>>,
+    calls: Arc<AtomicU64>,
+    sends: tokio::task::JoinSet<()>,
+    per_tick: i32,
+    row_size: usize,
+    record_from: i32,
+}
+
+impl RawSender {
+    fn new(sqs: &SqsPublisher, urls: Vec<String>, rate: u64, row_size: usize, record_from: i32) -> RawSender {
+        RawSender {
+            sqs: sqs.clone(),
+            lanes: urls.iter().map(|_| Arc::new(tokio::sync::Semaphore::new(8))).collect(),
+            urls,
+            hist: Arc::new(Mutex::new(latency_histogram())),
+            calls: Arc::new(AtomicU64::new(0)),
+            sends: tokio::task::JoinSet::new(),
+            per_tick: (rate / 100).max(1) as i32,
+            row_size,
+            record_from,
+        }
+    }
+
+    /// Send tick `k`'s rows, committed at `committed_us`.
+    fn tick(&mut self, k: i32, committed_us: i64) {
+        let mut by_destination: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        for i in 1..=self.per_tick {
+            let body = format!("{:x<size$}", format!("l{k}:{i}:"), size = self.row_size);
+            by_destination.entry((k + i) as usize % self.urls.len()).or_default().push(body);
+        }
+        let record = k >= self.record_from;
+        for (d, bodies) in by_destination {
             for chunk in bodies.chunks(10) {
-                let req = raw_batch(sqs, url, chunk.iter().cloned());
+                let req = raw_batch(&self.sqs, &self.urls[d], chunk.iter().cloned());
                 let (lane, hist, calls, n) =
-                    (Arc::clone(&lanes[d]), Arc::clone(&hist), Arc::clone(&calls), chunk.len());
-                sends.spawn(async move {
+                    (Arc::clone(&self.lanes[d]), Arc::clone(&self.hist), Arc::clone(&self.calls), chunk.len());
+                self.sends.spawn(async move {
                     let _slot = lane.acquire_owned().await.unwrap();
                     calls.fetch_add(1, Ordering::Relaxed);
                     let out = req.send().await.unwrap();
-                    assert_eq!(out.successful.len(), n, "ministack refused entries: {:?}", out.failed);
-                    let lat = (now_us() - committed_us).max(1) as u64;
-                    let mut h = hist.lock().unwrap();
-                    for _ in 0..n {
-                        h.saturating_record(lat);
+                    assert_eq!(out.successful.len(), n, "entries refused: {:?}", out.failed);
+                    if record {
+                        let lat = (now_us() - committed_us).max(1) as u64;
+                        let mut h = hist.lock().unwrap();
+                        for _ in 0..n {
+                            h.saturating_record(lat);
+                        }
                     }
                 });
             }
         }
-        while sends.try_join_next().is_some() {}
-    })
-    .await;
-    while sends.join_next().await.is_some() {}
+        while self.sends.try_join_next().is_some() {}
+    }
+
+    /// Once every call is answered: the latencies and the calls made.
+    async fn finish(mut self) -> (Histogram<u64>, u64) {
+        while self.sends.join_next().await.is_some() {}
+        let h = self.hist.lock().unwrap().clone();
+        (h, self.calls.load(Ordering::Relaxed))
+    }
+}
+
+/// The floor under the relay's latency on this machine: the same writer,
+/// and the same messages sent to ministack by the bench itself as each
+/// transaction commits ([`RawSender`], as the relay's lanes), from the
+/// commit to SQS's answer. What is left between it and the relay is the
+/// relay (its reading of the slot, batching and settling), not ministack
+/// or the machine's two cores.
+async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Latency {
+    let db = TestDb::new("bench_lat_raw").await;
+    let queues = create_queues(sqs, a.destinations).await;
+    let mut raw = RawSender::new(sqs, queues.iter().map(|(_, url)| url.clone()).collect(), rate, a.row_size, 0);
+    let phase = Phase::start();
+    let (rows, achieved) = write_steadily(a, &db, rate, secs, |k, committed_us| raw.tick(k, committed_us)).await;
+    let (h, calls) = raw.finish().await;
     let (_, busy) = phase.end();
     delete_queues(sqs, &queues).await;
-    let h = hist.lock().unwrap();
-    latency_of("raw SQS client (floor)".into(), rate, achieved, &h, calls.load(Ordering::Relaxed), rows, busy)
+    latency_of("raw SQS client (floor)".into(), rate, achieved, &h, calls, rows, busy)
 }
 
 async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64, adaptive: bool) -> Latency {

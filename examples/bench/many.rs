@@ -128,39 +128,22 @@ struct RawMany {
 }
 
 /// The same writer and load as the relay's run, each row sent by a raw
-/// aws-sdk client as its transaction commits, in a call of its own (a
+/// aws-sdk client as its transaction commits ([`RawSender`]: a
 /// transaction's rows go to distinct destinations, each of which has a row
-/// every 1/`each` s: nothing to batch within the latency target), to a
-/// stand-in at the same round trip in a child process.
+/// every 1/`each` s, so each goes in a call of its own), to a stand-in at
+/// the same round trip in a child process.
 async fn raw_many(load: &Args, rate: u64, secs: u64) -> RawMany {
     let standin = ChildStandin::spawn(RTT).await;
     let sqs = SqsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
     let db = TestDb::new("bench_many_raw").await;
-    let urls: Vec<String> = (0..load.destinations).map(|d| format!("{}/000000000000/d{d}", standin.endpoint)).collect();
-    let latency = Arc::new(Mutex::new(latency_histogram()));
-    let per_tick = (rate / 100).max(1) as i32;
-    let warm_ticks = (WARMUP.as_millis() / 10) as i32;
-    let mut sends = tokio::task::JoinSet::new();
+    let urls = (0..load.destinations).map(|d| format!("{}/000000000000/d{d}", standin.endpoint)).collect();
+    let mut raw = RawSender::new(&sqs, urls, rate, load.row_size, (WARMUP.as_millis() / 10) as i32);
     let phase = Phase::start();
-    let (rows, achieved) = write_steadily(load, &db, rate, WARMUP.as_secs() + secs, |k, committed_us| {
-        for i in 1..=per_tick {
-            let url = &urls[(k + i) as usize % urls.len()];
-            let body = format!("{:x<size$}", format!("l{k}:{i}:"), size = load.row_size);
-            let (req, latency) = (raw_batch(&sqs, url, std::iter::once(body)), Arc::clone(&latency));
-            sends.spawn(async move {
-                req.send().await.expect("the stand-in takes every call");
-                if k >= warm_ticks {
-                    latency.lock().unwrap().saturating_record((now_us() - committed_us).max(1) as u64);
-                }
-            });
-        }
-        while sends.try_join_next().is_some() {}
-    })
-    .await;
-    while sends.join_next().await.is_some() {}
+    let (rows, achieved) =
+        write_steadily(load, &db, rate, WARMUP.as_secs() + secs, |k, committed_us| raw.tick(k, committed_us)).await;
+    let (latency, _) = raw.finish().await;
     let (cpu, busy) = phase.end();
     standin.stop().await;
-    let latency = Arc::try_unwrap(latency).map(|m| m.into_inner().unwrap()).unwrap_or_else(|_| latency_histogram());
     RawMany { latency, rows, achieved, cpu, busy }
 }
 
