@@ -43,6 +43,11 @@ pub struct MappedRow {
     /// The key column's value, as text.
     pub key: String,
     pub published: Option<std::sync::Arc<PublishedColumn>>,
+    /// The row could not become an event (no key, a column the mapping
+    /// needs is gone, a value that is not text): why, naming the table, the
+    /// column and the fix. It is DEAD in the relay's table with this
+    /// reason, and nothing stops on it.
+    pub unreadable: Option<String>,
 }
 
 /// A mapped table whose rows say whether they were published (the
@@ -51,8 +56,12 @@ pub struct MappedRow {
 /// it set is not sent again.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PublishedColumn {
-    /// `"schema"."table"`.
+    /// `"schema"."table"` as configured (for the log; the SQL names the
+    /// table by [`Self::table_now`]).
     pub table: String,
+    /// The table's oid, read at start-up: its name of the day is looked up
+    /// by it, so a renamed or moved table's rows are still marked.
+    pub oid: Option<u32>,
     /// The key column, quoted.
     pub id: String,
     /// The key column's type (`format_type`), read at start-up; `None`:
@@ -63,6 +72,54 @@ pub struct PublishedColumn {
 }
 
 impl PublishedColumn {
+    /// The table's name now, quoted for SQL, by its oid (renamed, moved to
+    /// another schema), if the relay's statements on it can run: the table
+    /// and its published column are there, and the role may read the key
+    /// and set the column.
+    pub async fn table_now<C: tokio_postgres::GenericClient>(
+        &self,
+        client: &C,
+    ) -> Result<TableNow, tokio_postgres::Error> {
+        let Some(oid) = self.oid else { return Ok(TableNow::Ready(self.table.clone())) };
+        let (id, column) = (unquote(&self.id), unquote(&self.column));
+        // The privileges are asked only of columns that are there (asked of
+        // a column that is not, the function raises).
+        let Some(row) = client
+            .query_opt(
+                "SELECT format('%I.%I', n.nspname, c.relname), has_schema_privilege(n.oid, 'USAGE'), p.there,
+                        CASE WHEN p.there THEN has_column_privilege(c.oid, $2::text, 'SELECT') END,
+                        CASE WHEN p.there THEN has_column_privilege(c.oid, $3::text, 'SELECT') END,
+                        CASE WHEN p.there THEN has_column_privilege(c.oid, $3::text, 'UPDATE') END, current_user::text
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                  CROSS JOIN LATERAL (SELECT count(*) = 2 AS there FROM pg_attribute a
+                          WHERE a.attrelid = c.oid AND a.attname IN ($2, $3) AND NOT a.attisdropped) p
+                  WHERE c.oid = $1",
+                &[&oid, &id, &column],
+            )
+            .await?
+        else {
+            return Ok(TableNow::Gone);
+        };
+        let (name, usage, there, role): (String, bool, bool, String) = (row.get(0), row.get(1), row.get(2), row.get(6));
+        if !there {
+            return Ok(TableNow::Refused(format!(
+                "{name} has no column {id:?} or {column:?} any more: restore it, or fix the mapping in [[outbox]]"
+            )));
+        }
+        let granted = |i: usize| row.get::<_, Option<bool>>(i).unwrap_or(false);
+        let missing = match (usage, granted(3), granted(4), granted(5)) {
+            (false, ..) => Some(format!("USAGE ON SCHEMA {}", name.split('.').next().unwrap_or_default())),
+            (_, false, ..) => Some(format!("SELECT ({}) ON {name}", self.id)),
+            (_, _, false, _) => Some(format!("SELECT ({}) ON {name}", self.column)),
+            (_, _, _, false) => Some(format!("UPDATE ({}) ON {name}", self.column)),
+            _ => None,
+        };
+        Ok(match missing {
+            Some(grant) => TableNow::Refused(format!("role {role:?} lacks it: GRANT {grant} TO {role}")),
+            None => TableNow::Ready(name),
+        })
+    }
+
     /// The rows whose key is among `$1` (text[]), by the key's index.
     pub fn keys_in(&self) -> String {
         match &self.id_type {
@@ -71,11 +128,11 @@ impl PublishedColumn {
         }
     }
 
-    /// Sets the column on the rows whose key is among `$1` and that have it
-    /// NULL; returns their keys.
-    pub fn mark_sql(&self) -> String {
-        let (t, c, id) = (&self.table, &self.column, &self.id);
-        format!("UPDATE {t} SET {c} = now() WHERE {} AND {c} IS NULL RETURNING {id}::text", self.keys_in())
+    /// Sets the column on the rows of `table` ([`Self::table_now`]) whose
+    /// key is among `$1` and that have it NULL; returns their keys.
+    pub fn mark_sql(&self, table: &str) -> String {
+        let (c, id) = (&self.column, &self.id);
+        format!("UPDATE {table} SET {c} = now() WHERE {} AND {c} IS NULL RETURNING {id}::text", self.keys_in())
     }
 
     /// `row`'s key (`row` an alias of the table) equals the text `key`.
@@ -86,11 +143,28 @@ impl PublishedColumn {
         }
     }
 
-    /// Of the keys in `$1`, those whose row has the column set.
-    pub fn published_sql(&self) -> String {
-        let (t, c, id) = (&self.table, &self.column, &self.id);
-        format!("SELECT {id}::text FROM {t} WHERE {} AND {c} IS NOT NULL", self.keys_in())
+    /// Of the keys in `$1`, those whose row of `table` has the column set.
+    pub fn published_sql(&self, table: &str) -> String {
+        let (c, id) = (&self.column, &self.id);
+        format!("SELECT {id}::text FROM {table} WHERE {} AND {c} IS NOT NULL", self.keys_in())
     }
+}
+
+/// A mapped table's published column as the relay finds it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableNow {
+    /// Its name of the day, quoted for SQL: the statements can run.
+    Ready(String),
+    /// Dropped.
+    Gone,
+    /// There, but a column is gone or the role lacks a privilege: why,
+    /// with the fix.
+    Refused(String),
+}
+
+/// An identifier [`crate::mapping::quote_ident`] quoted, as it is.
+fn unquote(quoted: &str) -> String {
+    quoted.strip_prefix('"').and_then(|q| q.strip_suffix('"')).unwrap_or(quoted).replace("\"\"", "\"")
 }
 
 /// A row's `deliver_at`, as read.

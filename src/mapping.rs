@@ -91,6 +91,10 @@ pub struct Mapping {
     /// The key column's type, as the database names it: read at start-up
     /// (so marking and the replay filter use the key's index).
     pub id_type: Option<String>,
+    /// The table's oid, read at start-up: the stream names a relation by
+    /// it, so the table is followed through a rename or a move to another
+    /// schema, and its published column is set under its name of the day.
+    pub oid: Option<u32>,
 }
 
 /// A column's value in a row as the source reads it.
@@ -130,6 +134,7 @@ impl Mapping {
             traceparent_if_present: None,
             published: None,
             id_type: None,
+            oid: None,
         }
     }
 
@@ -149,9 +154,10 @@ impl Mapping {
         }
     }
 
-    /// What start-up read of the table: the key's type, and whether the
-    /// optional trace-context column is there.
-    pub fn settle_columns(&mut self, id_type: String, has: impl Fn(&str) -> bool) {
+    /// What start-up read of the table: its oid, the key's type, and
+    /// whether the optional trace-context column is there.
+    pub fn settle_columns(&mut self, oid: u32, id_type: String, has: impl Fn(&str) -> bool) {
+        self.oid = Some(oid);
         self.id_type = Some(id_type);
         if self.traceparent.is_none() {
             self.traceparent = self.traceparent_if_present.take().filter(|c| has(c));
@@ -163,6 +169,7 @@ impl Mapping {
         let column = self.published.as_deref()?;
         Some(Arc::new(PublishedColumn {
             table: self.qualified(),
+            oid: self.oid,
             id: quote_ident(&self.id),
             id_type: self.id_type.clone(),
             column: quote_ident(column),
@@ -172,6 +179,13 @@ impl Mapping {
     /// `schema.table`, quoted for SQL.
     pub fn qualified(&self) -> String {
         format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.table))
+    }
+
+    /// Whether a row cannot become an event without `column`: the key, the
+    /// event id, the destination and the body. Any other column the table
+    /// no longer has is read as NULL.
+    pub fn requires(&self, column: &str) -> bool {
+        [&self.id, &self.event_id, &self.destination, &self.body].iter().any(|c| *c == column)
     }
 
     /// Every column the mapping reads, each once.
@@ -209,8 +223,16 @@ impl Mapping {
                 Value::Unchanged => old.map(str::to_owned),
             })
         };
-        let id =
-            text(&self.id, None)?.ok_or_else(|| self.error(format!("a row without its key column {:?}", self.id)))?;
+        let id = text(&self.id, None)?.ok_or_else(|| {
+            self.error(format!(
+                "a row without its key column {:?} (NULL), which is its event id: make the key NOT NULL \
+                 (ALTER TABLE {} ALTER COLUMN {} SET NOT NULL); this row is sent by `outbox-relay dead redrive` \
+                 under the event id it has in the relay's table",
+                self.id,
+                self.qualified(),
+                quote_ident(&self.id)
+            ))
+        })?;
         let key = id.clone();
         let prefixed = |key: &str| format!("{}.{}:{key}", self.schema, self.table);
         let event_id = match col(&self.event_id)? {
@@ -258,8 +280,49 @@ impl Mapping {
             // there only when it cannot go out now.
             transient: true,
             deliver_at,
-            mapped: Some(MappedRow { key, published: published.cloned() }),
+            mapped: Some(MappedRow { key, published: published.cloned(), unreadable: None }),
         })
+    }
+
+    /// The event of a row [`Self::event`] refused with `error`: DEAD when
+    /// routed, with that reason, carrying what could be read of it (its
+    /// destination and body, for `dead list` and a redrive once mended).
+    /// `fallback`: its key when it has none (unique to the row: its
+    /// transaction's commit position and its place in it). A row without a
+    /// key has no published column to set.
+    pub fn unreadable<'r>(
+        &self,
+        col: impl Fn(&str) -> Result<Value<'r>, MappingError>,
+        error: &MappingError,
+        fallback: &str,
+        commit_time_us: i64,
+        published: Option<&Arc<PublishedColumn>>,
+    ) -> OutboxEvent {
+        let text = |c: &str| match col(c) {
+            Ok(Value::Text(t)) => Some(t.into_owned()),
+            _ => None,
+        };
+        let key = text(&self.id);
+        let event_key = text(&self.event_id).or_else(|| key.clone()).unwrap_or_else(|| fallback.to_string());
+        OutboxEvent {
+            id: 0,
+            event_id: format!("{}.{}:{event_key}", self.schema, self.table),
+            destination: text(&self.destination).unwrap_or_default(),
+            body: text(&self.body).unwrap_or_default(),
+            group_key: self.group_key.as_deref().and_then(text),
+            attributes: None,
+            commit_time_us,
+            xid: None,
+            commit_lsn: None,
+            commit_seq: None,
+            transient: true,
+            deliver_at: DeliverAt::Unset,
+            mapped: Some(MappedRow {
+                published: key.is_some().then(|| published.cloned()).flatten(),
+                key: key.unwrap_or_else(|| fallback.to_string()),
+                unreadable: Some(error.to_string()),
+            }),
+        }
     }
 
     /// The attributes' JSON: the attributes column's object, the attribute
@@ -449,14 +512,14 @@ mod tests {
     #[test]
     fn debeziums_span_context_column_when_the_table_has_it() {
         let mut with = Mapping::preset(Preset::Debezium, "s", "t");
-        with.settle_columns("uuid".into(), |c| c == "tracingspancontext");
+        with.settle_columns(1, "uuid".into(), |c| c == "tracingspancontext");
         assert_eq!(with.traceparent.as_deref(), Some("tracingspancontext"));
         assert!(with.columns().contains(&"tracingspancontext"));
         let mut without = Mapping::preset(Preset::Debezium, "s", "t");
-        without.settle_columns("uuid".into(), |_| false);
+        without.settle_columns(1, "uuid".into(), |_| false);
         assert_eq!((without.traceparent, without.id_type.as_deref()), (None, Some("uuid")));
         let mut named = Mapping { traceparent: Some("tp".into()), ..Mapping::preset(Preset::Debezium, "s", "t") };
-        named.settle_columns("uuid".into(), |_| true);
+        named.settle_columns(1, "uuid".into(), |_| true);
         assert_eq!(named.traceparent.as_deref(), Some("tp"), "a named column wins");
 
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

@@ -161,7 +161,7 @@ mod tests {
         assert_eq!((m[0].destination.as_str(), m[0].body.as_str()), ("topic", "payload"));
         assert_eq!(m[0].published.as_deref(), Some("published_at"));
         let p = m[0].published_column().unwrap();
-        assert_eq!(p.mark_sql(), "UPDATE \"public\".\"outbox_messages\" SET \"published_at\" = now() WHERE \"id\"::text = ANY($1::text[]) AND \"published_at\" IS NULL RETURNING \"id\"::text");
+        assert_eq!(p.mark_sql(&p.table), "UPDATE \"public\".\"outbox_messages\" SET \"published_at\" = now() WHERE \"id\"::text = ANY($1::text[]) AND \"published_at\" IS NULL RETURNING \"id\"::text");
     }
 
     #[test]

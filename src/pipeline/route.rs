@@ -14,14 +14,14 @@ use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::clock::now_unix_us;
-use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
+use crate::event::{MappedRow, OutboxEvent, PublishedColumn, TableNow};
 use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
 use crate::pipeline::lane::{run_lane, Finished, Flow, Input, LaneConfig, LaneItem};
 use crate::pipeline::parts::Parts;
 use crate::pipeline::settle::{seq_param, Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
-use crate::policy::dead::DeadReason;
+use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::delay::Timing;
 use crate::publish::entry::{prepare, Entry, QueueInfo};
 
@@ -197,15 +197,17 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
 async fn mapped_published(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<usize>, RouteError> {
     let mut by_table: HashMap<&PublishedColumn, Vec<(usize, &str)>> = HashMap::new();
     for (i, e) in events.iter().enumerate() {
-        if let Some(MappedRow { key, published: Some(p) }) = &e.mapped {
+        if let Some(MappedRow { key, published: Some(p), .. }) = &e.mapped {
             by_table.entry(p.as_ref()).or_default().push((i, key.as_str()));
         }
     }
     let mut done = HashSet::new();
     for (table, rows) in by_table {
+        // A table dropped since: nothing says its rows were published.
+        let TableNow::Ready(name) = table.table_now(sql).await? else { continue };
         let keys: Vec<&str> = rows.iter().map(|(_, k)| *k).collect();
         let published: HashSet<String> =
-            sql.query(&table.published_sql(), &[&keys]).await?.iter().map(|r| r.get(0)).collect();
+            sql.query(&table.published_sql(&name), &[&keys]).await?.iter().map(|r| r.get(0)).collect();
         done.extend(rows.iter().filter(|(_, k)| published.contains(*k)).map(|(i, _)| *i));
     }
     Ok(done)
@@ -469,6 +471,10 @@ impl Router {
         }
         let routed = Routed { ev: Arc::new(ev), seq, permit, chunk_end };
         let outlet = Outlet { settle: self.settle.clone(), metrics: Arc::clone(&self.parts.metrics) };
+        if let Some(why) = routed.ev.mapped.as_ref().and_then(|m| m.unreadable.as_deref()) {
+            let dead = Outcome::Dead(DeadReason::new(DeadCode::UnreadableRow, why));
+            return unrouted(routed, dead, &outlet);
+        }
         match self.path(&routed.ev.destination) {
             Ok(Path::Lane(open)) => hand_on(open, routed, &outlet).await,
             Ok(Path::Lookup(tx)) => tx.send(routed).await.map_err(|_| RouteError::Stopped("lookup")),

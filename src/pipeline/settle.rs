@@ -20,7 +20,7 @@ use tracing::Instrument;
 
 use crate::config::PublishedRows;
 use crate::db::schema::RowStatus;
-use crate::event::{MappedRow, OutboxEvent, PublishedColumn};
+use crate::event::{MappedRow, OutboxEvent, PublishedColumn, TableNow};
 use crate::metrics::Metrics;
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
@@ -383,21 +383,37 @@ async fn mark_mapped_published<C: GenericClient>(
     let mut by_table: std::collections::HashMap<&PublishedColumn, Vec<(&str, Option<i64>)>> =
         std::collections::HashMap::new();
     for s in settled {
-        if let Some(MappedRow { key, published: Some(p) }) = &s.event.mapped {
+        if let Some(MappedRow { key, published: Some(p), .. }) = &s.event.mapped {
             by_table.entry(p.as_ref()).or_default().push((key, s.event.xid.map(i64::from)));
         }
     }
     let mut n = 0;
     for (table, mut rows) in by_table {
+        // By its oid: renamed or moved since start-up, it is marked under
+        // its name of the day; dropped, its rows have nothing to mark.
+        let name = match table.table_now(client).await? {
+            TableNow::Ready(name) => name,
+            TableNow::Gone => {
+                tracing::warn!(table = %table.table, rows = rows.len(), "mapped table dropped: its rows were settled, no published column is left to set");
+                continue;
+            }
+            // Sent (or in the relay's table) all the same: what is not
+            // marked stays unpublished in its table, claimed again once the
+            // statement can run.
+            TableNow::Refused(why) => {
+                tracing::error!(table = %table.table, rows = rows.len(), "mapped rows settled but their published column not set (they may be sent again): {why}");
+                continue;
+            }
+        };
+        let mark_sql = table.mark_sql(&name);
         let started = std::time::Instant::now();
         let mut waits = 0;
         loop {
             let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).collect();
-            let marked: HashSet<String> =
-                client.query(&table.mark_sql(), &[&keys]).await?.iter().map(|r| r.get(0)).collect();
+            let marked: HashSet<String> = client.query(&mark_sql, &[&keys]).await?.iter().map(|r| r.get(0)).collect();
             n += marked.len() as u64;
             rows.retain(|(k, _)| !marked.contains(*k));
-            let invisible = not_visible_yet(client, table, &rows).await?;
+            let invisible = not_visible_yet(client, table, &name, &rows).await?;
             let done: Vec<&str> = rows.iter().map(|(k, _)| *k).filter(|k| !invisible.contains(*k)).collect();
             if !done.is_empty() {
                 tracing::debug!(table = %table.table, keys = ?done, "mapped rows published already or gone: not marked");
@@ -430,6 +446,7 @@ async fn mark_mapped_published<C: GenericClient>(
 async fn not_visible_yet<C: GenericClient>(
     client: &C,
     table: &PublishedColumn,
+    name: &str,
     rows: &[(&str, Option<i64>)],
 ) -> Result<HashSet<String>, tokio_postgres::Error> {
     if rows.is_empty() {
@@ -438,8 +455,7 @@ async fn not_visible_yet<C: GenericClient>(
     let (keys, xids): (Vec<&str>, Vec<Option<i64>>) = rows.iter().copied().unzip();
     let sql = format!(
         "SELECT u.key FROM unnest($1::text[], $2::bigint[]) AS u(key, xid) {XID_SNAPSHOT}
-          WHERE NOT {XID_VISIBLE} OR EXISTS (SELECT 1 FROM {} x WHERE {} AND x.{} IS NULL)",
-        table.table,
+          WHERE NOT {XID_VISIBLE} OR EXISTS (SELECT 1 FROM {name} x WHERE {} AND x.{} IS NULL)",
         table.key_is("x", "u.key"),
         table.column
     );

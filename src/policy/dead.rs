@@ -26,10 +26,13 @@ pub enum DeadCode {
     /// Routed by a queue-URL template to a queue that does not exist, or by
     /// a name no queue can have.
     QueueNotFound,
+    /// A mapped table's row its mapping cannot read (no key, a column the
+    /// mapping needs is gone, a value that is not text).
+    UnreadableRow,
 }
 
 impl DeadCode {
-    pub const ALL: [DeadCode; 10] = [
+    pub const ALL: [DeadCode; 11] = [
         DeadCode::UnknownDestination,
         DeadCode::EmptyBody,
         DeadCode::InvalidCharacters,
@@ -40,6 +43,7 @@ impl DeadCode {
         DeadCode::SqsRejected,
         DeadCode::InvalidDeliverAt,
         DeadCode::QueueNotFound,
+        DeadCode::UnreadableRow,
     ];
 
     /// The code as stored and labelled.
@@ -55,6 +59,7 @@ impl DeadCode {
             DeadCode::SqsRejected => "sqs_rejected",
             DeadCode::InvalidDeliverAt => "invalid_deliver_at",
             DeadCode::QueueNotFound => "queue_not_found",
+            DeadCode::UnreadableRow => "unreadable_row",
         }
     }
 }

@@ -70,8 +70,8 @@ pub async fn run(
     };
     let Started { mode, sharded, queues, listener, retention, mapped_columns, prepare } = started;
     settings.marking.bound_unpositioned = mode != Mode::Polling;
-    for (m, (id_type, columns)) in settings.mapped.iter_mut().zip(mapped_columns) {
-        m.settle_columns(id_type, |c| columns.iter().any(|n| n == c));
+    for (m, found) in settings.mapped.iter_mut().zip(mapped_columns) {
+        m.settle_columns(found.oid, found.id_type, |c| found.columns.iter().any(|n| n == c));
     }
     let metrics_server = listener.map(|listener| {
         let mut stop = stop_rx.clone();

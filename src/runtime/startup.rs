@@ -27,7 +27,7 @@ pub(crate) struct Started {
     pub(crate) listener: Option<tokio::net::TcpListener>,
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type and columns, in `settings.mapped`'s order.
-    pub(crate) mapped_columns: Vec<(String, Vec<String>)>,
+    pub(crate) mapped_columns: Vec<crate::source::cdc::mapped::Found>,
     /// How a queue looked up later is prepared, as the configured ones were.
     pub(crate) prepare: Prepare,
 }
@@ -207,7 +207,7 @@ async fn resolve_mode(
     config: &Config,
     settings: &Settings,
     db: &db::Db,
-) -> Result<(Mode, bool, Vec<(String, Vec<String>)>), NotStarted> {
+) -> Result<(Mode, bool, Vec<crate::source::cdc::mapped::Found>), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
@@ -277,7 +277,7 @@ async fn check_mapped_tables(
     mode: Mode,
     sharded: bool,
     db: &db::Db,
-) -> Result<Vec<(String, Vec<String>)>, db::DbError> {
+) -> Result<Vec<crate::source::cdc::mapped::Found>, db::DbError> {
     let Some(first) = settings.mapped.first() else { return Ok(Vec::new()) };
     if sharded {
         return Err(db::DbError::Check(format!(

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_postgres::{Client, GenericClient};
 
 use crate::db;
-use crate::event::{OutboxEvent, PublishedColumn};
+use crate::event::{OutboxEvent, PublishedColumn, TableNow};
 use crate::mapping::{quote_ident, Mapping, MappingError, Value};
 use crate::pipeline::assemble::{publish_claim, Parts};
 use crate::pipeline::destinations::Resolved;
@@ -50,16 +50,34 @@ impl MappedClaim {
         let published = mapping.published_column().ok_or_else(|| {
             db::DbError::Check(format!("mapped table {}.{} has no published column", mapping.schema, mapping.table))
         })?;
-        let oid: u32 = client
-            .query_one("SELECT $1::text::regclass::oid", &[&mapping.qualified()])
-            .await
-            .map_err(db::DbError::from)?
-            .get(0);
+        let oid: u32 = match mapping.oid {
+            Some(oid) => oid,
+            None => client
+                .query_one("SELECT $1::text::regclass::oid", &[&mapping.qualified()])
+                .await
+                .map_err(db::DbError::from)?
+                .get(0),
+        };
+        // By its oid: a table renamed or moved since start-up is claimed
+        // under its name of the day.
+        let name = format!("{}.{}", mapping.schema, mapping.table);
+        let t = match published.table_now(client).await.map_err(db::DbError::from)? {
+            TableNow::Ready(t) => t,
+            TableNow::Gone => {
+                return Err(db::DbError::Check(format!(
+                    "mapped table {name} was dropped: its rows are gone; remove it from [[outbox]]"
+                )))
+            }
+            TableNow::Refused(why) => return Err(db::DbError::Check(format!("mapped table {name}: {why}"))),
+        };
+        if t != published.table {
+            tracing::warn!(table = %published.table, now = %t, "mapped table renamed or moved: followed by its oid; set `table` in [[outbox]] to its new name");
+        }
         let types = db::schema::column_types(client, oid).await?;
         let type_of = |c: &str| types.iter().find(|(n, _)| n == c).map(|(_, t)| t.as_str()).unwrap_or("text");
         let columns = mapping.columns();
         let exprs: Vec<String> = columns.iter().map(|c| as_text(c, type_of(c))).collect();
-        let (t, id, p) = (&published.table, &published.id, &published.column);
+        let (id, p) = (&published.id, &published.column);
         let lock_sql = format!(
             "SELECT {id}::text, octet_length({}::text) FROM {t} WHERE {p} IS NULL AND {id} IS NOT NULL ORDER BY {id} LIMIT $1 \
              FOR UPDATE SKIP LOCKED",
@@ -279,14 +297,43 @@ pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<boo
     committed_visible(&client).await?;
     let mut settled = 0;
     for m in tables {
-        let claim = MappedClaim::new(&client, m).await?;
-        let n = catch_up(&mut client, &claim, parts, stop).await?;
+        let name = format!("{}.{}", m.schema, m.table);
+        // What an operator did to one table (dropped it or a column, took a
+        // grant) stops no other source: its rows stay unpublished, claimed
+        // again at the next session's start; the stream reads new ones.
+        let claim = match MappedClaim::new(&client, m).await {
+            Ok(claim) => claim,
+            Err(e) if table_trouble(&e) => {
+                tracing::error!(table = %name, error = %e, "mapped table not caught up: its unpublished rows wait for the next session");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let n = match catch_up(&mut client, &claim, parts, stop).await {
+            Ok(n) => n,
+            Err(e) if e.code().is_some_and(|c| c.code().starts_with("42")) => {
+                tracing::error!(table = %name, error = %db::describe(&e), "mapped table not caught up: its unpublished rows wait for the next session");
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         if n > 0 {
             tracing::info!(table = %claim.name(), rows = n, "mapped table caught up: rows its published column said were not published");
         }
         settled += n;
     }
     Ok(settled)
+}
+
+/// A failure of one table's statements, not of the server: the table or a
+/// column is gone, a privilege was taken (SQLSTATE class 42), or the table
+/// was dropped.
+fn table_trouble(e: &db::DbError) -> bool {
+    match e {
+        db::DbError::Check(_) => true,
+        db::DbError::Query(e) => e.code().is_some_and(|c| c.code().starts_with("42")),
+        _ => false,
+    }
 }
 
 /// Waits (10 s at most) until no transaction that has committed is still

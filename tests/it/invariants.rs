@@ -446,7 +446,7 @@ async fn a_write_back_whose_new_id_is_taken_is_written_past_it() {
     {
         let mut ev = (*read(0, &format!("public.t:{i}"), 1)).clone();
         ev.transient = true;
-        ev.mapped = Some(outbox_relay::event::MappedRow { key: i.to_string(), published: None });
+        ev.mapped = Some(outbox_relay::event::MappedRow { key: i.to_string(), published: None, unreadable: None });
         batch.push(Settlement::new(Arc::new(ev), None, Arc::from("orders"), outcome));
     }
     let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();

@@ -12,6 +12,7 @@ mod ha;
 mod hardening;
 mod invariants;
 mod mapped;
+mod operated;
 mod pipeline;
 mod routing;
 mod s3;

@@ -188,7 +188,8 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
     let c = db.client().await;
     c.batch_execute(
         "CREATE TABLE events (id bigint PRIMARY KEY, topic text, payload int, attrs text);
-         CREATE TABLE nokey (id bigint, topic text, payload text);",
+         CREATE TABLE nokey (id bigint NOT NULL, topic text, payload text);
+         CREATE TABLE nullkey (id bigint, topic text, payload text);",
     )
     .await
     .unwrap();
@@ -208,6 +209,8 @@ async fn a_mapping_that_cannot_work_is_refused_naming_the_table_column_and_fix()
     assert!(e.contains("no replica identity") && e.contains("REPLICA IDENTITY FULL"), "{e}");
     let e = refused(Mapping { body: "topic".into(), ..custom("events") }).await;
     assert!(e.contains("ALTER PUBLICATION outbox_relay ADD TABLE \"public\".\"events\""), "{e}");
+    let e = refused(Mapping { body: "topic".into(), ..custom("nullkey") }).await;
+    assert!(e.contains("key column \"id\" may be NULL") && e.contains("ALTER COLUMN \"id\" SET NOT NULL"), "{e}");
     let e = refused(custom("missing")).await;
     assert!(e.contains("mapped table public.missing: no such table"), "{e}");
     let mut polling = config(&db, &[("orders", Q)]);
@@ -254,6 +257,7 @@ async fn a_custom_mapping_carries_bytea_attributes_delay_and_trace_context() {
         traceparent_if_present: None,
         published: None,
         id_type: None,
+        oid: None,
     }];
     let relay = start(cfg, Arc::new(p.clone()));
     wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;

@@ -62,12 +62,47 @@ impl Decoder {
         final_lsn < self.startup_lsn || final_lsn < self.handed_until.get()
     }
 
-    /// Whose rows `rel` holds, if anyone's the relay reads.
+    /// Whose rows `rel` holds, if anyone's the relay reads: a mapped table
+    /// by its oid (whatever it is called now: renamed, moved to another
+    /// schema), or by the name the mapping gives (a table created again
+    /// under it).
     fn table(&self, rel: &Relation) -> Option<Table> {
-        match self.mapped.iter().position(|(m, _)| m.schema == rel.namespace && m.table == rel.name) {
+        let by_oid = || self.mapped.iter().position(|(m, _)| m.oid == Some(rel.oid));
+        let by_name = || self.mapped.iter().position(|(m, _)| m.schema == rel.namespace && m.table == rel.name);
+        match by_oid().or_else(by_name) {
             Some(i) => Some(Table::Mapped(i)),
             None if rel.name == "outbox" => Some(Table::Outbox),
             None => None,
+        }
+    }
+
+    /// A relation the stream describes (before its first row in a session,
+    /// and again after its definition changed): a mapped table under
+    /// another name, or without a column its mapping reads, is said once
+    /// here.
+    fn on_relation(&self, rel: &Relation) {
+        let Some(Table::Mapped(i)) = self.table(rel) else { return };
+        let m = &self.mapped[i].0;
+        let (configured, now) = (format!("{}.{}", m.schema, m.table), format!("{}.{}", rel.namespace, rel.name));
+        if configured != now {
+            tracing::warn!(
+                table = %configured, now = %now, oid = rel.oid,
+                "mapped table renamed or moved: its rows are read under its new name (the same table, by its oid); \
+                 set `table` in [[outbox]] to the new name"
+            );
+        } else if m.oid.is_some_and(|oid| oid != rel.oid) {
+            tracing::warn!(table = %configured, oid = rel.oid, was = ?m.oid, "mapped table created again under its name: its rows are read too");
+        }
+        for c in m.columns().into_iter().filter(|c| rel.column_index(c).is_none()) {
+            if m.requires(c) {
+                tracing::error!(
+                    table = %now, column = c,
+                    "a column the mapping needs is gone from the mapped table: each of its rows ends DEAD \
+                     (unreadable_row) in the relay's table until the column is back or the mapping is fixed"
+                );
+            } else {
+                tracing::warn!(table = %now, column = c, "a column the mapping reads is gone from the mapped table: read as NULL");
+            }
         }
     }
 
@@ -117,6 +152,9 @@ impl Decoder {
     async fn xlog(&mut self, data: &bytes::Bytes, sql: &Client) -> Result<Option<Chunk>, CdcError> {
         let msg = decode(data)?;
         if self.cache.observe(&msg) {
+            if let LogicalMessage::Relation(rel) = &msg {
+                self.on_relation(rel);
+            }
             return Ok(None);
         }
         match msg {
@@ -149,7 +187,8 @@ impl Decoder {
             Some(Table::Mapped(i)) if inserted_published(&self.mapped[i].0, rel, new) => return Ok(None),
             Some(Table::Mapped(i)) => {
                 let (m, published) = &self.mapped[i];
-                let mut row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref())?;
+                let fallback = || format!("no-key@{}#{}", t.final_lsn, t.rows);
+                let mut row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref(), fallback);
                 // Its published column is set once the transaction is visible.
                 row.xid = Some(t.xid);
                 row.commit_lsn = Some(t.final_lsn);
@@ -190,7 +229,8 @@ impl Decoder {
             let (m, published) = &self.mapped[i];
             let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
             if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
-                let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref())?;
+                let fallback = || t.buf[i].mapped.as_ref().map(|r| r.key.clone()).unwrap_or_default();
+                let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref(), fallback);
                 (row.xid, row.commit_lsn, row.commit_seq) = (Some(t.xid), Some(t.final_lsn), t.buf[i].commit_seq);
                 t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                 t.buf[i] = row;

@@ -9,21 +9,29 @@ use crate::mapping::Mapping;
 /// Types a body column may have: sent as text, or (bytea) as base64.
 const BODY_TYPES: &[&str] = &["text", "character varying", "character", "json", "jsonb", "bytea"];
 
+/// What start-up read of a mapped table ([`Mapping::settle_columns`]).
+#[derive(Debug, Clone)]
+pub struct Found {
+    pub oid: u32,
+    /// The key column's type.
+    pub id_type: String,
+    /// Every column of the table.
+    pub columns: Vec<String>,
+}
+
 /// The table exists with every mapped column, the body and attributes
-/// columns have types that carry them, producers' UPDATE and DELETE keep
+/// columns have types that carry them, its key cannot be NULL, the role has
+/// the privileges the relay uses on it, producers' UPDATE and DELETE keep
 /// working once it is published (a replica identity), and `publication`
-/// carries it (`None`: polling, no publication). Returns the key column's
-/// type and the table's columns ([`Mapping::settle_columns`]).
-pub async fn check_mapped(
-    client: &Client,
-    m: &Mapping,
-    publication: Option<&str>,
-) -> Result<(String, Vec<String>), DbError> {
+/// carries it (`None`: polling, no publication), a partitioned table by its
+/// root.
+pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Found, DbError> {
     let name = format!("{}.{}", m.schema, m.table);
     let refuse = |what: String| Err(DbError::Check(format!("mapped table {name}: {what}")));
     let Some(table) = client
         .query_opt(
-            "SELECT c.oid, c.relreplident::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            "SELECT c.oid, c.relreplident::text, c.relkind::text FROM pg_class c
+               JOIN pg_namespace n ON n.oid = c.relnamespace
               WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')",
             &[&m.schema, &m.table],
         )
@@ -31,17 +39,30 @@ pub async fn check_mapped(
     else {
         return refuse("no such table: fix `table` in [[outbox]] (schema.table), or create it".into());
     };
-    let (oid, identity): (u32, String) = (table.get(0), table.get(1));
+    let (oid, identity, kind): (u32, String, String) = (table.get(0), table.get(1), table.get(2));
     let types = crate::db::schema::column_types(client, oid).await?;
+    check_types(m, &types).map_err(|what| DbError::Check(format!("mapped table {name}: {what}")))?;
+    check_key(client, oid, m, &name).await?;
+    check_grants(client, oid, m, &name).await?;
+    let id_type = types.iter().find(|(n, _)| *n == m.id).map(|(_, t)| t.clone()).unwrap_or_default();
+    let found = Found { oid, id_type, columns: types.into_iter().map(|(n, _)| n).collect() };
+    let Some(publication) = publication else { return Ok(found) };
+    check_identity(client, oid, &identity, &name).await?;
+    check_published(client, m, publication, kind == "p").await?;
+    Ok(found)
+}
+
+/// Every mapped column is there, with a type that carries what it gives.
+fn check_types(m: &Mapping, types: &[(String, String)]) -> Result<(), String> {
     for c in m.columns() {
         if !types.iter().any(|(n, _)| n == c) {
             let have: Vec<&str> = types.iter().map(|(n, _)| n.as_str()).collect();
-            return refuse(format!("no column {c:?} (it has {}): fix the mapping in [[outbox]]", have.join(", ")));
+            return Err(format!("no column {c:?} (it has {}): fix the mapping in [[outbox]]", have.join(", ")));
         }
     }
     let type_of = |c: &str| types.iter().find(|(n, _)| n == c).map(|(_, t)| t.as_str()).unwrap_or_default();
     if !BODY_TYPES.contains(&type_of(&m.body)) {
-        return refuse(format!(
+        return Err(format!(
             "body column {:?} is {}; it must be text, varchar, json, jsonb or bytea",
             m.body,
             type_of(&m.body)
@@ -49,22 +70,97 @@ pub async fn check_mapped(
     }
     if let Some(a) = &m.attributes {
         if !["json", "jsonb"].contains(&type_of(a)) {
-            return refuse(format!("attributes column {a:?} is {}; it must be json or jsonb", type_of(a)));
+            return Err(format!("attributes column {a:?} is {}; it must be json or jsonb", type_of(a)));
         }
     }
     if let Some(d) = &m.deliver_at {
         if type_of(d) != "timestamp with time zone" {
-            return refuse(format!("deliver_at column {d:?} is {}; it must be timestamptz", type_of(d)));
+            return Err(format!("deliver_at column {d:?} is {}; it must be timestamptz", type_of(d)));
         }
     }
     if let Some(p) = &m.published {
         if !["timestamp with time zone", "timestamp without time zone"].contains(&type_of(p)) {
-            return refuse(format!("published column {p:?} is {}; it must be timestamptz or timestamp", type_of(p)));
+            return Err(format!("published column {p:?} is {}; it must be timestamptz or timestamp", type_of(p)));
         }
     }
-    let found = (type_of(&m.id).to_string(), types.iter().map(|(n, _)| n.clone()).collect());
-    let Some(publication) = publication else { return Ok(found) };
-    check_identity(client, oid, &identity, &name).await?;
+    Ok(())
+}
+
+/// The key is a row's event id (unless another column is named) and how
+/// its own transaction's UPDATE or DELETE is matched: a key that may be
+/// NULL leaves a row nothing to be known by. A primary key is never NULL.
+async fn check_key(client: &Client, oid: u32, m: &Mapping, name: &str) -> Result<(), DbError> {
+    let not_null: bool = client
+        .query_one("SELECT attnotnull FROM pg_attribute WHERE attrelid = $1 AND attname = $2", &[&oid, &m.id])
+        .await?
+        .get(0);
+    if not_null {
+        return Ok(());
+    }
+    Err(DbError::Check(format!(
+        "mapped table {name}: its key column {:?} may be NULL, and a row without a key has no event id to be          deduplicated by: ALTER TABLE {} ALTER COLUMN {} SET NOT NULL (or make it the primary key)",
+        m.id,
+        m.qualified(),
+        crate::mapping::quote_ident(&m.id)
+    )))
+}
+
+/// What the relay does to a mapped table with a published column (claims
+/// its unpublished rows, sets the column) needs USAGE on its schema, SELECT
+/// on the mapped columns and UPDATE of the published column; a table
+/// without one is read from the stream alone and needs nothing. Each
+/// missing privilege is named with its GRANT.
+async fn check_grants(client: &Client, oid: u32, m: &Mapping, name: &str) -> Result<(), DbError> {
+    let Some(published) = m.published.as_deref() else { return Ok(()) };
+    let user: String = client.query_one("SELECT current_user::text", &[]).await?.get(0);
+    let role = crate::mapping::quote_ident(&user);
+    let usage: bool = client.query_one("SELECT has_schema_privilege($1::text, 'USAGE')", &[&m.schema]).await?.get(0);
+    if !usage {
+        return Err(DbError::Check(format!(
+            "mapped table {name}: role {user:?} lacks USAGE on schema {:?}, which claiming its unpublished rows needs: \
+             GRANT USAGE ON SCHEMA {} TO {role}",
+            m.schema,
+            crate::mapping::quote_ident(&m.schema)
+        )));
+    }
+    let mut needed: Vec<(&str, &str)> = m.columns().into_iter().map(|c| (c, "SELECT")).collect();
+    needed.push((published, "UPDATE"));
+    for (column, privilege) in needed {
+        let ok: bool = client
+            .query_one("SELECT has_column_privilege($1::oid, $2::text, $3::text)", &[&oid, &column, &privilege])
+            .await?
+            .get(0);
+        if !ok {
+            let what =
+                if privilege == "UPDATE" { "setting its published column" } else { "claiming its unpublished rows" };
+            return Err(DbError::Check(format!(
+                "mapped table {name}: role {user:?} lacks {privilege} on column {column:?}, which {what} needs: \
+                 GRANT {privilege} ({}) ON {} TO {role}",
+                crate::mapping::quote_ident(column),
+                m.qualified()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `publication` carries the table. A partitioned table's rows reach the
+/// stream under its own name only if the publication publishes via the
+/// partition root (otherwise under each partition's, which the relay does
+/// not map, and a partition made later would not be named in the mapping).
+async fn check_published(client: &Client, m: &Mapping, publication: &str, partitioned: bool) -> Result<(), DbError> {
+    let name = format!("{}.{}", m.schema, m.table);
+    if partitioned {
+        let via_root: bool =
+            client.query_one("SELECT pubviaroot FROM pg_publication WHERE pubname = $1", &[&publication]).await?.get(0);
+        if !via_root {
+            return Err(DbError::Check(format!(
+                "mapped table {name} is partitioned, and publication {publication:?} publishes its rows under each \
+                 partition's name: ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+                crate::mapping::quote_ident(publication)
+            )));
+        }
+    }
     let published = client
         .query_opt(
             "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
@@ -72,12 +168,12 @@ pub async fn check_mapped(
         )
         .await?;
     if published.is_none() {
-        return refuse(format!(
-            "not in publication {publication:?}: ALTER PUBLICATION {publication} ADD TABLE {}",
+        return Err(DbError::Check(format!(
+            "mapped table {name}: not in publication {publication:?}: ALTER PUBLICATION {publication} ADD TABLE {}",
             m.qualified()
-        ));
+        )));
     }
-    Ok(found)
+    Ok(())
 }
 
 /// A published table without a replica identity refuses its producers'

@@ -76,7 +76,11 @@ pub(crate) fn row_from_tuple(
 }
 
 /// A row of a mapped table, by its mapping ([`Mapping::event`]); `before`:
-/// the event as inserted, for a row its own transaction updated.
+/// the event as inserted, for a row its own transaction updated. A column
+/// the mapping can do without that the table no longer has reads as NULL; a
+/// row that cannot become an event (no key, a needed column gone, a value
+/// that is not text) is one the route makes DEAD with the reason
+/// ([`Mapping::unreadable`]; `fallback`: its key if it has none).
 pub(crate) fn mapped_row(
     mapping: &Mapping,
     rel: &Relation,
@@ -84,12 +88,23 @@ pub(crate) fn mapped_row(
     before: Option<&OutboxEvent>,
     commit_time_us: i64,
     published: Option<&std::sync::Arc<PublishedColumn>>,
-) -> Result<OutboxEvent, CdcError> {
+    fallback: impl FnOnce() -> String,
+) -> OutboxEvent {
     let table = || format!("{}.{}", rel.namespace, rel.name);
     let col = |name: &str| -> Result<Value<'_>, MappingError> {
-        let i = rel
-            .column_index(name)
-            .ok_or_else(|| MappingError { table: table(), what: format!("no column {name:?} in the stream") })?;
+        let Some(i) = rel.column_index(name) else {
+            if !mapping.requires(name) {
+                return Ok(Value::Null);
+            }
+            return Err(MappingError {
+                table: table(),
+                what: format!(
+                    "no column {name:?} in the stream (dropped, or renamed): restore it, or fix the mapping in \
+                     [[outbox]]; this row's copy in the relay's table can be corrected and sent by \
+                     `outbox-relay dead redrive`"
+                ),
+            });
+        };
         match t.0.get(i) {
             None | Some(TupleValue::Null) => Ok(Value::Null),
             Some(TupleValue::UnchangedToast) => Ok(Value::Unchanged),
@@ -100,7 +115,10 @@ pub(crate) fn mapped_row(
         }
     };
     let bytea = |name: &str| rel.column_index(name).is_some_and(|i| rel.columns[i].type_oid == BYTEA_OID);
-    mapping.event(col, bytea, before, commit_time_us, published).map_err(|e| CdcError::Protocol(e.to_string()))
+    match mapping.event(col, bytea, before, commit_time_us, published) {
+        Ok(ev) => ev,
+        Err(e) => mapping.unreadable(col, &e, &fallback(), commit_time_us, published),
+    }
 }
 
 /// A mapped table's row inserted with its published column set: not one to
