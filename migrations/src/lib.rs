@@ -47,6 +47,7 @@ pub const ALL: &[Migration] = &[
         concat!(include_str!("../0012_job_trace.sql"), include_str!("../0004_jobs.sql")),
     ),
     m(13, "FIFO rows in the table keep their commit order", Part::Relay, include_str!("../0013_commit_order.sql")),
+    m(14, "mapped tables known by their oid", Part::Relay, include_str!("../0014_sources.sql")),
 ];
 
 /// The migrations of one part, in order.

@@ -685,14 +685,16 @@ mod workload {
         too_large: usize,
         /// Relays started again in the other mode, polling or CDC.
         mode_switches: usize,
+        /// What an operator did to the mapped tables ([`operate`]).
+        operations: usize,
     }
 
     impl std::fmt::Display for Tally {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
             )
         }
     }
@@ -801,13 +803,16 @@ mod workload {
 
         /// Do what a supervisor does (systemd's `Restart=on-failure`): start
         /// again a relay that exited because it could not reach PostgreSQL
-        /// at start-up (started while the server was down); any other end is
-        /// a failure. Returns how many were started again.
+        /// at start-up (started while the server was down), or that refused
+        /// a mapped table's key while an operator let it be NULL for a
+        /// moment ([`operate`]); any other end is a failure. Returns how
+        /// many were started again.
         async fn supervise(&mut self, p: &MemoryPublisher, when: &str) -> usize {
             let mut restarted = 0;
             for i in 0..self.running.len() {
                 let Some(how) = self.running[i].as_mut().unwrap().ended().await else { continue };
-                assert!(how.starts_with("cannot connect to PostgreSQL"), "{when}: relay {i} ended: {how}");
+                let expected = how.starts_with("cannot connect to PostgreSQL") || how.contains("may be NULL");
+                assert!(expected, "{when}: relay {i} ended: {how}");
                 self.start(i, p);
                 restarted += 1;
             }
@@ -910,7 +915,9 @@ mod workload {
         Some(rows.into_iter().map(|(e, d, t)| (e, d, t, due)).collect())
     }
 
-    /// Debezium's outbox table, mapped by the single relay of [`run`]. Its
+    /// Debezium's outbox table, mapped by the single relay of [`run`]
+    /// (without a primary key, REPLICA IDENTITY FULL, so that an operator
+    /// can let its key be NULL: [`operate`]). Its
     /// FIFO groups are its own: a group fed by two tables keeps no order
     /// across them once its lane spools (a row copied into the relay's
     /// table takes a new id, after rows of the relay's own committed later).
@@ -919,8 +926,10 @@ mod workload {
             .await
             .batch_execute(
                 "CREATE SCHEMA app;
-                 CREATE TABLE app.outboxevent (id uuid PRIMARY KEY, aggregatetype text NOT NULL,
+                 CREATE TABLE app.outboxevent (id uuid NOT NULL, aggregatetype text NOT NULL,
                      aggregateid text NOT NULL, type text NOT NULL, payload jsonb, tracingspancontext text);
+                 CREATE INDEX ON app.outboxevent (id);
+                 ALTER TABLE app.outboxevent REPLICA IDENTITY FULL;
                  ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
             )
             .await
@@ -938,6 +947,19 @@ mod workload {
         dests: &[&str],
         body_ids: bool,
     ) -> Option<Vec<Row>> {
+        produce_topic_payload_into(c, rng, "outbox_messages", tag, dests, body_ids).await
+    }
+
+    /// [`produce_topic_payload`] into `table` (the table moved to another
+    /// schema by [`operate`]); its event ids keep the configured name.
+    async fn produce_topic_payload_into(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        table: &str,
+        tag: &str,
+        dests: &[&str],
+        body_ids: bool,
+    ) -> Option<Vec<Row>> {
         let n = if rng.random_range(0..8) == 0 { rng.random_range(600..900) } else { rng.random_range(1..30) };
         let tags: Vec<String> = (0..n).map(|i| format!("{tag}:{i}")).collect();
         let ds: Vec<&str> = (0..n).map(|_| dests[rng.random_range(0..dests.len())]).collect();
@@ -945,11 +967,13 @@ mod workload {
         let tx = c.transaction().await.ok()?;
         let ids: Vec<i64> = tx
             .query(
-                "INSERT INTO outbox_messages (topic, payload, published_at)
-                 SELECT d, CASE WHEN p THEN jsonb_build_object('e', e, 'pre', true) ELSE to_jsonb(e) END,
-                        CASE WHEN p THEN now() END
-                   FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(e, d, p, o) ORDER BY o
-                 RETURNING id",
+                &format!(
+                    "INSERT INTO {table} (topic, payload, published_at)
+                     SELECT d, CASE WHEN p THEN jsonb_build_object('e', e, 'pre', true) ELSE to_jsonb(e) END,
+                            CASE WHEN p THEN now() END
+                       FROM unnest($1::text[], $2::text[], $3::bool[]) WITH ORDINALITY AS u(e, d, p, o) ORDER BY o
+                     RETURNING id"
+                ),
                 &[&tags, &ds, &pre],
             )
             .await
@@ -1009,6 +1033,20 @@ mod workload {
         dests: &[&str],
         body_ids: bool,
     ) -> Option<Vec<Row>> {
+        produce_debezium_into(c, rng, ("app.outboxevent", true), tag, dests, body_ids).await
+    }
+
+    /// [`produce_debezium`] into `table.0` (renamed by [`operate`]; the
+    /// event ids keep the configured name), with the span-context column
+    /// if `table.1` (dropped for a while by [`operate`]).
+    async fn produce_debezium_into(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        (table, traced): (&str, bool),
+        tag: &str,
+        dests: &[&str],
+        body_ids: bool,
+    ) -> Option<Vec<Row>> {
         let n = if rng.random_range(0..8) == 0 { rng.random_range(1_000..1_300) } else { rng.random_range(1..40) };
         let tags: Vec<String> = (0..n).map(|i| format!("{tag}:{i}")).collect();
         let ds: Vec<&str> = (0..n).map(|_| dests[rng.random_range(0..dests.len())]).collect();
@@ -1018,12 +1056,23 @@ mod workload {
             .query(
                 // A third traced (Debezium's span context), a third with a
                 // context that holds no traceparent, a third without.
-                "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
-                 SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e),
-                        CASE o % 3 WHEN 0 THEN E'#Sun Dec 06 22:00:00 UTC 2026\ntraceparent=00-' || md5(e) || '-00f067aa0ba902b7-01\n'
-                                   WHEN 1 THEN 'uber-trace-id=' || md5(e) ELSE NULL END
-                   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(e, d, o) ORDER BY o
-                 RETURNING id::text",
+                &if traced {
+                    format!(
+                        "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload, tracingspancontext)
+                         SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e),
+                                CASE o % 3 WHEN 0 THEN E'#Sun Dec 06 22:00:00 UTC 2026\ntraceparent=00-' || md5(e) || '-00f067aa0ba902b7-01\n'
+                                           WHEN 1 THEN 'uber-trace-id=' || md5(e) ELSE NULL END
+                           FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(e, d, o) ORDER BY o
+                         RETURNING id::text"
+                    )
+                } else {
+                    format!(
+                        "INSERT INTO {table} (id, aggregatetype, aggregateid, type, payload)
+                         SELECT gen_random_uuid(), d, 'm' || (length(e) % 3), 'Created', to_jsonb(e)
+                           FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS u(e, d, o) ORDER BY o
+                         RETURNING id::text"
+                    )
+                },
                 &[&tags, &ds],
             )
             .await
@@ -1033,12 +1082,97 @@ mod workload {
             .collect();
         let gone: Vec<&str> =
             ids.iter().enumerate().filter(|(i, _)| !kept.contains(i)).map(|(_, id)| id.as_str()).collect();
-        tx.execute("DELETE FROM app.outboxevent WHERE id = ANY($1::text[]::uuid[])", &[&gone]).await.ok()?;
+        tx.execute(&format!("DELETE FROM {table} WHERE id = ANY($1::text[]::uuid[])"), &[&gone]).await.ok()?;
         tx.commit().await.ok()?;
         let name =
             |i: usize, id: String| if body_ids { format!("\"{}\"", tags[i]) } else { format!("app.outboxevent:{id}") };
         let rows = ids.into_iter().zip(ds).enumerate();
         Some(rows.map(|(i, (id, d))| (name(i, id), d.to_string(), !kept.contains(&i), None)).collect())
+    }
+
+    /// The destination the workload gives rows its mapping cannot read (a
+    /// NULL key, [`operate`]): each must end DEAD `unreadable_row`, named
+    /// by its body (its event id is the relay's to make).
+    const UNREADABLE: &str = "unreadable";
+
+    /// What an operator does to the mapped tables while producers write
+    /// (one of, at random): rename Debezium's table and move the
+    /// topic-payload one to another schema, a transaction written to each
+    /// under the new names, then both put back; drop the optional span
+    /// context column, write, add it again; let the key be NULL and write
+    /// rows with and without one, then delete the keyless ones (DEAD in the
+    /// relay's table by then, or on their way) and make the key NOT NULL
+    /// again. The committed rows, as the producers' own.
+    async fn operate(c: &mut tokio_postgres::Client, rng: &mut StdRng, tag: &str, dests: &[&str]) -> Option<Vec<Row>> {
+        let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
+        match rng.random_range(0..3) {
+            0 => {
+                c.batch_execute(
+                    "ALTER TABLE app.outboxevent RENAME TO outboxevent_v2;
+                     CREATE SCHEMA IF NOT EXISTS moved; ALTER TABLE public.outbox_messages SET SCHEMA moved;",
+                )
+                .await
+                .ok()?;
+                let mut rows =
+                    produce_debezium_into(c, rng, ("app.outboxevent_v2", true), &format!("{tag}r"), dests, false)
+                        .await
+                        .unwrap_or_default();
+                let moved_tag = format!("{tag}m");
+                let moved = produce_topic_payload_into(c, rng, "moved.outbox_messages", &moved_tag, &standard, false);
+                rows.extend(moved.await.unwrap_or_default());
+                c.batch_execute(
+                    "ALTER TABLE app.outboxevent_v2 RENAME TO outboxevent;
+                     ALTER TABLE moved.outbox_messages SET SCHEMA public;",
+                )
+                .await
+                .unwrap();
+                Some(rows)
+            }
+            1 => {
+                c.batch_execute("ALTER TABLE app.outboxevent DROP COLUMN tracingspancontext").await.ok()?;
+                let rows = produce_debezium_into(c, rng, ("app.outboxevent", false), tag, dests, false).await;
+                c.batch_execute("ALTER TABLE app.outboxevent ADD COLUMN tracingspancontext text").await.unwrap();
+                rows
+            }
+            _ => {
+                c.batch_execute("ALTER TABLE app.outboxevent ALTER COLUMN id DROP NOT NULL").await.ok()?;
+                let n = rng.random_range(1..5);
+                let tags: Vec<String> = (0..n).map(|i| format!("{tag}k:{i}")).collect();
+                let d = dests[rng.random_range(0..dests.len())];
+                let keyless = c
+                    .execute(
+                        "INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
+                         SELECT NULL, $2, 'm0', 'Created', to_jsonb(e) FROM unnest($1::text[]) e",
+                        &[&tags, &d],
+                    )
+                    .await
+                    .is_ok();
+                let mut rows = produce_debezium(c, rng, tag, dests, false).await.unwrap_or_default();
+                c.batch_execute(
+                    "DELETE FROM app.outboxevent WHERE id IS NULL;
+                     ALTER TABLE app.outboxevent ALTER COLUMN id SET NOT NULL;",
+                )
+                .await
+                .unwrap();
+                if keyless {
+                    rows.extend(tags.iter().map(|t| (format!("\"{t}\""), UNREADABLE.to_string(), false, None)));
+                }
+                Some(rows)
+            }
+        }
+    }
+
+    /// Every row of `expect` (bodies of keyless rows) is DEAD
+    /// `unreadable_row` in the relay's table, once, with the fix.
+    async fn unreadable_dead(db: &TestDb, expect: &HashSet<&str>, seed: u64) {
+        let bodies: Vec<&str> = expect.iter().copied().collect();
+        let c = db.client().await;
+        let sql = "SELECT count(*) FROM outbox WHERE status = 'DEAD' AND body = ANY($1)
+                     AND last_error LIKE 'unreadable_row: app.outboxevent: a row without its key column \"id\"%SET NOT NULL%'";
+        wait_for(&format!("seed {seed}: keyless rows DEAD with their reason"), Duration::from_secs(60), || async {
+            c.query_one(sql, &[&bodies]).await.unwrap().get::<_, i64>(0) == bodies.len() as i64
+        })
+        .await;
     }
 
     /// One relay process, started again when it ends (a kill, or an exit
@@ -1297,13 +1431,14 @@ mod workload {
         }
         tally.mode_switches += relays.all_streaming(&p).await;
         let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();
+        let unreadable: HashSet<&str> = committed.iter().filter(|r| r.1 == UNREADABLE).map(|r| r.0.as_str()).collect();
         // Sent, or DEAD `too_large` if sent after the limit was lowered.
         let lowered = env.lowered.load(std::sync::atomic::Ordering::Relaxed);
         let maybe_too_large: HashSet<&str> =
             committed.iter().filter(|r| lowered && r.1 == "b" && r.0.ends_with(BIG)).map(|r| r.0.as_str()).collect();
         let expect_sent: HashSet<&str> = committed
             .iter()
-            .filter(|r| r.1 != "nowhere" && !maybe_too_large.contains(r.0.as_str()))
+            .filter(|r| r.1 != "nowhere" && r.1 != UNREADABLE && !maybe_too_large.contains(r.0.as_str()))
             .map(|r| r.0.as_str())
             .collect();
         tally.supervised += env.all_sent(&mut relays, &expect_sent, seed).await;
@@ -1312,6 +1447,7 @@ mod workload {
         })
         .await;
         unknown_destinations_dead(&db, &expect_dead, "queue_not_found", seed).await;
+        unreadable_dead(&db, &unreadable, seed).await;
         tally.too_large = too_large_or_sent(&db, &p, &maybe_too_large, seed).await;
         if !sharded {
             let sent = QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id).collect();
@@ -1327,7 +1463,7 @@ mod workload {
             r.stop().await;
         }
         tally.delivered = expect_sent.len();
-        tally.dead = expect_dead.len() + tally.too_large;
+        tally.dead = expect_dead.len() + unreadable.len() + tally.too_large;
         tally.transient = committed.iter().filter(|r| r.2).count();
         let mapped = |e: &str| e.starts_with("app.outboxevent:") || e.starts_with("public.outbox_messages:");
         tally.mapped = committed.iter().filter(|r| mapped(&r.0)).count();
@@ -1443,6 +1579,13 @@ mod workload {
                 7 if !relays.configs[0].mapped.is_empty() => {
                     let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
                     match produce_topic_payload(c, rng, tag, &standard, false).await {
+                        Some(rows) => return Some(rows),
+                        None => tally.failed_txns += 1,
+                    }
+                }
+                8 if !relays.configs[0].mapped.is_empty() => {
+                    tally.operations += 1;
+                    match operate(c, rng, tag, dests).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
                     }

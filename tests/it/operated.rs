@@ -183,7 +183,9 @@ async fn a_row_the_mapping_cannot_read_is_dead_and_nothing_else_stops() {
 /// A table renamed, and another moved to another schema, while producers
 /// write to them under their new names: the stream knows a table by its oid,
 /// so every row is sent and the published column is set under the new
-/// name; a relay restarted with the new names sends nothing twice.
+/// name; a relay restarted before its configuration names them finds them
+/// by the oids its last start recorded, and one restarted with the new
+/// names sends nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renamed_and_moved_tables_are_followed() {
     let db = TestDb::new("op_rename").await;
@@ -217,6 +219,20 @@ async fn renamed_and_moved_tables_are_followed() {
             .unwrap()
             .get(0);
         n == 0
+    })
+    .await;
+    let after = db.current_lsn().await;
+    wait_for("settled", WAIT, || async { db.confirmed_flush_lsn().await >= after }).await;
+    relay.stop().await;
+
+    // Restarted before its configuration is updated: the old names lead to
+    // the tables by the oids the first start recorded.
+    let relay =
+        start(two_tables_config(&db, ("app", "outboxevent"), ("public", "outbox_messages")), Arc::new(p.clone()));
+    debezium_rows(&c, "app.outboxevent_v2", "d", 10).await;
+    topic_rows(&c, "moved.outbox_messages", "w", 10).await;
+    wait_for("rows after a restart under the old names arrive", WAIT, || async {
+        all_of(&p, ORDERS, "d", 10) && all_of(&p, EVENTS, "w", 10)
     })
     .await;
     let after = db.current_lsn().await;

@@ -26,30 +26,87 @@ pub struct Found {
 /// carries it (`None`: polling, no publication), a partitioned table by its
 /// root.
 pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Found, DbError> {
-    let name = format!("{}.{}", m.schema, m.table);
-    let refuse = |what: String| Err(DbError::Check(format!("mapped table {name}: {what}")));
-    let Some(table) = client
-        .query_opt(
-            "SELECT c.oid, c.relreplident::text, c.relkind::text FROM pg_class c
-               JOIN pg_namespace n ON n.oid = c.relnamespace
-              WHERE n.nspname = $1 AND c.relname = $2 AND c.relkind IN ('r', 'p')",
-            &[&m.schema, &m.table],
-        )
-        .await?
-    else {
-        return refuse("no such table: fix `table` in [[outbox]] (schema.table), or create it".into());
+    let Some(table) = locate(client, m).await? else {
+        return Err(DbError::Check(format!(
+            "mapped table {}.{}: no such table: fix `table` in [[outbox]] (schema.table), or create it",
+            m.schema, m.table
+        )));
     };
-    let (oid, identity, kind): (u32, String, String) = (table.get(0), table.get(1), table.get(2));
-    let types = crate::db::schema::column_types(client, oid).await?;
+    // Checked under its name of the day (renamed since the last start).
+    let m = &Mapping { schema: table.schema.clone(), table: table.name.clone(), ..m.clone() };
+    let name = format!("{}.{}", m.schema, m.table);
+    let types = crate::db::schema::column_types(client, table.oid).await?;
     check_types(m, &types).map_err(|what| DbError::Check(format!("mapped table {name}: {what}")))?;
-    check_key(client, oid, m, &name).await?;
-    check_grants(client, oid, m, &name).await?;
+    check_key(client, table.oid, m, &name).await?;
+    check_grants(client, table.oid, m, &name).await?;
     let id_type = types.iter().find(|(n, _)| *n == m.id).map(|(_, t)| t.clone()).unwrap_or_default();
-    let found = Found { oid, id_type, columns: types.into_iter().map(|(n, _)| n).collect() };
+    let found = Found { oid: table.oid, id_type, columns: types.into_iter().map(|(n, _)| n).collect() };
     let Some(publication) = publication else { return Ok(found) };
-    check_identity(client, oid, &identity, &name).await?;
-    check_published(client, m, publication, kind == "p").await?;
+    check_identity(client, table.oid, &table.identity, &name).await?;
+    check_published(client, m, publication, table.partitioned).await?;
     Ok(found)
+}
+
+/// A mapped table as the catalog has it now.
+struct Located {
+    oid: u32,
+    schema: String,
+    name: String,
+    /// `relreplident`.
+    identity: String,
+    partitioned: bool,
+}
+
+/// The table `m` names, or, if there is none by that name, the one an
+/// earlier start found under it and that has been renamed or moved since
+/// (by its oid, recorded in `outbox_relay_sources`): followed, with a
+/// warning naming it. Found by name, its oid is recorded for the next start.
+async fn locate(client: &Client, m: &Mapping) -> Result<Option<Located>, DbError> {
+    const BY: &str = "SELECT c.oid, n.nspname::text, c.relname::text, c.relreplident::text, c.relkind = 'p'
+                        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p')";
+    let located = |r: tokio_postgres::Row| Located {
+        oid: r.get(0),
+        schema: r.get(1),
+        name: r.get(2),
+        identity: r.get(3),
+        partitioned: r.get(4),
+    };
+    let configured = format!("{}.{}", m.schema, m.table);
+    let by_name =
+        client.query_opt(&format!("{BY} AND n.nspname = $1 AND c.relname = $2"), &[&m.schema, &m.table]).await?;
+    let remembered = client.query_one("SELECT to_regclass('outbox_relay_sources') IS NOT NULL", &[]).await?.get(0);
+    if let Some(found) = by_name.map(located) {
+        if remembered {
+            remember(client, &configured, found.oid).await;
+        }
+        return Ok(Some(found));
+    }
+    if !remembered {
+        return Ok(None);
+    }
+    let sql = format!("{BY} AND c.oid = (SELECT relid FROM outbox_relay_sources WHERE name = $1)");
+    let Some(found) = client.query_opt(&sql, &[&configured]).await?.map(located) else { return Ok(None) };
+    tracing::warn!(
+        table = %configured, now = %format!("{}.{}", found.schema, found.name), oid = found.oid,
+        "mapped table renamed or moved since the last start: followed by its oid; set `table` in [[outbox]] to its new name"
+    );
+    Ok(Some(found))
+}
+
+/// Record `oid` as the table configured as `name`. A role that may not
+/// write the record (granted before migration 14) only loses the following
+/// of a rename across a restart: said, not refused.
+async fn remember(client: &Client, name: &str, oid: u32) {
+    let upsert = "INSERT INTO outbox_relay_sources (name, relid) VALUES ($1, $2)
+                  ON CONFLICT (name) DO UPDATE SET relid = EXCLUDED.relid, seen_at = now()
+                  WHERE outbox_relay_sources.relid IS DISTINCT FROM EXCLUDED.relid";
+    if let Err(e) = client.execute(upsert, &[&name, &oid]).await {
+        tracing::warn!(
+            table = name, error = %crate::db::describe(&e),
+            "cannot record the mapped table's oid: a rename is followed while the relay runs, not across a restart \
+             (GRANT SELECT, INSERT, UPDATE ON outbox_relay_sources to the relay's role)"
+        );
+    }
 }
 
 /// Every mapped column is there, with a type that carries what it gives.
@@ -98,7 +155,7 @@ async fn check_key(client: &Client, oid: u32, m: &Mapping, name: &str) -> Result
         return Ok(());
     }
     Err(DbError::Check(format!(
-        "mapped table {name}: its key column {:?} may be NULL, and a row without a key has no event id to be          deduplicated by: ALTER TABLE {} ALTER COLUMN {} SET NOT NULL (or make it the primary key)",
+        "mapped table {name}: its key column {:?} may be NULL, and a row without a key has no event id to be deduplicated by: ALTER TABLE {} ALTER COLUMN {} SET NOT NULL (or make it the primary key)",
         m.id,
         m.qualified(),
         crate::mapping::quote_ident(&m.id)
