@@ -47,6 +47,7 @@ pub const OFFLOADED_BYTES_TOTAL: &str = "outbox_relay_offloaded_bytes_total";
 pub const EVENTS_DELAYED_TOTAL: &str = "outbox_relay_events_delayed_total";
 pub const EVENTS_HELD_TOTAL: &str = "outbox_relay_events_held_total";
 pub const HELD_EVENTS: &str = "outbox_relay_held_events";
+pub const MAPPED_TABLE_TROUBLE: &str = "outbox_relay_mapped_table_trouble";
 pub const HELD_NEXT_DUE_SECONDS: &str = "outbox_relay_held_next_due_seconds";
 
 pub struct Metrics {
@@ -90,6 +91,8 @@ pub struct Metrics {
     pub events_held: IntCounterVec,
     /// Rows held in the table and not due yet (every 10 s).
     pub held_events: IntGaugeVec,
+    /// 1 while something stands in a mapped table's way (every 15 s).
+    pub mapped_table_trouble: IntGaugeVec,
     /// Seconds until the earliest held row is due.
     pub held_next_due_seconds: prometheus::GaugeVec,
     /// 1 while the server holds the stream back (rows go by the table).
@@ -149,6 +152,7 @@ impl Metrics {
             events_delayed: IntCounterVec::new(Opts::new(EVENTS_DELAYED_TOTAL, "Messages sent with DelaySeconds (deliver_at due within 15 minutes, standard queues)"), &["destination"]).unwrap(),
             events_held: IntCounterVec::new(Opts::new(EVENTS_HELD_TOTAL, "Rows held in the outbox table until their deliver_at (due later than SQS can delay, or on a FIFO queue)"), &["destination"]).unwrap(),
             held_events: IntGaugeVec::new(Opts::new(HELD_EVENTS, "NEW rows whose deliver_at is still ahead, per destination (counted up to 1,000,000, every 10 s)"), &["destination"]).unwrap(),
+            mapped_table_trouble: IntGaugeVec::new(Opts::new(MAPPED_TABLE_TROUBLE, "1 while something an operator did stands in a mapped table's way (dropped, a column the mapping needs gone, a key that may be NULL, a grant missing, out of the publication: the log and `status` say what), 0 otherwise; every 15 s"), &["table"]).unwrap(),
             held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
             table_connections: IntGauge::new(TABLE_CONNECTIONS, "Connections the table path's lanes share, open now (at most max_table_connections; one unused for 30 s is closed)").unwrap(),
             stream_lanes: IntGauge::new(STREAM_LANES, "Stream lanes open in this replication session (and destinations being looked up): one per destination with events within lane_idle_timeout or work not finished").unwrap(),
@@ -207,6 +211,7 @@ impl Metrics {
             Box::new(self.events_delayed.clone()),
             Box::new(self.events_held.clone()),
             Box::new(self.held_events.clone()),
+            Box::new(self.mapped_table_trouble.clone()),
             Box::new(self.held_next_due_seconds.clone()),
             Box::new(self.stream_held.clone()),
             Box::new(self.table_lanes.clone()),

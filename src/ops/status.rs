@@ -45,8 +45,14 @@ pub struct TableStatus {
     /// starting with `schema.table:`).
     pub in_relay_table: i64,
     pub dead: i64,
-    /// Why it could not be read (no such table, a column missing).
+    /// What stands in its way, as start-up would say it (dropped, a column
+    /// gone, a key that may be NULL, a grant missing, out of the
+    /// publication), or why it could not be read.
     pub error: Option<String>,
+    /// Its name now, when it was renamed or moved since the configuration
+    /// named it (followed by its oid).
+    #[serde(default)]
+    pub renamed_to: Option<String>,
 }
 
 /// The running relay as `status` found it on `metrics_addr`.
@@ -180,8 +186,9 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
     };
     destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
     let mut tables = Vec::with_capacity(config.mapped.len());
+    let publication = (effective != Mode::Polling).then_some(config.publication.as_str());
     for m in &config.mapped {
-        tables.push(table_status(client, m).await?);
+        tables.push(table_status(client, m, publication).await?);
     }
     Ok(Status {
         tables,
@@ -196,8 +203,13 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
 }
 
 /// A mapped table's unpublished rows and its rows in the relay's table.
-async fn table_status(client: &Client, m: &crate::mapping::Mapping) -> Result<TableStatus, OpsError> {
+async fn table_status(
+    client: &Client,
+    m: &crate::mapping::Mapping,
+    publication: Option<&str>,
+) -> Result<TableStatus, OpsError> {
     let table = format!("{}.{}", m.schema, m.table);
+    let standing = crate::source::cdc::mapped::standing(client, m, publication).await?;
     let copies: tokio_postgres::Row = client
         .query_one(
             "SELECT count(*) FILTER (WHERE status = 'NEW'), count(*) FILTER (WHERE status = 'DEAD')
@@ -205,13 +217,23 @@ async fn table_status(client: &Client, m: &crate::mapping::Mapping) -> Result<Ta
             &[&format!("{table}:")],
         )
         .await?;
-    let mut t =
-        TableStatus { table, unpublished: None, in_relay_table: copies.get(0), dead: copies.get(1), error: None };
+    let mut t = TableStatus {
+        table,
+        unpublished: None,
+        in_relay_table: copies.get(0),
+        dead: copies.get(1),
+        error: standing.trouble,
+        renamed_to: standing.now.as_ref().map(|(schema, name)| format!("{schema}.{name}")),
+    };
     if let Some(p) = m.published_column() {
-        let sql = format!("SELECT count(*) FROM {} WHERE {} IS NULL", p.table, p.column);
+        // Under its name of the day (by its oid), if renamed.
+        let now =
+            standing.now.map(|(schema, table)| crate::mapping::Mapping { schema, table, ..m.clone() }.qualified());
+        let sql = format!("SELECT count(*) FROM {} WHERE {} IS NULL", now.as_deref().unwrap_or(&p.table), p.column);
         match client.query_one(&sql, &[]).await {
             Ok(r) => t.unpublished = Some(r.get(0)),
-            Err(e) => t.error = Some(db::describe(&e)),
+            Err(e) if t.error.is_none() => t.error = Some(db::describe(&e)),
+            Err(_) => {}
         }
     }
     Ok(t)
@@ -384,8 +406,11 @@ fn format_tables(tables: &[TableStatus]) -> String {
     for t in tables {
         let unpublished = t.unpublished.map_or_else(|| "-".to_string(), |n| n.to_string());
         out += &format!("{:<40} {:>12} {:>16} {:>10}\n", t.table, unpublished, t.in_relay_table, t.dead);
+        if let Some(now) = &t.renamed_to {
+            out += &format!("  renamed or moved: now {now} (followed by its oid; set `table` in [[outbox]])\n");
+        }
         if let Some(e) = &t.error {
-            out += &format!("  cannot read it: {e}\n");
+            out += &format!("  {e}\n");
         }
     }
     out

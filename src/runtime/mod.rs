@@ -86,6 +86,14 @@ pub async fn run(
     let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));
     let parts = Arc::new(Parts { settings, destinations, publisher, metrics: Arc::clone(&metrics) });
     let rereads = tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop_rx.clone()));
+    let publication = (mode != Mode::Polling).then(|| parts.settings.slot.publication.clone());
+    let tables = tokio::spawn(monitor::watch_mapped_tables(
+        db.clone(),
+        parts.settings.mapped.clone(),
+        publication,
+        Arc::clone(&metrics),
+        stop_rx.clone(),
+    ));
     let env = Env { config: &config, db: &db, parts, mode, sharded };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
@@ -95,6 +103,7 @@ pub async fn run(
     monitor.abort();
     sweeper.abort();
     rereads.abort();
+    tables.abort();
     if let Some(s) = metrics_server {
         let _ = s.await;
     }

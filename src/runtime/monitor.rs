@@ -8,7 +8,9 @@ use tokio::sync::watch;
 
 use crate::config::{Config, Mode};
 use crate::db::Db;
+use crate::mapping::Mapping;
 use crate::metrics::Metrics;
+use crate::source::cdc::mapped::{standing, Standing};
 use crate::source::cdc::HEARTBEAT_PREFIX;
 
 /// Polling mode does not read the slot: if it exists, it only holds WAL.
@@ -72,6 +74,66 @@ pub(crate) async fn monitor(
         if let Err(e) = res {
             tracing::debug!(error = %e, "monitor query failed; reconnecting");
             kept.lost();
+        }
+    }
+}
+
+/// How often [`watch_mapped_tables`] looks.
+const MAPPED_EVERY: Duration = Duration::from_secs(15);
+
+/// Every [`MAPPED_EVERY`], each mapped table as start-up would judge it
+/// ([`standing`]): what stands in its way now (dropped, a column the mapping
+/// needs gone, a key let be NULL, a grant taken back, out of the
+/// publication) and a new name, said in the log when it changes and in
+/// `outbox_relay_mapped_table_trouble{table}`. The rows themselves never
+/// wait on this: the stream and the settlement go on, each row sent, DEAD
+/// with its reason, or left unpublished in its table.
+pub(crate) async fn watch_mapped_tables(
+    db: Db,
+    mapped: Vec<Mapping>,
+    publication: Option<String>,
+    metrics: Arc<Metrics>,
+    mut stop: watch::Receiver<bool>,
+) {
+    if mapped.is_empty() {
+        return;
+    }
+    let mut kept = crate::db::Kept::new(db.clone());
+    let mut said: Vec<Standing> = vec![Standing::default(); mapped.len()];
+    loop {
+        let mut failed = false;
+        if let Some(c) = kept.get().await {
+            for (m, said) in mapped.iter().zip(&mut said) {
+                let table = format!("{}.{}", m.schema, m.table);
+                let now = match db.within("looking at a mapped table", standing(c, m, publication.as_deref())).await {
+                    Ok(now) => now,
+                    Err(e) => {
+                        tracing::debug!(table, error = %e, "mapped table watch failed; reconnecting");
+                        failed = true;
+                        break;
+                    }
+                };
+                metrics.mapped_table_trouble.with_label_values(&[&table]).set(i64::from(now.trouble.is_some()));
+                if now == *said {
+                    continue;
+                }
+                match (&now.trouble, &said.trouble) {
+                    (Some(why), _) => tracing::error!(table, "{why} (its rows are sent, DEAD with their reason, or left unpublished in it; no other table waits)"),
+                    (None, Some(_)) => tracing::info!(table, "mapped table readable again"),
+                    (None, None) => {}
+                }
+                if let (Some((schema, name)), true) = (&now.now, now.now != said.now) {
+                    tracing::warn!(table, now = %format!("{schema}.{name}"), "mapped table renamed or moved: followed by its oid; set `table` in [[outbox]] to its new name");
+                }
+                *said = now;
+            }
+        }
+        if failed {
+            kept.lost();
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(MAPPED_EVERY) => {}
+            _ = stop.wait_for(|s| *s) => return,
         }
     }
 }

@@ -158,6 +158,15 @@ async fn a_row_the_mapping_cannot_read_is_dead_and_nothing_else_stops() {
     .await;
     let after = db.current_lsn().await;
     wait_for("the slot confirmed past all of it", WAIT, || async { db.confirmed_flush_lsn().await >= after }).await;
+    let cfg = two_tables_config(&db, ("app", "ev2"), ("public", "outbox_messages"));
+    let status = outbox_relay::ops::status(&c, &cfg).await.unwrap();
+    let trouble = status.tables[0].error.as_deref().unwrap_or_default();
+    assert!(trouble.contains("no column \"aggregatetype\""), "{trouble}");
+    assert_eq!((status.tables[0].dead, status.tables[1].error.as_deref()), (5, None));
+    wait_for("the trouble in the metrics", Duration::from_secs(30), || async {
+        relay.metrics.render().contains("outbox_relay_mapped_table_trouble{table=\"app.ev2\"} 1")
+    })
+    .await;
     assert!(relay
         .metrics
         .render()
@@ -223,6 +232,12 @@ async fn renamed_and_moved_tables_are_followed() {
     .await;
     let after = db.current_lsn().await;
     wait_for("settled", WAIT, || async { db.confirmed_flush_lsn().await >= after }).await;
+    let old_names = two_tables_config(&db, ("app", "outboxevent"), ("public", "outbox_messages"));
+    let status = outbox_relay::ops::status(&c, &old_names).await.unwrap();
+    let renamed: Vec<(Option<&str>, Option<&str>)> =
+        status.tables.iter().map(|t| (t.renamed_to.as_deref(), t.error.as_deref())).collect();
+    assert_eq!(renamed, [(Some("app.outboxevent_v2"), None), (Some("moved.outbox_messages"), None)]);
+    assert_eq!(status.tables[1].unpublished, Some(0), "counted under its new name");
     relay.stop().await;
 
     // Restarted before its configuration is updated: the old names lead to
@@ -359,6 +374,11 @@ async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
     .await;
     let after = db.current_lsn().await;
     wait_for("the slot moves on", WAIT, || async { db.confirmed_flush_lsn().await >= after }).await;
+    let as_relay = tokio_postgres::connect(&cfg().database_url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(as_relay.1);
+    let status = outbox_relay::ops::status(&as_relay.0, &cfg()).await.unwrap();
+    let trouble = status.tables[0].error.as_deref().unwrap_or_default();
+    assert!(trouble.contains("GRANT UPDATE (\"published_at\")"), "{trouble}");
     c.batch_execute(&format!("GRANT UPDATE (published_at) ON outbox_messages TO {role}")).await.unwrap();
     relay.stop().await;
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();

@@ -26,9 +26,46 @@ pub struct Found {
 /// carries it (`None`: polling, no publication), a partitioned table by its
 /// root.
 pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Found, DbError> {
-    let Some(table) = locate(client, m).await? else {
+    check(client, m, publication, Record::Yes).await
+}
+
+/// What stands in a mapped table's way now, as start-up would judge it
+/// (without recording anything): for `status` and the running relay's
+/// watch. `now`: its name of the day when it is not the configured one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Standing {
+    /// Schema and name.
+    pub now: Option<(String, String)>,
+    /// The refusal start-up would give (dropped, a column gone, a key that
+    /// may be NULL, a grant missing, out of the publication).
+    pub trouble: Option<String>,
+}
+
+/// [`Standing`] of `m`.
+pub async fn standing(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Standing, DbError> {
+    let now = locate(client, m, Record::No)
+        .await?
+        .map(|t| (t.schema, t.name))
+        .filter(|(schema, name)| *schema != m.schema || *name != m.table);
+    match check(client, m, publication, Record::No).await {
+        Ok(_) => Ok(Standing { now, trouble: None }),
+        Err(DbError::Check(why)) => Ok(Standing { now, trouble: Some(why) }),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether [`locate`] records the oid it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Record {
+    Yes,
+    No,
+}
+
+async fn check(client: &Client, m: &Mapping, publication: Option<&str>, record: Record) -> Result<Found, DbError> {
+    let Some(table) = locate(client, m, record).await? else {
         return Err(DbError::Check(format!(
-            "mapped table {}.{}: no such table: fix `table` in [[outbox]] (schema.table), or create it",
+            "mapped table {}.{}: no such table (dropped, or renamed before a relay first started with it): fix \
+             `table` in [[outbox]] (schema.table), or create it",
             m.schema, m.table
         )));
     };
@@ -61,7 +98,7 @@ struct Located {
 /// earlier start found under it and that has been renamed or moved since
 /// (by its oid, recorded in `outbox_relay_sources`): followed, with a
 /// warning naming it. Found by name, its oid is recorded for the next start.
-async fn locate(client: &Client, m: &Mapping) -> Result<Option<Located>, DbError> {
+async fn locate(client: &Client, m: &Mapping, record: Record) -> Result<Option<Located>, DbError> {
     const BY: &str = "SELECT c.oid, n.nspname::text, c.relname::text, c.relreplident::text, c.relkind = 'p'
                         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p')";
     let located = |r: tokio_postgres::Row| Located {
@@ -76,7 +113,7 @@ async fn locate(client: &Client, m: &Mapping) -> Result<Option<Located>, DbError
         client.query_opt(&format!("{BY} AND n.nspname = $1 AND c.relname = $2"), &[&m.schema, &m.table]).await?;
     let remembered = client.query_one("SELECT to_regclass('outbox_relay_sources') IS NOT NULL", &[]).await?.get(0);
     if let Some(found) = by_name.map(located) {
-        if remembered {
+        if remembered && record == Record::Yes {
             remember(client, &configured, found.oid).await;
         }
         return Ok(Some(found));
@@ -86,6 +123,9 @@ async fn locate(client: &Client, m: &Mapping) -> Result<Option<Located>, DbError
     }
     let sql = format!("{BY} AND c.oid = (SELECT relid FROM outbox_relay_sources WHERE name = $1)");
     let Some(found) = client.query_opt(&sql, &[&configured]).await?.map(located) else { return Ok(None) };
+    if record == Record::No {
+        return Ok(Some(found));
+    }
     tracing::warn!(
         table = %configured, now = %format!("{}.{}", found.schema, found.name), oid = found.oid,
         "mapped table renamed or moved since the last start: followed by its oid; set `table` in [[outbox]] to its new name"
