@@ -36,6 +36,9 @@ pub struct MappedClaim {
     published: Arc<PublishedColumn>,
     /// The rows not published yet, in key order, locked: key and body size.
     lock_sql: String,
+    /// The same, of the keys in `$1` (text[]): rows set unpublished again
+    /// ([`run_resends`]).
+    lock_keys_sql: String,
     /// The locked rows' columns as text ([`Mapping::columns`]' order), then
     /// the database's clock.
     fetch_sql: String,
@@ -84,12 +87,17 @@ impl MappedClaim {
             quote_ident(&mapping.body)
         );
         let keys_in = published.keys_in();
+        let lock_keys_sql = format!(
+            "SELECT {id}::text, octet_length({}::text) FROM {t} WHERE {p} IS NULL AND {keys_in} ORDER BY {id} \
+             FOR UPDATE SKIP LOCKED",
+            quote_ident(&mapping.body)
+        );
         let fetch_sql = format!(
             "SELECT {}, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint FROM {t} WHERE {keys_in} ORDER BY {id}",
             exprs.join(", ")
         );
         let bytea = columns.iter().map(|c| type_of(c) == "bytea").collect();
-        Ok(MappedClaim { mapping: mapping.clone(), published, lock_sql, fetch_sql, bytea })
+        Ok(MappedClaim { mapping: mapping.clone(), published, lock_sql, lock_keys_sql, fetch_sql, bytea })
     }
 
     fn name(&self) -> String {
@@ -126,14 +134,32 @@ pub async fn claim_mapped(
     claim: &MappedClaim,
     parts: &Parts,
 ) -> Result<MappedRound, tokio_postgres::Error> {
+    claim_rows(client, claim, parts, None).await
+}
+
+/// A claim of the next unpublished rows (`keys` None: at most
+/// [`CLAIM_LIMIT`], none if another claim of the table runs), or of those
+/// of `keys` still unpublished (after any other claim of the table).
+async fn claim_rows(
+    client: &mut Client,
+    claim: &MappedClaim,
+    parts: &Parts,
+    keys: Option<&[String]>,
+) -> Result<MappedRound, tokio_postgres::Error> {
     let tx = client.transaction().await?;
     let lock = format!("outbox_relay:mapped:{}", claim.name());
-    let got: bool = tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&lock]).await?.get(0);
+    let got: bool = match keys {
+        None => tx.query_one("SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))", &[&lock]).await?.get(0),
+        Some(_) => tx.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", &[&lock]).await.map(|_| true)?,
+    };
     if !got {
         tx.commit().await?;
         return Ok(MappedRound::default());
     }
-    let locked = tx.query(&claim.lock_sql, &[&CLAIM_LIMIT]).await?;
+    let locked = match keys {
+        None => tx.query(&claim.lock_sql, &[&CLAIM_LIMIT]).await?,
+        Some(keys) => tx.query(&claim.lock_keys_sql, &[&keys]).await?,
+    };
     let mut round = MappedRound { claimed: locked.len(), ..MappedRound::default() };
     let keys = within_budget(&locked, parts.settings.memory.table_claim_bytes());
     if keys.is_empty() {
@@ -283,6 +309,80 @@ pub async fn catch_up(
             return Ok(sent);
         }
     }
+}
+
+/// A mapped row a later transaction set unpublished again (its published
+/// column back to NULL: the way to ask for it again): its table's index in
+/// the mappings, and its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resend {
+    pub table: usize,
+    pub key: String,
+}
+
+/// While a session streams: the rows the stream saw set unpublished again
+/// are claimed by their keys and sent, as polling does (gathered for
+/// [`RESEND_GATHER`], one claim per table). Until then they are unpublished
+/// in their table: a relay stopped first sends them at its next session's
+/// start. Ends when the stream drops its sender, or at `stop`.
+pub async fn run_resends(
+    db: db::Db,
+    parts: Arc<Parts>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Resend>,
+    stop: watch::Receiver<bool>,
+) {
+    let mut conn: Option<Client> = None;
+    let mut claims: BTreeMap<usize, MappedClaim> = BTreeMap::new();
+    while let Some(first) = rx.recv().await {
+        tokio::time::sleep(RESEND_GATHER).await;
+        let mut keys: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+        keys.entry(first.table).or_default().push(first.key);
+        while let Ok(r) = rx.try_recv() {
+            keys.entry(r.table).or_default().push(r.key);
+        }
+        for (table, keys) in keys {
+            let Some(mapping) = parts.settings.mapped.get(table) else { continue };
+            if let Err(e) = resend(&db, &mut conn, &mut claims, (table, mapping), &parts, &keys, &stop).await {
+                tracing::warn!(
+                    table = %format!("{}.{}", mapping.schema, mapping.table), rows = keys.len(), error = %e,
+                    "rows set unpublished again not sent now: they stay unpublished, sent at the next session's start"
+                );
+                conn = None;
+                claims.clear();
+            }
+        }
+    }
+}
+
+/// How long [`run_resends`] gathers keys after the first.
+const RESEND_GATHER: Duration = Duration::from_millis(20);
+
+/// Claims of `keys` of one table until none of them is left unpublished.
+async fn resend(
+    db: &db::Db,
+    conn: &mut Option<Client>,
+    claims: &mut BTreeMap<usize, MappedClaim>,
+    (table, mapping): (usize, &Mapping),
+    parts: &Parts,
+    keys: &[String],
+    stop: &watch::Receiver<bool>,
+) -> Result<(), String> {
+    if conn.as_ref().is_none_or(Client::is_closed) {
+        *conn = Some(db.connect().await.map_err(|e| e.to_string())?);
+    }
+    let client = conn.as_mut().expect("connected above");
+    if !claims.contains_key(&table) {
+        claims.insert(table, MappedClaim::new(client, mapping).await.map_err(|e| e.to_string())?);
+    }
+    let claim = &claims[&table];
+    while !*stop.borrow() {
+        let round = claim_rows(client, claim, parts, Some(keys)).await.map_err(|e| db::describe(&e))?;
+        if round.claimed == 0 || round.published + round.handed == 0 {
+            break;
+        }
+        tracing::info!(table = %claim.name(), rows = round.published + round.handed, "rows set unpublished again sent");
+    }
+    Ok(())
 }
 
 /// Before a stream session starts: every mapped table with a published

@@ -383,3 +383,63 @@ async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
     relay.stop().await;
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
 }
+
+/// Setting published rows' published column back to NULL is the way to ask
+/// for them again: a streaming relay sends them within moments (by a claim
+/// of their keys), as a polling relay does within a poll, and marks them
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_set_unpublished_again_are_sent_again_in_both_modes() {
+    let db = TestDb::new("op_resend").await;
+    let c = db.client().await;
+    c.batch_execute(
+        "CREATE TABLE outbox_messages (id bigserial PRIMARY KEY, topic text NOT NULL, payload jsonb NOT NULL,
+                                       published_at timestamptz);
+         ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
+    )
+    .await
+    .unwrap();
+    let cfg = |mode| {
+        let mut cfg = config(&db, &[("events", EVENTS)]);
+        cfg.mapped = vec![Mapping::preset(Preset::TopicPayload, "public", "outbox_messages")];
+        cfg.mode = mode;
+        cfg.poll_interval = Duration::from_millis(200);
+        cfg
+    };
+    let unpublished = || async {
+        c.query_one("SELECT count(*) FROM outbox_messages WHERE published_at IS NULL", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let times = |p: &MemoryPublisher, prefix: &str, n: usize| {
+        let got = tags(p, EVENTS);
+        (1..=n).map(|i| got.get(&format!("{prefix}:{i}")).copied().unwrap_or(0)).min().unwrap_or(0)
+    };
+    let p = publisher();
+    let relay = start(cfg(outbox_relay::config::Mode::Cdc), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    topic_rows(&c, "outbox_messages", "a", 60).await;
+    wait_for("sent and marked", WAIT, || async { times(&p, "a", 60) == 1 && unpublished().await == 0 }).await;
+    c.batch_execute("UPDATE outbox_messages SET published_at = NULL WHERE payload->>'e' <= 'a:5'").await.unwrap();
+    let asked: Vec<usize> = (1..=60).filter(|i| format!("a:{i}").as_str() <= "a:5").collect();
+    wait_for("the streaming relay sends them again", Duration::from_secs(10), || async {
+        let got = tags(&p, EVENTS);
+        asked.iter().all(|i| got.get(&format!("a:{i}")) == Some(&2))
+    })
+    .await;
+    wait_for("marked again", WAIT, || async { unpublished().await == 0 }).await;
+    let others = tags(&p, EVENTS).into_iter().filter(|(t, n)| *n > 1 && t.as_str() > "a:5").count();
+    assert_eq!(others, 0, "only the rows asked for are sent again");
+    relay.stop().await;
+
+    let relay = start(cfg(outbox_relay::config::Mode::Polling), Arc::new(p.clone()));
+    c.batch_execute("UPDATE outbox_messages SET published_at = NULL WHERE payload->>'e' <= 'a:5'").await.unwrap();
+    wait_for("the polling relay sends them again", Duration::from_secs(10), || async {
+        let got = tags(&p, EVENTS);
+        asked.iter().all(|i| got.get(&format!("a:{i}")) == Some(&3))
+    })
+    .await;
+    wait_for("marked again", WAIT, || async { unpublished().await == 0 }).await;
+    relay.stop().await;
+}

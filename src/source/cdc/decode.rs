@@ -11,8 +11,10 @@ use crate::mapping::Mapping;
 use crate::pipeline::intake::{Change, Chunk};
 
 use super::row::{
-    as_committed, inserted_published, mapped_key, mapped_row, owned_by_table, row_from_tuple, tuple_id, updated_row,
+    as_committed, inserted_published, mapped_key, mapped_row, owned_by_table, row_from_tuple, tuple_id,
+    unpublished_again, updated_row,
 };
+use crate::source::mapped_table::Resend;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -42,6 +44,8 @@ pub(crate) struct Decoder {
     /// The mapped tables read besides the relay's own, each with its
     /// published column ([`Mapping::published_column`]).
     pub(crate) mapped: Vec<(Mapping, Option<Arc<PublishedColumn>>)>,
+    /// Where mapped rows set unpublished again go to be claimed.
+    pub(crate) resend: tokio::sync::mpsc::UnboundedSender<Resend>,
 }
 
 /// Whose rows a relation holds.
@@ -159,7 +163,7 @@ impl Decoder {
         }
         match msg {
             LogicalMessage::Insert { relation, new } => return self.on_insert(relation, &new, sql).await,
-            LogicalMessage::Update { relation, new, .. } => self.on_update(relation, &new)?,
+            LogicalMessage::Update { relation, new, old, .. } => self.on_update(relation, &new, old.as_ref())?,
             LogicalMessage::Delete { relation, key, old } => self.on_delete(relation, key.or(old)),
             LogicalMessage::Truncate { .. } => {
                 tracing::warn!(
@@ -220,15 +224,25 @@ impl Decoder {
 
     /// A row its own transaction inserted and then changed is sent as it
     /// stands at commit (a chunk handed on earlier was read back from the
-    /// table). Other updates (later transactions, the relay's own marks)
-    /// change nothing here.
-    fn on_update(&mut self, relation: u32, new: &Tuple) -> Result<(), CdcError> {
+    /// table). A mapped row a later transaction set unpublished again (its
+    /// published column back to NULL) is claimed from its table and sent
+    /// ([`Resend`]). Other updates (later transactions, the relay's own
+    /// marks) change nothing here.
+    fn on_update(&mut self, relation: u32, new: &Tuple, old: Option<&Tuple>) -> Result<(), CdcError> {
         let Some(rel) = self.cache.get(relation) else { return Ok(()) };
         let table = self.table(rel);
-        if let Some(Table::Mapped(i)) = table {
-            let (m, published) = &self.mapped[i];
+        if let Some(Table::Mapped(m_at)) = table {
+            let (m, published) = &self.mapped[m_at];
             let (Some(t), Some(key)) = (self.txn.as_mut(), mapped_key(m, rel, new)) else { return Ok(()) };
-            if let Some(&i) = t.mapped_buffered.get(&(relation, key)) {
+            let Some(&i) = t.mapped_buffered.get(&(relation, key.clone())) else {
+                if unpublished_again(m, rel, new, old) {
+                    // The session's end drops the receiver: the row stays
+                    // unpublished, sent at the next session's start.
+                    let _ = self.resend.send(Resend { table: m_at, key });
+                }
+                return Ok(());
+            };
+            {
                 let fallback = || t.buf[i].mapped.as_ref().map(|r| r.key.clone()).unwrap_or_default();
                 let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref(), fallback);
                 (row.xid, row.commit_lsn, row.commit_seq) = (Some(t.xid), Some(t.final_lsn), t.buf[i].commit_seq);

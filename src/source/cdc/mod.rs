@@ -24,6 +24,7 @@ use crate::db;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
 use crate::pipeline::watermark::Watermark;
+use crate::source::mapped_table::{run_resends, Resend};
 
 mod decode;
 pub mod mapped;
@@ -116,7 +117,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 
     let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
     let confirm = Arc::new(Notify::new());
-    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, &watermark, &confirm).await {
+    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, (&watermark, &confirm), &stop).await {
         Ok(p) => p,
         Err(e) => {
             let _ = repl.shutdown().await;
@@ -135,6 +136,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     settler.abort();
     pipeline.wal_watch.abort();
     pipeline.held_watch.abort();
+    pipeline.resends.abort();
     // What this session's watch held is released: the next session, or the
     // watch for one, judges afresh.
     ctx.parts.metrics.release_hold();
@@ -151,6 +153,9 @@ struct Pipeline {
     wal_watch: tokio::task::JoinHandle<()>,
     held_watch: tokio::task::JoinHandle<()>,
     progress: Arc<StreamProgress>,
+    /// Mapped rows set unpublished again, to their claims ([`run_resends`]).
+    resend: tokio::sync::mpsc::UnboundedSender<Resend>,
+    resends: tokio::task::JoinHandle<()>,
 }
 
 /// The session's pipeline ([`Streaming::start`]), after the lanes with rows
@@ -158,8 +163,8 @@ struct Pipeline {
 async fn start_pipeline(
     ctx: &StreamContext,
     sql: &Client,
-    watermark: &Arc<Mutex<Watermark>>,
-    confirm: &Arc<Notify>,
+    (watermark, confirm): (&Arc<Mutex<Watermark>>, &Arc<Notify>),
+    stop: &watch::Receiver<bool>,
 ) -> Result<(Pipeline, Settler), CdcError> {
     let (cfg, db) = (&ctx.parts.settings, &ctx.db);
     let settler_client = db.connect().await?;
@@ -177,7 +182,9 @@ async fn start_pipeline(
         handed_until: Arc::clone(&ctx.handed_until),
     }));
     let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, watermark, confirm);
-    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress }, settler))
+    let (resend, rx) = tokio::sync::mpsc::unbounded_channel();
+    let resends = tokio::spawn(run_resends(db.clone(), Arc::clone(&ctx.parts), rx, stop.clone()));
+    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress, resend, resends }, settler))
 }
 
 /// Lanes with rows in the table keep spooling until the drain empties it,
@@ -263,6 +270,7 @@ async fn stream(
         startup_lsn,
         handed_until: Arc::clone(&ctx.handed_until),
         mapped: ctx.parts.settings.mapped.iter().map(|m| (m.clone(), m.published_column())).collect(),
+        resend: pipeline.resend.clone(),
     };
     loop {
         tokio::select! {

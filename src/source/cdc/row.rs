@@ -127,6 +127,17 @@ pub(crate) fn inserted_published(mapping: &Mapping, rel: &Relation, t: &Tuple) -
     mapping.published.as_deref().is_some_and(|c| text(rel, t, c).is_some())
 }
 
+/// An UPDATE that left a mapped row's published column NULL where it was
+/// set: the way to ask for the row again. Without the old row (a replica
+/// identity other than FULL) an update that leaves it NULL counts too: the
+/// claim that follows finds it published already, or sends it (at least
+/// once).
+pub(crate) fn unpublished_again(mapping: &Mapping, rel: &Relation, new: &Tuple, old: Option<&Tuple>) -> bool {
+    let Some(i) = mapping.published.as_deref().and_then(|c| rel.column_index(c)) else { return false };
+    let null = |t: &Tuple| matches!(t.0.get(i), Some(TupleValue::Null));
+    null(new) && old.is_none_or(|o| !null(o))
+}
+
 /// The key of a mapped table's row in a tuple (a delete's key, an update's
 /// new row), as text.
 pub(crate) fn mapped_key(mapping: &Mapping, rel: &Relation, t: &Tuple) -> Option<String> {
