@@ -371,10 +371,12 @@ async fn resend(
         *conn = Some(db.connect().await.map_err(|e| e.to_string())?);
     }
     let client = conn.as_mut().expect("connected above");
-    if !claims.contains_key(&table) {
-        claims.insert(table, MappedClaim::new(client, mapping).await.map_err(|e| e.to_string())?);
-    }
-    let claim = &claims[&table];
+    let claim = match claims.entry(table) {
+        std::collections::btree_map::Entry::Occupied(c) => c.into_mut(),
+        std::collections::btree_map::Entry::Vacant(v) => {
+            v.insert(MappedClaim::new(client, mapping).await.map_err(|e| e.to_string())?)
+        }
+    };
     while !*stop.borrow() {
         let round = claim_rows(client, claim, parts, Some(keys)).await.map_err(|e| db::describe(&e))?;
         if round.claimed == 0 || round.published + round.handed == 0 {
