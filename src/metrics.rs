@@ -268,6 +268,13 @@ impl Metrics {
     }
 
     /// A send to `destination` through `service` succeeded.
+    /// Whether `destination`'s calls to `service` fail now (no success
+    /// since the last failure).
+    pub fn is_failing(&self, destination: &str, service: Service) -> bool {
+        let health = self.health.lock().unwrap();
+        health.get(destination).is_some_and(|h| h.failing.iter().any(|f| f.service == service))
+    }
+
     pub fn succeeded(&self, destination: &str, service: Service) {
         let mut health = self.health.lock().unwrap();
         let Some(h) = health.get_mut(destination) else { return };

@@ -40,6 +40,9 @@ pub enum Signal {
     Throttled,
     /// Failed otherwise: the network, a timeout, a server error.
     Failed,
+    /// The call never reached the queue (the objects its entries point at
+    /// could not be written to S3): it says nothing of the queue.
+    Silent,
 }
 
 impl Signal {
@@ -138,6 +141,7 @@ impl Limiter {
                 self.limit = (self.limit - DECREASE).max(1.0);
                 self.slow_start_until = self.slow_start_until.min(self.limit);
             }
+            Signal::Silent => {}
         }
         self.limit() != before
     }

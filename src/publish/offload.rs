@@ -246,6 +246,8 @@ pub struct MemoryStore {
     pub down: AtomicBool,
     /// While set, every write waits without answering (a hung endpoint).
     pub hung: AtomicBool,
+    /// Writes tried, answered or not.
+    pub attempts: std::sync::atomic::AtomicUsize,
 }
 
 #[cfg(any(test, feature = "test-utils"))]
@@ -269,6 +271,7 @@ impl MemoryStore {
 #[async_trait]
 impl ObjectStore for MemoryStore {
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<(), CallError> {
+        self.attempts.fetch_add(1, Ordering::AcqRel);
         if self.hung.load(Ordering::Acquire) {
             std::future::pending::<()>().await;
         }

@@ -188,6 +188,64 @@ async fn s3_gone_for_30_s_loses_nothing_and_no_pointer_dangles() {
     relay.stop().await;
 }
 
+/// S3 hangs (connections accepted, never answered) while small and big
+/// rows of a standard queue keep coming: the small rows keep streaming (at
+/// least 90% of those written during the hang are sent during it), the big
+/// ones wait in the table (each write fails at its deadline, and while S3
+/// fails the next ones go there without trying), the lane never spools, and
+/// once S3 answers every row arrives with its object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_s3_hang_holds_back_only_the_rows_that_need_it() {
+    let db = TestDb::new("s3_hang").await;
+    let sqs = sqs().await;
+    let queue = create_queue(&sqs, "bigh", false, Some(1024)).await;
+    let bucket = create_bucket().await;
+    let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
+    let proxy = Proxy::start(&upstream).await;
+    let mut cfg = config_with(&db, &[("bigh", &queue)], through(&bucket, &proxy.url));
+    // Writes fail at half of it: 2 s.
+    cfg.lane_stall_timeout = Duration::from_secs(4);
+    let relay = start(cfg.clone(), Arc::new(sqs.clone()));
+    let c = db.client().await;
+    insert(&c, "before", "bigh", &body("before", 3000), None).await;
+    wait_for("the first body through S3", Duration::from_secs(60), || async { db.count("true").await == 0 }).await;
+
+    let switches = || relay.metrics.lane_spool_switches.with_label_values(&["bigh"]).get();
+    let before = switches();
+    proxy.hang();
+    let hang = std::time::Instant::now();
+    let mut want = Vec::new();
+    let mut small = Vec::new();
+    for i in 0..120 {
+        let b = if i % 2 == 0 { body(&format!("big{i}"), 2000 + i) } else { body(&format!("small{i}"), 50) };
+        insert(&c, &format!("h:{i}"), "bigh", &b, None).await;
+        if i % 2 == 1 {
+            small.push(format!("h:{i}"));
+        }
+        want.push(b);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A moment for the last ones, S3 still hung.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let waiting: i64 =
+        c.query_one("SELECT count(*) FROM outbox WHERE event_id = ANY($1)", &[&small]).await.unwrap().get(0);
+    let hung_for = hang.elapsed();
+    assert!(waiting * 10 <= small.len() as i64, "{waiting} of {} small rows waited on the hung S3", small.len());
+    assert_eq!(switches(), before, "the lane never spooled for S3");
+    assert_eq!(db.count("status = 'DEAD'").await, 0);
+    proxy.up();
+    wait_for("every row settled after S3 answered", Duration::from_secs(120), || async { db.count("true").await == 0 })
+        .await;
+    let mut got = receive_resolved(&sqs, &queue, want.len() + 1).await;
+    got.retain(|b| !b.starts_with("before:"));
+    got.sort();
+    got.dedup();
+    want.sort();
+    assert_eq!(got, want, "every row arrived, every pointer resolves");
+    eprintln!("S3 hung {hung_for:?}: {waiting} of {} small rows waited", small.len());
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_that_does_not_answer_is_a_start_up_refusal_naming_it() {
     let db = TestDb::new("s3_refusal").await;

@@ -759,12 +759,15 @@ mod tests {
         assert_eq!(next_deadline(now, linger, Some(now - ms(300)), None), None, "due now: no wait");
     }
 
-    /// Bodies through S3: the object is written before its message is sent;
-    /// while S3 is down the call fails as a whole (nothing sent, nothing
-    /// DEAD, retried), and once it is back the message carries the pointer
-    /// to the object written, written once.
+    /// Bodies through S3: the object is written before its message is sent.
+    /// A standard queue's stream lane hands an entry whose object cannot be
+    /// written to the table (with its backoff, the error named), and while
+    /// S3 fails for the destination hands the next ones there without
+    /// trying: no pointer without its object, and nothing else waits. Once
+    /// S3 answers again (the table path's write succeeds), the stream writes
+    /// them itself, once.
     #[tokio::test]
-    async fn an_s3_outage_fails_the_call_and_no_pointer_dangles() {
+    async fn an_s3_outage_hands_its_entries_to_the_table_and_no_pointer_dangles() {
         use std::sync::atomic::Ordering;
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
@@ -776,21 +779,34 @@ mod tests {
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
         let big = "b".repeat(5000);
-        let ev = OutboxEvent::for_test(1, "orders", &big);
-        tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)).await.unwrap();
+        let big_item = |id| {
+            let ev = OutboxEvent::for_test(id, "orders", &big);
+            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
+        };
+        tx.send(big_item(1)).await.unwrap();
         tx.send(item(2)).await.unwrap();
-        let s3_failures = || metrics.sqs_entry_failures.with_label_values(&["orders", "S3.ServiceUnavailable"]).get();
-        // The small entry does not wait for the big one's object.
-        let first = settle_rx.recv().await.unwrap();
-        assert_eq!((first.id(), matches!(first.outcome, Outcome::Published)), (2, true));
-        until("three sends failed on S3", || s3_failures() >= 3).await;
+        let mut settled = vec![settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap()];
+        settled.sort_by_key(Settlement::id);
+        assert!(matches!(settled[1].outcome, Outcome::Published), "the small entry does not wait");
+        assert!(
+            matches!(&settled[0].outcome, Outcome::Deferred(e, Due::Backoff) if e.starts_with("S3.ServiceUnavailable")),
+            "{:?}",
+            settled[0].outcome
+        );
+        let attempts = store.attempts.load(Ordering::Acquire);
+        tx.send(big_item(3)).await.unwrap();
+        let third = settle_rx.recv().await.unwrap();
+        assert!(matches!(&third.outcome, Outcome::Deferred(e, Due::Backoff) if e.contains("S3 failing")));
+        assert_eq!(store.attempts.load(Ordering::Acquire), attempts, "not tried while S3 fails");
         assert!(p.sent(Q).iter().all(|m| !m.body.contains("PayloadS3Pointer")), "no pointer without its object");
-        assert!(settle_rx.try_recv().is_err(), "nothing settled (nothing DEAD) while S3 is down");
+
         store.down.store(false, Ordering::Release);
-        let second = settle_rx.recv().await.unwrap();
-        assert_eq!((second.id(), matches!(second.outcome, Outcome::Published)), (1, true));
+        metrics.succeeded("orders", crate::metrics::Service::S3);
+        tx.send(big_item(4)).await.unwrap();
+        let fourth = settle_rx.recv().await.unwrap();
+        assert_eq!((fourth.id(), matches!(fourth.outcome, Outcome::Published)), (4, true));
         let sent = p.sent(Q);
-        let pointer = sent.iter().find(|m| m.outbox_id == 1).unwrap();
+        let pointer = sent.iter().find(|m| m.outbox_id == 4).unwrap();
         let v: serde_json::Value = serde_json::from_str(&pointer.body).unwrap();
         let key = v[1]["s3Key"].as_str().unwrap();
         assert_eq!(store.get("bodies", key).as_deref(), Some(big.as_bytes()), "the pointer's object holds the body");
@@ -803,9 +819,10 @@ mod tests {
     }
 
     /// A standard queue: while S3 hangs, the batch's entries that need no
-    /// object go out at once, and the write fails at its own deadline
-    /// (half the stall timeout), not the SDK's 20 s; once S3 answers the
-    /// offloaded entry follows.
+    /// object go out at once; the write fails at its own deadline (half the
+    /// stall timeout), not the SDK's 20 s, and its entry goes to the table;
+    /// the big entries after it go there at once, and the small ones keep
+    /// streaming: nothing stays unsettled long enough to spool the lane.
     #[tokio::test]
     async fn a_hung_s3_write_holds_no_small_message_of_a_standard_queue() {
         use std::sync::atomic::Ordering;
@@ -816,30 +833,48 @@ mod tests {
         let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
         cfg.queue = queue.clone();
         let metrics = Metrics::new();
-        let (tx, rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(64);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
         let started = Instant::now();
-        let big = OutboxEvent::for_test(1, "orders", &"b".repeat(5000));
-        tx.send(LaneItem::new(prepare(Arc::new(big), &queue).unwrap(), None, None).ending_chunk(false)).await.unwrap();
-        for id in 2..=4 {
+        let big = |id| {
+            let ev = OutboxEvent::for_test(id, "orders", &"b".repeat(5000));
+            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(false)
+        };
+        let small = |id, end| {
             let ev = OutboxEvent::for_test(id, "orders", "small");
-            tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(id == 4))
-                .await
-                .unwrap();
+            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(end)
+        };
+        tx.send(big(1)).await.unwrap();
+        for id in 2..=4 {
+            tx.send(small(id, id == 4)).await.unwrap();
         }
         for _ in 2..=4 {
             let s = settle_rx.recv().await.unwrap();
             assert!(s.id() != 1 && matches!(s.outcome, Outcome::Published), "{:?}", s.outcome);
         }
         assert!(started.elapsed() < Duration::from_millis(900), "the small ones did not wait: {:?}", started.elapsed());
-        let timeouts = || metrics.sqs_entry_failures.with_label_values(&["orders", "S3.timeout"]).get();
-        until("the hung write's deadline", || timeouts() >= 1).await;
+        let first = settle_rx.recv().await.unwrap();
         assert!(started.elapsed() >= Duration::from_secs(1), "the deadline is half the stall timeout");
-        store.hung.store(false, Ordering::Release);
-        let last = settle_rx.recv().await.unwrap();
-        assert_eq!((last.id(), matches!(last.outcome, Outcome::Published)), (1, true));
-        assert_eq!(store.len(), 1);
+        assert!(
+            matches!(&first.outcome, Outcome::Deferred(e, Due::Backoff) if e.starts_with("S3.timeout")),
+            "{:?}",
+            first.outcome
+        );
+        // S3 still hung: big entries to the table at once, small ones sent.
+        let again = Instant::now();
+        for id in 5..=14 {
+            tx.send(if id % 2 == 0 { big(id) } else { small(id, id == 13) }).await.unwrap();
+        }
+        let mut outcomes = Vec::new();
+        for _ in 5..=14 {
+            let s = settle_rx.recv().await.unwrap();
+            outcomes.push((s.id(), matches!(s.outcome, Outcome::Published)));
+        }
+        assert!(again.elapsed() < Duration::from_millis(900), "nothing waited on the hung S3: {:?}", again.elapsed());
+        outcomes.sort_unstable();
+        assert!(outcomes.iter().all(|(id, published)| *published == (id % 2 == 1)), "{outcomes:?}");
+        assert_eq!(store.len(), 0);
         drop(tx);
         lane.await.unwrap();
     }

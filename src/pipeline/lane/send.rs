@@ -87,13 +87,46 @@ pub(super) async fn send_until_settled(
     spool: Option<watch::Receiver<Flow>>,
 ) -> Unsent {
     let (mut now, later) = apart_from_objects(batch);
+    let mut unsent = Unsent::default();
+    let later = if s3_to_table(ctx) && ctx.metrics.is_failing(&ctx.cfg.name, Service::S3) {
+        // S3 fails for this destination: the entries whose objects are not
+        // written wait in the table, where the table path writes them once
+        // it answers (its own backoff; it alone tries, and its success
+        // opens this path again), rather than hold a call, and the lane
+        // behind them, for a write's deadline.
+        unsent.deferred.extend(ordering_groups(&later));
+        for item in later {
+            defer(ctx, item, S3_FAILING, Due::Backoff);
+        }
+        Vec::new()
+    } else {
+        later
+    };
     if now.is_empty() || later.is_empty() {
         now.extend(later);
-        return send_retrying(ctx, now, spool).await;
+        unsent.extend(send_retrying(ctx, now, spool).await);
+        return unsent;
     }
-    let (mut unsent, other) = tokio::join!(send_retrying(ctx, now, spool.clone()), send_retrying(ctx, later, spool));
+    let (sent, other) = tokio::join!(send_retrying(ctx, now, spool.clone()), send_retrying(ctx, later, spool));
+    unsent.extend(sent);
     unsent.extend(other);
     unsent
+}
+
+/// Why an entry whose object is not written went to the table.
+const S3_FAILING: &str = "S3 failing for this destination: its body is written from the table once S3 answers";
+
+/// Whether this lane hands entries whose object cannot be written to the
+/// table at once: a stream lane of a standard queue (nothing orders its
+/// entries; a FIFO lane keeps the group in memory behind its entry, and
+/// spools if it must). The table path hands every failure back anyway.
+fn s3_to_table(ctx: &Ctx) -> bool {
+    ctx.cfg.retry == RetryPolicy::InMemory && !ctx.cfg.queue.fifo
+}
+
+/// Whether `err` (an entry's last error) is a failed write to S3.
+fn s3_failure(err: &str) -> bool {
+    err.starts_with("S3.")
 }
 
 /// Split `batch` into the entries that can go now and those that wait for an
@@ -137,11 +170,21 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
         if retry.is_empty() {
             break;
         }
-        if ctx.cfg.retry == RetryPolicy::ToTable {
-            for (item, err) in retry {
-                unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
-                settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
-            }
+        // The table path hands every failure back to the table; a standard
+        // queue's stream lane hands it failed writes to S3, and retries the
+        // rest from memory (a queue's failures are the lane's to wait out
+        // or spool on).
+        let (table, memory): (Retries, Retries) = match ctx.cfg.retry {
+            RetryPolicy::ToTable => (retry, Vec::new()),
+            RetryPolicy::InMemory if s3_to_table(ctx) => retry.into_iter().partition(|(_, err)| s3_failure(err)),
+            RetryPolicy::InMemory => (Vec::new(), retry),
+        };
+        for (item, err) in table {
+            unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
+            settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
+        }
+        let retry = memory;
+        if retry.is_empty() {
             break;
         }
         todo = retry.into_iter().map(|(i, _)| i).collect();
@@ -310,8 +353,11 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
 /// What a call's result says about the far end, for the lane's limit.
 fn signal(result: &Result<Vec<EntryResult>, CallError>, rtt: std::time::Duration) -> Signal {
     match result {
+        // Nothing was sent: every entry waited on an object not written.
+        Err(e) if s3_failure(&e.code) => Signal::Silent,
         Err(e) => Signal::of(Err::<[&str; 0], _>(e.code.as_str()), rtt),
-        Ok(results) => Signal::of(Ok(results.iter().filter_map(retryable_code)), rtt),
+        // Entries failed on S3 say nothing of the queue.
+        Ok(results) => Signal::of(Ok(results.iter().filter_map(retryable_code).filter(|c| !s3_failure(c))), rtt),
     }
 }
 
