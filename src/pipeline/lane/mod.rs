@@ -785,7 +785,7 @@ mod tests {
         };
         tx.send(big_item(1)).await.unwrap();
         tx.send(item(2)).await.unwrap();
-        let mut settled = vec![settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap()];
+        let mut settled = [settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap()];
         settled.sort_by_key(Settlement::id);
         assert!(matches!(settled[1].outcome, Outcome::Published), "the small entry does not wait");
         assert!(
