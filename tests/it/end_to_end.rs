@@ -289,9 +289,10 @@ async fn migrate_dry_run_shows_the_sql_and_applies_nothing() {
     admin.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).await.unwrap();
 }
 
-/// A database migrated before migrations 11 to 13 is brought up to date:
-/// `deliver_at` and `commit_lsn` appear, `outbox_enqueue_job` takes the trace context, and
-/// a call written for the five-argument function works unchanged.
+/// A database migrated before migrations 11 to 14 is brought up to date:
+/// `deliver_at` and `commit_lsn` appear, `outbox_enqueue_job` takes the trace context,
+/// mapped tables' oids get their table, and a call written for the
+/// five-argument function works unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_older_schema_is_migrated_and_old_enqueue_calls_still_work() {
     let name = unique("t_upgrade");
@@ -304,7 +305,7 @@ async fn an_older_schema_is_migrated_and_old_enqueue_calls_still_work() {
     let overloads = "SELECT count(*) FROM pg_proc WHERE proname = 'outbox_enqueue_job'";
     c.batch_execute("SELECT outbox_enqueue_job('old', '{\"n\": 1}', 'jobs')").await.unwrap();
     let applied = outbox_relay::db::schema::migrate(&mut c).await.unwrap();
-    assert_eq!(applied, vec![11, 12, 13]);
+    assert_eq!(applied, vec![11, 12, 13, 14]);
     assert_eq!(c.query_one(overloads, &[]).await.unwrap().get::<_, i64>(0), 1, "one outbox_enqueue_job");
     c.batch_execute(
         "SELECT outbox_enqueue_job('old', '{\"n\": 2}', 'jobs');
