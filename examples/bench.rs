@@ -67,6 +67,15 @@ struct Args {
     /// Run only the drain of 2 MiB bodies through S3 beside a raw client.
     #[arg(long)]
     s3_only: bool,
+    /// Run only the memory shapes: peak RSS beside the bound on the
+    /// workloads users have (one big transaction of small rows, huge bodies
+    /// committed at once, huge bodies while S3 hangs).
+    #[arg(long)]
+    memory_only: bool,
+    /// With --memory-only: an environment variable for the relay
+    /// (`NAME=value`), to compare one setting with the default.
+    #[arg(long)]
+    relay_env: Option<String>,
     /// Run only the decode comparison (pg_recvlogical, transient and
     /// persistent rows, settlement WAL), with this many rows.
     #[arg(long)]
@@ -1333,6 +1342,178 @@ async fn huge_bodies(sqs: &SqsPublisher, n: usize, body: usize, mode: &str) -> L
 }
 
 // ---------------------------------------------------------------------------
+// 6b. Memory on the shapes users have: peak RSS (VmHWM) beside the bound a
+// container is sized by, `max_unsettled_bytes + 2 × the largest body +
+// 64 MiB`, with the defaults (64 MB budget; `s3.max_body_bytes` 32 MB where
+// bodies go through S3).
+
+#[derive(Clone, serde::Serialize)]
+struct MemoryShape {
+    shape: String,
+    rows: usize,
+    seconds: f64,
+    peak_rss_mb: f64,
+    bound_mb: f64,
+    /// The relay's environment beside the default, if any.
+    env: String,
+}
+
+/// One shape: rows written by `write` (the slot exists already, the relay
+/// not started), drained by the relay (through S3 via a proxy that `hang`s
+/// for its first 25 s if asked); peak RSS beside `bound`.
+async fn memory_shape(
+    sqs: &SqsPublisher,
+    a: &Args,
+    shape: &str,
+    largest_body: u64,
+    s3: Option<bool>,
+    write: impl AsyncFnOnce(&TestDb, &str) -> usize,
+) -> MemoryShape {
+    let budget = 64u64 << 20;
+    let db = TestDb::new("bench_mem").await;
+    create_slot(&db, &db.slot).await;
+    let queues = create_queues(sqs, 1).await;
+    db.client().await.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
+    let rows = write(&db, &queues[0].0).await;
+    let addr = free_addr();
+    let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
+    let proxy = testkit::proxy::Proxy::start(&upstream).await;
+    let mut extra = format!("metrics_addr = \"{addr}\"\nlane_stall_timeout = \"1h\"");
+    if s3.is_some() {
+        let bucket = testkit::create_bucket("benchmem").await;
+        extra += &format!("\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\nmax_body_bytes = \"32MB\"", proxy.url);
+    }
+    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &extra);
+    let env: Vec<(String, String)> =
+        a.relay_env.iter().filter_map(|e| e.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let t = Instant::now();
+    let relay = cfg.spawn_with(&env_refs);
+    if s3 == Some(true) {
+        // Hung once the relay is up (its start-up checks the bucket).
+        while scrape(&addr).await.is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        proxy.hang();
+    }
+    let mut rss = 0;
+    loop {
+        if s3 == Some(true) && t.elapsed() > Duration::from_secs(25) {
+            proxy.up();
+        }
+        if let Some(text) = scrape(&addr).await {
+            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= rows as f64 {
+                break;
+            }
+        }
+        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+        assert!(t.elapsed() < Duration::from_secs(1800), "{shape}: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+    relay.terminate(Duration::from_secs(15)).await;
+    delete_queues(sqs, &queues).await;
+    let mb = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
+    let bound = budget + 2 * s3.map_or(largest_body, |_| 32 << 20) + (64 << 20);
+    MemoryShape {
+        shape: shape.into(),
+        rows,
+        seconds: (secs * 10.0).round() / 10.0,
+        peak_rss_mb: mb(rss),
+        bound_mb: mb(bound),
+        env: a.relay_env.clone().unwrap_or_default(),
+    }
+}
+
+/// `n` rows of 20-30 MiB in transactions of `per_txn`, committed at once
+/// (each transaction on its own connection, all open until the last row).
+async fn huge_at_once(db: &TestDb, destination: &str, n: usize, per_txn: usize) -> usize {
+    let mut txns = Vec::new();
+    for t in 0..n.div_ceil(per_txn) {
+        let c = db.client().await;
+        let dest = destination.to_string();
+        let rows: Vec<(i32, i32)> = (t * per_txn..((t + 1) * per_txn).min(n))
+            .map(|i| (i as i32, ((20 << 20) + (i % 3) * (5 << 20)) as i32))
+            .collect();
+        txns.push(tokio::spawn(async move {
+            c.batch_execute("BEGIN").await.unwrap();
+            for (i, size) in rows {
+                c.execute(
+                    "INSERT INTO outbox (event_id, destination, body) VALUES ('huge:' || $1::int, $2, repeat(chr(97 + $1::int % 26), $3))",
+                    &[&i, &dest, &size],
+                )
+                .await
+                .unwrap();
+            }
+            c
+        }));
+    }
+    let mut open = Vec::new();
+    for t in txns {
+        open.push(t.await.unwrap());
+    }
+    for c in open {
+        c.batch_execute("COMMIT").await.unwrap();
+    }
+    n
+}
+
+async fn memory_shapes(a: &Args, sqs: &SqsPublisher) -> Vec<MemoryShape> {
+    let small = if a.quick { 5_000 } else { 20_000 };
+    let mut out = Vec::new();
+    out.push(
+        memory_shape(sqs, a, &format!("one transaction of {small} rows of 2-8 KB"), 8 << 10, None, async |db, d| {
+            db.client()
+                .await
+                .execute(
+                    "INSERT INTO outbox (event_id, destination, body)
+                     SELECT 'small:' || i, $1, repeat(chr(97 + i % 26), 2048 + (i * 7919) % 6145)
+                       FROM generate_series(1, $2::int) i",
+                    &[&d, &(small as i32)],
+                )
+                .await
+                .unwrap();
+            small
+        })
+        .await,
+    );
+    out.push(
+        memory_shape(sqs, a, "4 bodies of 20-30 MiB in one transaction", 30 << 20, Some(false), async |db, d| {
+            huge_at_once(db, d, 4, 4).await
+        })
+        .await,
+    );
+    out.push(
+        memory_shape(
+            sqs,
+            a,
+            "20 bodies of 20-30 MiB, 5 transactions committed at once",
+            30 << 20,
+            Some(false),
+            async |db, d| huge_at_once(db, d, 20, 4).await,
+        )
+        .await,
+    );
+    out.push(
+        memory_shape(sqs, a, "12 bodies of 20-30 MiB while S3 hangs 25 s", 30 << 20, Some(true), async |db, d| {
+            huge_at_once(db, d, 12, 4).await
+        })
+        .await,
+    );
+    out
+}
+
+fn print_memory(shapes: &[MemoryShape]) {
+    println!("| shape | rows | seconds | peak RSS MB | bound MB | relay env |");
+    println!("|---|---|---|---|---|---|");
+    for m in shapes {
+        println!("| {} | {} | {} | {} | {} | {} |", m.shape, m.rows, m.seconds, m.peak_rss_mb, m.bound_mb, m.env);
+    }
+    println!();
+}
+
+// ---------------------------------------------------------------------------
 // 7. Bodies through S3: the relay beside a raw client doing PutObject and
 // SendMessageBatch (the extended client's pointer) at the same concurrency.
 
@@ -1965,6 +2146,13 @@ async fn main() {
         let huge = huge_bodies_rows(&a, &sqs).await;
         print_large(&huge);
         println!("{}", serde_json::to_string_pretty(&json!({ "large_bodies": huge })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    if a.memory_only {
+        let shapes = memory_shapes(&a, &sqs).await;
+        print_memory(&shapes);
+        println!("{}", serde_json::to_string_pretty(&json!({ "memory_shapes": shapes })).unwrap());
         drop(stack_guard);
         return;
     }

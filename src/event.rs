@@ -260,16 +260,29 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// `deliver_at` as microseconds since the Unix epoch, in SQL (a macro, so
+/// that [`OUTBOX_COLUMNS`] can `concat!` it).
+macro_rules! deliver_at_micros {
+    () => {
+        "CASE WHEN deliver_at = 'infinity' THEN 9223372036854775807
+         WHEN deliver_at = '-infinity' THEN -9223372036854775807
+         WHEN deliver_at IS NOT NULL
+         THEN (greatest(least(extract(epoch FROM deliver_at), 9000000000000), -9000000000000) * 1000000)::bigint END"
+    };
+}
+
 /// The outbox columns the table path selects, in [`OutboxEvent::from_row`]'s
 /// order (the creation time stands in for the commit time).
 /// `deliver_at` as [`DeliverAt::at`] reads it: `±infinity` as
 /// `±`[`DeliverAt::NEVER`], other times clamped to [`DeliverAt::LATEST`].
-pub const OUTBOX_COLUMNS: &str = "id, event_id, destination, body, group_key, attributes::text,
-    (extract(epoch FROM created_at) * 1000000)::bigint,
-    CASE WHEN deliver_at = 'infinity' THEN 9223372036854775807
-         WHEN deliver_at = '-infinity' THEN -9223372036854775807
-         WHEN deliver_at IS NOT NULL
-         THEN (greatest(least(extract(epoch FROM deliver_at), 9000000000000), -9000000000000) * 1000000)::bigint END";
+pub const OUTBOX_COLUMNS: &str = concat!(
+    "id, event_id, destination, body, group_key, attributes::text,
+    (extract(epoch FROM created_at) * 1000000)::bigint, ",
+    deliver_at_micros!()
+);
+
+/// `deliver_at` as microseconds since the Unix epoch ([`DeliverAt::at`]).
+pub const DELIVER_AT_MICROS: &str = deliver_at_micros!();
 
 impl OutboxEvent {
     /// A row selected with [`OUTBOX_COLUMNS`] first.

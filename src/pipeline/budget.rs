@@ -31,10 +31,11 @@ impl Budget {
         }
     }
 
-    /// Wait for room for one event of `size` bytes. An event larger than
-    /// the whole byte budget takes all of it, so it still goes through, alone.
+    /// Wait for room for one event of `size` bytes ([`charge`]). An event
+    /// larger than the whole byte budget takes all of it, so it still goes
+    /// through, alone.
     pub async fn acquire(&self, size: usize) -> Permit {
-        let want = size.clamp(1, self.max_bytes as usize) as u32;
+        let want = charge(size).clamp(1, self.max_bytes as usize) as u32;
         let event = Arc::clone(&self.events).acquire_owned().await.expect("the budget is never closed");
         let bytes = Arc::clone(&self.bytes).acquire_many_owned(want).await.expect("the budget is never closed");
         Permit { _event: event, _bytes: bytes }
@@ -50,6 +51,24 @@ impl Budget {
         self.events.available_permits()
     }
 }
+
+/// What an event of `size` bytes takes of the byte budget: its size, and
+/// twice that past 1 MiB (a body through S3, up to `s3.max_body_bytes`):
+/// while such an event waits for room, the stream holds the next one it read
+/// (the replication client reads ahead), outside any budget. Counted twice,
+/// huge events go one or two at a time, and what is held stays within the
+/// bound a container is sized by (`max_unsettled_bytes + 2 × the largest
+/// body + 64 MiB`); events of 1 MiB or less, the most, count once.
+pub fn charge(size: usize) -> usize {
+    if size > HUGE {
+        size.saturating_mul(2)
+    } else {
+        size
+    }
+}
+
+/// Events past this many bytes count twice ([`charge`]).
+const HUGE: usize = 1 << 20;
 
 /// The bounds on memory, from `max_unsettled_events` and
 /// `max_unsettled_bytes`: every buffer that holds events is sized from them.
@@ -108,6 +127,14 @@ mod tests {
         assert_eq!(b.available_events(), 99);
         drop(big);
         assert_eq!(b.available_bytes(), 1_000);
+        // Past 1 MiB, twice: two events of 20 MiB do not fit 64 MiB at once.
+        let b = Budget::new(100, 64 << 20);
+        let first = b.acquire(20 << 20).await;
+        assert_eq!(b.available_bytes(), 24 << 20);
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), b.acquire(20 << 20)).await.is_err());
+        let small = b.acquire(1 << 20).await;
+        assert_eq!(b.available_bytes(), 23 << 20, "1 MiB counts once");
+        drop((first, small));
         let events =
             |max_bytes| Memory { max_events: 1, max_bytes, max_event_bytes: 1 << 20 }.replication_buffer_events();
         assert_eq!(events(64 << 20), 64);

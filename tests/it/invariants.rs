@@ -298,19 +298,26 @@ async fn a_row_updated_by_its_own_transaction_is_sent_as_committed() {
         assert!(p.sent(Q).is_empty(), "{mode:?}: nothing to the destination it was inserted with");
         // Past the chunk limits (1,000 rows): rows of the first chunk updated
         // after the transaction's 2,000th row.
+        // Large bodies among them (read back only if changed): one changed
+        // after its chunk, one not.
         db.client()
             .await
-            .batch_execute(
+            .batch_execute(&format!(
                 "BEGIN;
+                 INSERT INTO outbox (event_id, destination, body) VALUES ('large:1', 'orders', '{big}'), ('large:2', 'orders', '{big}');
                  INSERT INTO outbox (event_id, destination, body)
                       SELECT 'big:' || i, 'orders', 'v1' FROM generate_series(1, 2500) i;
                  UPDATE outbox SET body = 'v2' WHERE event_id IN ('big:5', 'big:6', 'big:7');
                  UPDATE outbox SET body = 'v2', destination = 'billing' WHERE event_id = 'big:8';
-                 COMMIT;",
-            )
+                 UPDATE outbox SET body = 'c' || body WHERE event_id = 'large:2';
+                 COMMIT;"
+            ))
             .await
             .unwrap();
-        wait_for("the big transaction sent", Duration::from_secs(30), || async { p.sent(Q).len() >= 2_499 }).await;
+        wait_for("the big transaction sent", Duration::from_secs(30), || async { p.sent(Q).len() >= 2_501 }).await;
+        let large = |e: &str| p.sent(Q).into_iter().find(|s| s.event_id == e).map(|s| s.body);
+        assert_eq!(large("large:1").as_deref(), Some(big.as_str()), "{mode:?}: unchanged, sent as read");
+        assert_eq!(large("large:2"), Some(format!("c{big}")), "{mode:?}: changed after its chunk, sent as committed");
         let (orders, billing) = (p.sent(Q), p.sent(B));
         let late: Vec<_> =
             orders.iter().filter(|s| ["big:5", "big:6", "big:7"].contains(&s.event_id.as_str())).collect();

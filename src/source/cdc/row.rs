@@ -7,6 +7,7 @@ use crate::db::schema::RowStatus;
 use crate::event::parse_iso_timestamptz;
 use crate::event::{deliver_at, DeliverAt, OutboxEvent, PublishedColumn};
 use crate::mapping::{Mapping, MappingError, Value};
+use sha2::Digest;
 use std::collections::HashMap;
 
 use super::CdcError;
@@ -190,6 +191,10 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
 /// each row still in the table under its event id is taken as the table has
 /// it (body, destination, group, attributes). Rows gone from the table keep
 /// what the stream said (deleted by this transaction or a later one).
+///
+/// A body over [`READ_BACK_BODY`] comes back only if it changed (its SHA-256
+/// differs from the one read from the stream): a transaction of bodies of
+/// tens of MiB, each a chunk of its own, is not read twice, nor held twice.
 pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [OutboxEvent]) -> Result<(), CdcError> {
     // A mapped table's rows are not in the relay's table: sent as inserted.
     let at: HashMap<i64, usize> =
@@ -198,21 +203,44 @@ pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [Outbox
         return Ok(());
     }
     let ids: Vec<i64> = at.keys().copied().collect();
-    let sql_text = format!("SELECT {} FROM outbox WHERE id = ANY($1)", crate::event::OUTBOX_COLUMNS);
-    for r in sql.query(&sql_text, &[&ids]).await.map_err(CdcError::Pg)? {
-        let table = OutboxEvent::from_row(&r);
-        let Some(&i) = at.get(&table.id) else { continue };
+    let hashes: Vec<Option<Vec<u8>>> = ids
+        .iter()
+        .map(|id| {
+            let body = &buf[at[id]].body;
+            (body.len() > READ_BACK_BODY).then(|| sha2::Sha256::digest(body.as_bytes()).to_vec())
+        })
+        .collect();
+    for r in sql.query(AS_COMMITTED_SQL.as_str(), &[&ids, &hashes]).await.map_err(CdcError::Pg)? {
+        let Some(&i) = at.get(&r.get::<_, i64>(0)) else { continue };
         let ev = &mut buf[i];
-        if ev.event_id == table.event_id {
-            ev.destination = table.destination;
-            ev.body = table.body;
-            ev.group_key = table.group_key;
-            ev.attributes = table.attributes;
-            ev.deliver_at = table.deliver_at;
+        if ev.event_id == r.get::<_, &str>(1) {
+            ev.destination = r.get(2);
+            if let Some(body) = r.get::<_, Option<String>>(3) {
+                ev.body = body;
+            }
+            ev.group_key = r.get(4);
+            ev.attributes = r.get(5);
+            ev.deliver_at = r.get::<_, Option<i64>>(6).map_or(DeliverAt::Unset, DeliverAt::at);
         }
     }
     Ok(())
 }
+
+/// Bodies up to this many bytes are read back whole by [`as_committed`];
+/// larger ones only if their hash changed.
+const READ_BACK_BODY: usize = 64 << 10;
+
+/// [`as_committed`]'s read-back: the rows of `$1` (ids), the body NULL where
+/// `$2` (their SHA-256, NULL for small bodies) says it is unchanged.
+static AS_COMMITTED_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT o.id, o.event_id, o.destination,
+                CASE WHEN u.hash IS NOT NULL AND sha256(convert_to(o.body, 'UTF8')) = u.hash THEN NULL ELSE o.body END,
+                o.group_key, o.attributes::text, {}
+           FROM unnest($1::bigint[], $2::bytea[]) AS u(id, hash) JOIN outbox o ON o.id = u.id",
+        crate::event::DELIVER_AT_MICROS.replace("deliver_at", "o.deliver_at")
+    )
+});
 
 #[cfg(test)]
 mod tests {
