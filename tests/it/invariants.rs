@@ -596,7 +596,11 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// PostgreSQL crashed or stopped and started again (each seed runs a server
 /// of its own), rows due later (`deliver_at` in seconds, or in 20 minutes
 /// and then moved by an UPDATE), and, for even seeds, two shards
-/// (insert-only publications) instead of one relay. After it: every
+/// (insert-only publications) instead of one relay; for odd seeds the one
+/// relay maps Debezium's table and the topic-payload one (partitioned by
+/// its key, published via its root, for seeds 1, 5, 9, ...), which an
+/// operator renames, moves to another schema, drops a column of and lets
+/// the key be NULL while producers write ([`workload::operate`]). After it: every
 /// committed row delivered or DEAD with its reason, none left NEW, none
 /// visible before its `deliver_at`, each FIFO group in commit order, every
 /// slot confirmed past the last commit.
@@ -943,6 +947,27 @@ mod workload {
             .unwrap();
     }
 
+    /// The `topic-payload` table partitioned by its key (retention by
+    /// range, as partitioned outboxes are), published via its root: its
+    /// rows cross from one partition to the next as the workload writes.
+    async fn partitioned_topic_payload_table(db: &TestDb) {
+        db.client()
+            .await
+            .batch_execute(
+                "CREATE TABLE outbox_messages (
+                     id bigserial, topic text NOT NULL, payload jsonb NOT NULL, published_at timestamptz,
+                     PRIMARY KEY (id)) PARTITION BY RANGE (id);
+                 CREATE TABLE outbox_messages_1 PARTITION OF outbox_messages FOR VALUES FROM (MINVALUE) TO (500);
+                 CREATE TABLE outbox_messages_2 PARTITION OF outbox_messages FOR VALUES FROM (500) TO (3000);
+                 CREATE TABLE outbox_messages_3 PARTITION OF outbox_messages FOR VALUES FROM (3000) TO (MAXVALUE);
+                 CREATE INDEX ON outbox_messages (id) WHERE published_at IS NULL;
+                 ALTER PUBLICATION outbox_relay SET (publish_via_partition_root = true);
+                 ALTER PUBLICATION outbox_relay ADD TABLE outbox_messages;",
+            )
+            .await
+            .unwrap();
+    }
+
     /// One producer transaction on the `topic-payload` table: `n` rows to
     /// standard queues (the preset has no group) or nowhere, a few inserted
     /// as published already (`{"pre": true}`: never to be sent). The rows
@@ -1110,7 +1135,12 @@ mod workload {
     /// rows with and without one, then delete the keyless ones (DEAD in the
     /// relay's table by then, or on their way) and make the key NOT NULL
     /// again. The committed rows, as the producers' own.
-    async fn operate(c: &mut tokio_postgres::Client, rng: &mut StdRng, tag: &str, dests: &[&str]) -> Option<Vec<Row>> {
+    pub(super) async fn operate(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        tag: &str,
+        dests: &[&str],
+    ) -> Option<Vec<Row>> {
         let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
         match rng.random_range(0..3) {
             0 => {
@@ -1401,7 +1431,11 @@ mod workload {
         let mut before_slot = Vec::new();
         if !sharded {
             debezium_table(&db).await;
-            crate::topic_payload::topic_payload_table(&db, true).await;
+            if seed % 4 == 1 {
+                partitioned_topic_payload_table(&db).await;
+            } else {
+                crate::topic_payload::topic_payload_table(&db, true).await;
+            }
             // Written before the slot: caught up from the table.
             let mut c = db.client().await;
             before_slot =

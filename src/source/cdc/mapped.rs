@@ -80,7 +80,7 @@ async fn check(client: &Client, m: &Mapping, publication: Option<&str>, record: 
     let found = Found { oid: table.oid, id_type, columns: types.into_iter().map(|(n, _)| n).collect() };
     let Some(publication) = publication else { return Ok(found) };
     check_identity(client, table.oid, &table.identity, &name).await?;
-    check_published(client, m, publication, table.partitioned).await?;
+    check_published(client, m, (table.oid, table.partitioned), publication).await?;
     Ok(found)
 }
 
@@ -245,7 +245,12 @@ async fn check_grants(client: &Client, oid: u32, m: &Mapping, name: &str) -> Res
 /// stream under its own name only if the publication publishes via the
 /// partition root (otherwise under each partition's, which the relay does
 /// not map, and a partition made later would not be named in the mapping).
-async fn check_published(client: &Client, m: &Mapping, publication: &str, partitioned: bool) -> Result<(), DbError> {
+async fn check_published(
+    client: &Client,
+    m: &Mapping,
+    (oid, partitioned): (u32, bool),
+    publication: &str,
+) -> Result<(), DbError> {
     let name = format!("{}.{}", m.schema, m.table);
     if partitioned {
         let via_root: bool =
@@ -258,10 +263,14 @@ async fn check_published(client: &Client, m: &Mapping, publication: &str, partit
             )));
         }
     }
+    // By its oid, in one statement: renamed or moved meanwhile, it is the
+    // same table.
     let published = client
         .query_opt(
-            "SELECT 1 FROM pg_publication_tables WHERE pubname = $1 AND schemaname = $2 AND tablename = $3",
-            &[&publication, &m.schema, &m.table],
+            "SELECT 1 FROM pg_publication_tables t JOIN pg_namespace n ON n.nspname = t.schemaname
+               JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.tablename
+              WHERE t.pubname = $1 AND c.oid = $2",
+            &[&publication, &oid],
         )
         .await?;
     if published.is_none() {
