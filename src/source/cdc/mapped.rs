@@ -43,11 +43,12 @@ pub struct Standing {
 
 /// [`Standing`] of `m`.
 pub async fn standing(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Standing, DbError> {
-    let now = locate(client, m, Record::No)
-        .await?
-        .map(|t| (t.schema, t.name))
+    let table = locate(client, m, Record::No).await?;
+    let now = table
+        .as_ref()
+        .map(|t| (t.schema.clone(), t.name.clone()))
         .filter(|(schema, name)| *schema != m.schema || *name != m.table);
-    match check(client, m, publication, Record::No).await {
+    match check_located(client, m, table, publication).await {
         Ok(_) => Ok(Standing { now, trouble: None }),
         Err(DbError::Check(why)) => Ok(Standing { now, trouble: Some(why) }),
         Err(e) => Err(e),
@@ -62,7 +63,18 @@ enum Record {
 }
 
 async fn check(client: &Client, m: &Mapping, publication: Option<&str>, record: Record) -> Result<Found, DbError> {
-    let Some(table) = locate(client, m, record).await? else {
+    let table = locate(client, m, record).await?;
+    check_located(client, m, table, publication).await
+}
+
+/// [`check`] of the table [`locate`] found for `m` (`None`: none).
+async fn check_located(
+    client: &Client,
+    m: &Mapping,
+    table: Option<Located>,
+    publication: Option<&str>,
+) -> Result<Found, DbError> {
+    let Some(table) = table else {
         return Err(DbError::Check(format!(
             "mapped table {}.{}: no such table (dropped, or renamed before a relay first started with it): fix \
              `table` in [[outbox]] (schema.table), or create it",
