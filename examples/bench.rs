@@ -550,7 +550,7 @@ async fn settle_alone(a: &Args, db: &TestDb, prefix: &str, n: usize, published: 
                 outbox_relay::pipeline::settle::Settlement::new(Arc::clone(ev), None, destination, published)
             })
             .collect();
-        outbox_relay::pipeline::settle::mark(&c, &batch, marking).await.unwrap();
+        outbox_relay::pipeline::settle::mark(&c, &batch, marking, &mut Default::default()).await.unwrap();
     }
     let rate = ids.len() as f64 / t.elapsed().as_secs_f64();
     let wal = db.current_lsn().await - wal_before;

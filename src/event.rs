@@ -72,7 +72,7 @@ pub struct PublishedColumn {
 }
 
 impl PublishedColumn {
-    /// The table's name now, quoted for SQL, by its oid (renamed, moved to
+    /// The table's name now, `"schema"."table"` as [`Self::table`], by its oid (renamed, moved to
     /// another schema), if the relay's statements on it can run: the table
     /// and its published column are there, and the role may read the key
     /// and set the column.
@@ -86,10 +86,12 @@ impl PublishedColumn {
         // a column that is not, the function raises).
         let Some(row) = client
             .query_opt(
-                "SELECT format('%I.%I', n.nspname, c.relname), has_schema_privilege(n.oid, 'USAGE'), p.there,
+                "SELECT format('\"%s\".\"%s\"', replace(n.nspname, '\"', '\"\"'), replace(c.relname, '\"', '\"\"')),
+                        has_schema_privilege(n.oid, 'USAGE'), p.there,
                         CASE WHEN p.there THEN has_column_privilege(c.oid, $2::text, 'SELECT') END,
                         CASE WHEN p.there THEN has_column_privilege(c.oid, $3::text, 'SELECT') END,
-                        CASE WHEN p.there THEN has_column_privilege(c.oid, $3::text, 'UPDATE') END, current_user::text
+                        CASE WHEN p.there THEN has_column_privilege(c.oid, $3::text, 'UPDATE') END, current_user::text,
+                        format('\"%s\"', replace(n.nspname, '\"', '\"\"'))
                    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                   CROSS JOIN LATERAL (SELECT count(*) = 2 AS there FROM pg_attribute a
                           WHERE a.attrelid = c.oid AND a.attname IN ($2, $3) AND NOT a.attisdropped) p
@@ -108,7 +110,7 @@ impl PublishedColumn {
         }
         let granted = |i: usize| row.get::<_, Option<bool>>(i).unwrap_or(false);
         let missing = match (usage, granted(3), granted(4), granted(5)) {
-            (false, ..) => Some(format!("USAGE ON SCHEMA {}", name.split('.').next().unwrap_or_default())),
+            (false, ..) => Some(format!("USAGE ON SCHEMA {}", row.get::<_, String>(7))),
             (_, false, ..) => Some(format!("SELECT ({}) ON {name}", self.id)),
             (_, _, false, _) => Some(format!("SELECT ({}) ON {name}", self.column)),
             (_, _, _, false) => Some(format!("UPDATE ({}) ON {name}", self.column)),

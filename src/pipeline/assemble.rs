@@ -19,6 +19,7 @@ use crate::publish::Publisher;
 
 use super::intake::Intake;
 use super::lane::{run_lane, LaneConfig, LaneItem};
+use super::owed::Owed;
 use super::route::{judge_for, Router};
 use super::settings::Settings;
 use super::settle::{mark, run_settler, Settlement};
@@ -88,7 +89,9 @@ pub async fn publish_claim<C: GenericClient>(
     }
     settled.extend(send_through_lane(settings, name, queue, items, &parts.publisher, &parts.metrics).await);
     if !settled.is_empty() {
-        mark(claim, &settled, settings.marking).await?;
+        // Claimed rows are locked FOR UPDATE: their column can be set, or
+        // they stay unpublished and the next claim takes them.
+        mark(claim, &settled, settings.marking, &mut Owed::default()).await?;
     }
     Ok(settled)
 }

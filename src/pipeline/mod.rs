@@ -7,6 +7,7 @@ pub mod budget;
 pub mod destinations;
 pub mod intake;
 pub mod lane;
+pub mod owed;
 pub mod parts;
 pub mod route;
 pub mod settings;

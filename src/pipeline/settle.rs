@@ -22,6 +22,7 @@ use crate::config::PublishedRows;
 use crate::db::schema::RowStatus;
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn, TableNow};
 use crate::metrics::Metrics;
+use crate::pipeline::owed::{Owed, RETRY_EVERY};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::DeadReason;
 
@@ -342,10 +343,13 @@ enum Missing {
 /// (and one for rows to write back), and make sure it took. An event whose
 /// row is gone is settled only by its successful send, by proof that it was
 /// published before, or by writing its row back: never by "the row is gone".
+///
+/// Mapped rows whose published column cannot be set now go to `owed`.
 pub async fn mark<C: GenericClient>(
     client: &C,
     batch: &[Settlement],
     marking: Marking,
+    owed: &mut Owed,
 ) -> Result<MarkReport, tokio_postgres::Error> {
     let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.event.transient);
     let unpublished = |s: &&Settlement| !matches!(s.outcome, Outcome::Published);
@@ -366,7 +370,7 @@ pub async fn mark<C: GenericClient>(
         report.restored = restore_rows(client, &restore, marking).await?;
         tracing::debug!(rows = restore.len(), written = report.restored, "rows gone from the table written back");
     }
-    report.published_marked = mark_mapped_published(client, &transient).await?;
+    report.published_marked = mark_mapped_published(client, &transient, owed).await?;
     Ok(report)
 }
 
@@ -375,16 +379,18 @@ pub async fn mark<C: GenericClient>(
 /// per table. Rows set already, or deleted by their producers, are left. A
 /// row whose transaction the stream decoded before it became visible to new
 /// snapshots is waited for and marked then, as [`mark_rows`] does for the
-/// relay's own.
+/// relay's own. A table the statement cannot run on now (a grant taken,
+/// moved out of reach) has its rows' keys kept in `owed`.
 async fn mark_mapped_published<C: GenericClient>(
     client: &C,
     settled: &[&Settlement],
+    owed: &mut Owed,
 ) -> Result<u64, tokio_postgres::Error> {
-    let mut by_table: std::collections::HashMap<&PublishedColumn, Vec<(&str, Option<i64>)>> =
+    let mut by_table: std::collections::HashMap<&Arc<PublishedColumn>, Vec<(&str, Option<i64>)>> =
         std::collections::HashMap::new();
     for s in settled {
         if let Some(MappedRow { key, published: Some(p), .. }) = &s.event.mapped {
-            by_table.entry(p.as_ref()).or_default().push((key, s.event.xid.map(i64::from)));
+            by_table.entry(p).or_default().push((key, s.event.xid.map(i64::from)));
         }
     }
     let mut n = 0;
@@ -397,11 +403,11 @@ async fn mark_mapped_published<C: GenericClient>(
                 tracing::warn!(table = %table.table, rows = rows.len(), "mapped table dropped: its rows were settled, no published column is left to set");
                 continue;
             }
-            // Sent (or in the relay's table) all the same: what is not
-            // marked stays unpublished in its table, claimed again once the
+            // Sent (or in the relay's table) all the same: marked once the
             // statement can run.
             TableNow::Refused(why) => {
-                tracing::error!(table = %table.table, rows = rows.len(), "mapped rows settled but their published column not set (they may be sent again): {why}");
+                tracing::error!(table = %table.table, rows = rows.len(), "mapped rows settled but their published column not set now (set once it can be): {why}");
+                owed.owe(table, rows.iter().map(|(k, _)| k.to_string()));
                 continue;
             }
         };
@@ -793,19 +799,33 @@ pub async fn run_settler(
     marking: Marking,
 ) -> Result<(), tokio_postgres::Error> {
     let mut batch = Vec::with_capacity(MAX_FLUSH);
-    while let Some(first) = rx.recv().await {
+    let mut owed = Owed::default();
+    loop {
+        let first = tokio::select! {
+            first = rx.recv() => first,
+            () = tokio::time::sleep(RETRY_EVERY), if !owed.is_empty() => None,
+        };
+        if owed.due() {
+            owed.pay(&client).await?;
+        }
+        let Some(first) = first else {
+            if rx.is_closed() && rx.is_empty() {
+                return Ok(());
+            }
+            continue;
+        };
         batch.push(first);
         gather(&mut rx, &mut batch).await;
         let span = tracing::info_span!("outbox_relay.settle", rows = batch.len());
         if batch.iter().all(|s| matches!(s.outcome, Outcome::Published)) {
-            mark(&client, &batch, marking).instrument(span).await?;
+            mark(&client, &batch, marking, &mut owed).instrument(span).await?;
         } else {
             // Rows handed to the table (deferred, or DEAD) become visible to
             // the table path together: marked rows and rows written back in
             // separate commits let a FIFO drain claim a group's later row
             // (marked) before its earlier one (written back) was there.
             let tx = client.transaction().await?;
-            mark(&tx, &batch, marking).instrument(span).await?;
+            mark(&tx, &batch, marking, &mut owed).instrument(span).await?;
             tx.commit().await?;
         }
         {
@@ -825,7 +845,6 @@ pub async fn run_settler(
         }
         confirm.notify_one();
     }
-    Ok(())
 }
 
 /// What settlement writes, by `published_rows`: DELETE (and INSERT, for

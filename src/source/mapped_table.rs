@@ -24,6 +24,7 @@ use crate::event::{OutboxEvent, PublishedColumn, TableNow};
 use crate::mapping::{quote_ident, Mapping, MappingError, Value};
 use crate::pipeline::assemble::{publish_claim, Parts};
 use crate::pipeline::destinations::Resolved;
+use crate::pipeline::owed::Owed;
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
 
@@ -253,7 +254,9 @@ async fn settle_claim<C: GenericClient>(
         settled.extend(publish_claim(tx, parts, (&d.name, &d.queue), events, now_us).await?);
     }
     if !here.is_empty() {
-        mark(tx, &here, parts.settings.marking).await?;
+        // A claim locked its rows FOR UPDATE: their column can be set, or
+        // they stay unpublished and the next claim takes them.
+        mark(tx, &here, parts.settings.marking, &mut Owed::default()).await?;
         settled.append(&mut here);
     }
     Ok(settled)
@@ -387,26 +390,41 @@ async fn resend(
     Ok(())
 }
 
+/// What [`catch_up_all`] did.
+#[derive(Debug, Default)]
+pub struct CaughtUp {
+    /// Rows settled.
+    pub settled: u64,
+    /// The mappings (their index) it could not catch up: the table's trouble
+    /// (a grant taken, a column gone) is the operator's, and their rows wait
+    /// for [`readable_again`].
+    pub skipped: Vec<usize>,
+}
+
 /// Before a stream session starts: every mapped table with a published
-/// column caught up ([`catch_up`]), on one connection. Returns the rows
-/// settled.
-pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<bool>) -> Result<u64, db::DbError> {
-    let tables: Vec<&Mapping> = parts.settings.mapped.iter().filter(|m| m.published.is_some()).collect();
+/// column caught up ([`catch_up`]), on one connection.
+pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<bool>) -> Result<CaughtUp, db::DbError> {
+    let mut done = CaughtUp::default();
+    let tables: Vec<(usize, &Mapping)> =
+        parts.settings.mapped.iter().enumerate().filter(|(_, m)| m.published.is_some()).collect();
     if tables.is_empty() {
-        return Ok(0);
+        return Ok(done);
     }
     let mut client = db.connect().await?;
     committed_visible(&client).await?;
-    let mut settled = 0;
-    for m in tables {
+    for (i, m) in tables {
         let name = format!("{}.{}", m.schema, m.table);
         // What an operator did to one table (dropped it or a column, took a
         // grant) stops no other source: its rows stay unpublished, claimed
-        // again at the next session's start; the stream reads new ones.
+        // once it is readable again; the stream reads new ones.
+        let skip = |why: String| {
+            tracing::error!(table = %name, error = %why, "mapped table not caught up: its unpublished rows wait until it is readable again");
+        };
         let claim = match MappedClaim::new(&client, m).await {
             Ok(claim) => claim,
             Err(e) if table_trouble(&e) => {
-                tracing::error!(table = %name, error = %e, "mapped table not caught up: its unpublished rows wait for the next session");
+                skip(e.to_string());
+                done.skipped.push(i);
                 continue;
             }
             Err(e) => return Err(e),
@@ -414,7 +432,8 @@ pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<boo
         let n = match catch_up(&mut client, &claim, parts, stop).await {
             Ok(n) => n,
             Err(e) if e.code().is_some_and(|c| c.code().starts_with("42")) => {
-                tracing::error!(table = %name, error = %db::describe(&e), "mapped table not caught up: its unpublished rows wait for the next session");
+                skip(db::describe(&e));
+                done.skipped.push(i);
                 continue;
             }
             Err(e) => return Err(e.into()),
@@ -422,9 +441,38 @@ pub async fn catch_up_all(db: &db::Db, parts: &Parts, stop: &watch::Receiver<boo
         if n > 0 {
             tracing::info!(table = %claim.name(), rows = n, "mapped table caught up: rows its published column said were not published");
         }
-        settled += n;
+        done.settled += n;
     }
-    Ok(settled)
+    Ok(done)
+}
+
+/// How often [`readable_again`] looks.
+const READABLE_EVERY: Duration = Duration::from_secs(15);
+
+/// Returns once one of the `skipped` mappings can be claimed again (a grant
+/// given back, a column restored), naming it; pending forever if none was
+/// skipped. The session then ends, and the next one's [`catch_up_all`]
+/// claims the rows that waited: a claim beside a running stream could send
+/// a group's rows ahead of the stream's earlier ones.
+pub async fn readable_again(db: db::Db, parts: Arc<Parts>, skipped: Vec<usize>) -> String {
+    if skipped.is_empty() {
+        return std::future::pending().await;
+    }
+    let mut kept = db::Kept::new(db);
+    loop {
+        tokio::time::sleep(READABLE_EVERY).await;
+        let Some(client) = kept.get().await else { continue };
+        for m in skipped.iter().filter_map(|i| parts.settings.mapped.get(*i)) {
+            match MappedClaim::new(client, m).await {
+                Ok(_) => return format!("{}.{}", m.schema, m.table),
+                Err(e) if table_trouble(&e) => {}
+                Err(_) => {
+                    kept.lost();
+                    break;
+                }
+            }
+        }
+    }
 }
 
 /// A failure of one table's statements, not of the server: the table or a

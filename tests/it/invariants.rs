@@ -414,19 +414,19 @@ async fn settling_a_row_whose_id_was_reused_leaves_the_new_row_alone() {
     .unwrap();
     for published in [PublishedRows::Delete, PublishedRows::Keep] {
         let s = Settlement::new(read(7, "old", commit), None, Arc::from("orders"), Outcome::Published);
-        mark(&c, &[s], marking(published)).await.unwrap();
+        mark(&c, &[s], marking(published), &mut Default::default()).await.unwrap();
         assert_eq!(db.count("id = 7 AND event_id = 'new' AND status = 'NEW'").await, 1, "{published:?}");
     }
     let dead = Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, "refused"));
     let s = Settlement::new(read(7, "old", commit), None, Arc::from("orders"), dead);
-    let report = mark(&c, &[s], marking(PublishedRows::Delete)).await.unwrap();
+    let report = mark(&c, &[s], marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
     assert_eq!(report.restored, 1, "{report:?}");
     assert_eq!(db.count("id = 7 AND event_id = 'new' AND status = 'NEW'").await, 1);
     assert_eq!(db.count("id <> 7 AND event_id = 'old' AND status = 'DEAD' AND last_error LIKE '%refused%'").await, 1);
     // The same settlement again (a replay) writes nothing twice.
     let dead = Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, "refused"));
     let s = Settlement::new(read(7, "old", commit), None, Arc::from("orders"), dead);
-    mark(&c, &[s], marking(PublishedRows::Delete)).await.unwrap();
+    mark(&c, &[s], marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
     assert_eq!(db.count("event_id = 'old'").await, 1);
 }
 
@@ -456,7 +456,7 @@ async fn a_write_back_whose_new_id_is_taken_is_written_past_it() {
         ev.mapped = Some(outbox_relay::event::MappedRow { key: i.to_string(), published: None, unreadable: None });
         batch.push(Settlement::new(Arc::new(ev), None, Arc::from("orders"), outcome));
     }
-    let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
+    let report = mark(&c, &batch, marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
     assert_eq!(report.restored, 2, "{report:?}");
     assert_eq!(db.count("event_id LIKE 'public.t:%' AND id > 3").await, 2);
     assert_eq!(db.count("event_id LIKE 'own%'").await, 3);
@@ -494,7 +494,7 @@ async fn a_gone_row_is_written_back_unless_proven_published() {
         // from the table after this one's commit.
         Settlement::new(read(35, "reused", commit), None, Arc::from("orders"), deferred()),
     ];
-    let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
+    let report = mark(&c, &batch, marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
     assert_eq!((report.gone, report.restored), (1, 3), "{report:?}");
     assert_eq!(db.count("event_id IN ('unproven', 'later', 'reused') AND next_attempt_at IS NOT NULL").await, 3);
     assert_eq!(db.count("event_id = 'proven'").await, 0);
@@ -599,8 +599,10 @@ async fn a_spooled_lane_streams_again_under_a_steady_load() {
 /// (insert-only publications) instead of one relay; for odd seeds the one
 /// relay maps Debezium's table and the topic-payload one (partitioned by
 /// its key, published via its root, for seeds 1, 5, 9, ...), which an
-/// operator renames, moves to another schema, drops a column of and lets
-/// the key be NULL while producers write ([`workload::operate`]). After it: every
+/// operator renames, moves to another schema, drops a column of, lets the
+/// key be NULL and takes grants from (the relay runs under a role with the
+/// documented grants only) while producers write ([`workload::operate`]).
+/// After it: every
 /// committed row delivered or DEAD with its reason, none left NEW, none
 /// visible before its `deliver_at`, each FIFO group in commit order, every
 /// slot confirmed past the last commit.
@@ -858,6 +860,12 @@ mod workload {
                     Mapping::preset(Preset::TopicPayload, "public", "outbox_messages"),
                 ];
             }
+            if !sharded {
+                // The single relay runs under a role with only the grants
+                // docs/configuration.md lists, so an operator's REVOKE
+                // ([`operate`]) bites.
+                cfg.database_url = least_privilege_role(db).await;
+            }
             if sharded {
                 cfg.publication = format!("outbox_shard{i}");
                 cfg.slot = format!("{}_{i}", db.slot);
@@ -868,6 +876,27 @@ mod workload {
         let running = configs.iter().map(|_| None).collect();
         let polling = vec![false; configs.len()];
         Relays { configs, running, polling }
+    }
+
+    /// The role of the single relay, with the grants docs/configuration.md
+    /// lists (\"Least privilege\" and \"Mapped tables\") and nothing
+    /// more; its connection URL.
+    async fn least_privilege_role(db: &TestDb) -> String {
+        db.client()
+            .await
+            .batch_execute(
+                "CREATE ROLE relay LOGIN REPLICATION;
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox TO relay;
+                 GRANT SELECT, INSERT, DELETE ON outbox_published_runs TO relay;
+                 GRANT SELECT, INSERT, DELETE ON outbox_relay_handoffs TO relay;
+                 GRANT SELECT, INSERT, UPDATE ON outbox_relay_sources TO relay;
+                 GRANT USAGE ON SCHEMA app TO relay;
+                 GRANT SELECT ON app.outboxevent, outbox_messages TO relay;
+                 GRANT UPDATE (published_at) ON outbox_messages TO relay;",
+            )
+            .await
+            .unwrap();
+        db.url.replacen("postgres@", "relay@", 1)
     }
 
     /// A committed row: event id, destination, transient, and its
@@ -1142,7 +1171,7 @@ mod workload {
         dests: &[&str],
     ) -> Option<Vec<Row>> {
         let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
-        match rng.random_range(0..3) {
+        match rng.random_range(0..4) {
             0 => {
                 c.batch_execute(
                     "ALTER TABLE app.outboxevent RENAME TO outboxevent_v2;
@@ -1166,6 +1195,29 @@ mod workload {
                 Some(rows)
             }
             1 => {
+                // The relay may neither read Debezium's table nor mark the
+                // topic-payload one until the next such step gives the
+                // grants back (or the end of the run: [`grant_back`]),
+                // whatever happens meanwhile (kills, restarts).
+                let revoked = "SELECT NOT has_table_privilege('relay', 'app.outboxevent', 'SELECT')";
+                let give_back = c.query_one(revoked, &[]).await.ok()?.get::<_, bool>(0);
+                if give_back {
+                    grant_back(c).await;
+                } else {
+                    c.batch_execute(
+                        "REVOKE SELECT ON app.outboxevent FROM relay;
+                         REVOKE UPDATE (published_at) ON outbox_messages FROM relay;",
+                    )
+                    .await
+                    .ok()?;
+                }
+                let mut rows = produce_debezium(c, rng, tag, dests, false).await.unwrap_or_default();
+                let revoked_tag = format!("{tag}g");
+                let more = produce_topic_payload_into(c, rng, "outbox_messages", &revoked_tag, &standard, false);
+                rows.extend(more.await.unwrap_or_default());
+                Some(rows)
+            }
+            2 => {
                 c.batch_execute("ALTER TABLE app.outboxevent DROP COLUMN tracingspancontext").await.ok()?;
                 let rows = produce_debezium_into(c, rng, ("app.outboxevent", false), tag, dests, false).await;
                 c.batch_execute("ALTER TABLE app.outboxevent ADD COLUMN tracingspancontext text").await.unwrap();
@@ -1197,6 +1249,16 @@ mod workload {
                 Some(rows)
             }
         }
+    }
+
+    /// The grants [`operate`] took from the single relay, given back.
+    async fn grant_back(c: &tokio_postgres::Client) {
+        c.batch_execute(
+            "GRANT SELECT ON app.outboxevent TO relay;
+             GRANT UPDATE (published_at) ON outbox_messages TO relay;",
+        )
+        .await
+        .unwrap();
     }
 
     /// Every row of `expect` (bodies of keyless rows) is DEAD
@@ -1469,6 +1531,9 @@ mod workload {
                 unseen.extend(committed[before..].iter().filter(|r| r.2).map(|r| r.0.clone()));
             }
             tally.supervised += relays.supervise(&p, &format!("seed {seed} step {step}")).await;
+        }
+        if !sharded {
+            grant_back(&c).await;
         }
         tally.mode_switches += relays.all_streaming(&p).await;
         let expect_dead: HashSet<&str> = committed.iter().filter(|r| r.1 == "nowhere").map(|r| r.0.as_str()).collect();

@@ -323,7 +323,7 @@ async fn a_partitioned_outbox_is_read_through_its_root() {
 /// UPDATE of that column: start-up names the missing grant and its
 /// statement; a grant taken back under the running relay is named in the
 /// log, and the rows written meanwhile are sent all the same, as are the
-/// relay's own table's.
+/// relay's own table's, also by a relay restarted under the revoke.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
     let db = TestDb::new("op_grants").await;
@@ -344,6 +344,7 @@ async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
     ))
     .await
     .unwrap();
+    let sources = format!("GRANT SELECT, INSERT, UPDATE ON outbox_relay_sources TO {role}");
     let cfg = || {
         let mut cfg = config(&db, &[("events", EVENTS)]);
         cfg.mapped = vec![Mapping::preset(Preset::TopicPayload, "public", "outbox_messages")];
@@ -359,9 +360,15 @@ async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
         "{e}"
     );
     c.batch_execute(&format!("GRANT UPDATE (published_at) ON outbox_messages TO {role}")).await.unwrap();
+    // Without the grants on outbox_relay_sources (granted before migration
+    // 14) the relay starts all the same; with them, it knows the table
+    // from this start on.
+    let relay = start(cfg(), Arc::new(publisher()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    relay.stop().await;
+    c.batch_execute(&sources).await.unwrap();
     let p = publisher();
     let relay = start(cfg(), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     topic_rows(&c, "outbox_messages", "a", 20).await;
     wait_for("rows arrive", WAIT, || async { all_of(&p, EVENTS, "a", 20) }).await;
 
@@ -379,7 +386,25 @@ async fn mapped_table_grants_are_checked_and_a_revoke_loses_nothing() {
     let status = outbox_relay::ops::status(&as_relay.0, &cfg()).await.unwrap();
     let trouble = status.tables[0].error.as_deref().unwrap_or_default();
     assert!(trouble.contains("GRANT UPDATE (\"published_at\")"), "{trouble}");
+
+    // Restarted under the revoke (a pod rescheduled): the table was
+    // accepted before, so start-up says what is missing and goes on; every
+    // source keeps flowing, and the rows are marked once the grant is back.
+    relay.stop().await;
+    let relay = start(cfg(), Arc::new(p.clone()));
+    topic_rows(&c, "outbox_messages", "c", 20).await;
+    insert_rows(&c, "own2", "events", 20, None).await;
+    wait_for("rows written across a restart under the revoke arrive", WAIT, || async {
+        all_of(&p, EVENTS, "c", 20) && p.sent(EVENTS).iter().filter(|s| s.body.starts_with("own2:")).count() >= 20
+    })
+    .await;
     c.batch_execute(&format!("GRANT UPDATE (published_at) ON outbox_messages TO {role}")).await.unwrap();
+    wait_for("every row marked once the grant is back", Duration::from_secs(60), || async {
+        let n: i64 =
+            c.query_one("SELECT count(*) FROM outbox_messages WHERE published_at IS NULL", &[]).await.unwrap().get(0);
+        n == 0
+    })
+    .await;
     relay.stop().await;
     c.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}")).await.unwrap();
 }

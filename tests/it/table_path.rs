@@ -355,7 +355,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
     let marker = db.client().await;
     let task = tokio::spawn(async move {
         let s = published(id, "late", xid);
-        mark(&marker, &[s], marking(PublishedRows::Keep)).await.unwrap()
+        mark(&marker, &[s], marking(PublishedRows::Keep), &mut Default::default()).await.unwrap()
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     writer.batch_execute("COMMIT").await.unwrap();
@@ -375,7 +375,7 @@ async fn marking_a_row_not_yet_visible_waits_for_it() {
             "y",
         )),
     );
-    let report = mark(&c, &[s], marking(PublishedRows::Keep)).await.unwrap();
+    let report = mark(&c, &[s], marking(PublishedRows::Keep), &mut Default::default()).await.unwrap();
     assert_eq!((report.marked, report.gone, report.waits), (0, 1, 0));
     assert_eq!(db.count("event_id = 'late' AND status = 'PUBLISHED'").await, 1);
 }
@@ -444,7 +444,7 @@ async fn marking_a_deleted_row_does_not_wait() {
     c.execute("DELETE FROM outbox WHERE id = $1", &[&ids[1]]).await.unwrap();
     let batch: Vec<Settlement> =
         ids.iter().enumerate().map(|(i, &id)| published(id, &format!("v{}", i + 1), xid)).collect();
-    let report = mark(&c, &batch, marking(PublishedRows::Delete)).await.unwrap();
+    let report = mark(&c, &batch, marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
     let expected = outbox_relay::pipeline::settle::MarkReport { marked: 1, gone: 2, ..Default::default() };
     assert_eq!(report, expected);
     assert_eq!(db.count("true").await, 0, "the published row is deleted");

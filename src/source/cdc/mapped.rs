@@ -24,9 +24,20 @@ pub struct Found {
 /// the privileges the relay uses on it, producers' UPDATE and DELETE keep
 /// working once it is published (a replica identity), and `publication`
 /// carries it (`None`: polling, no publication), a partitioned table by its
-/// root.
+/// root. Its oid is then recorded for the next start.
+///
+/// A grant missing on a table an earlier start accepted (it was taken back
+/// since) is logged, not refused: the stream still carries its rows, what
+/// the grant allows waits for it ([`Standing`] names it to the running
+/// relay's watch and `status`), and every other source keeps flowing. A
+/// relay restarted under a revoke must not stop them all.
 pub async fn check_mapped(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Found, DbError> {
-    check(client, m, publication, Record::Yes).await
+    let table = locate(client, m, Reading::StartUp).await?;
+    let (oid, known) = table.as_ref().map_or((0, false), |t| (t.oid, t.known));
+    let grants = if known { Grants::Tolerate } else { Grants::Refuse };
+    let found = check_located(client, m, table, publication, grants).await?;
+    remember(client, &format!("{}.{}", m.schema, m.table), oid).await;
+    Ok(found)
 }
 
 /// What stands in a mapped table's way now, as start-up would judge it
@@ -43,36 +54,41 @@ pub struct Standing {
 
 /// [`Standing`] of `m`.
 pub async fn standing(client: &Client, m: &Mapping, publication: Option<&str>) -> Result<Standing, DbError> {
-    let table = locate(client, m, Record::No).await?;
+    let table = locate(client, m, Reading::Standing).await?;
     let now = table
         .as_ref()
         .map(|t| (t.schema.clone(), t.name.clone()))
         .filter(|(schema, name)| *schema != m.schema || *name != m.table);
-    match check_located(client, m, table, publication).await {
+    match check_located(client, m, table, publication, Grants::Refuse).await {
         Ok(_) => Ok(Standing { now, trouble: None }),
         Err(DbError::Check(why)) => Ok(Standing { now, trouble: Some(why) }),
         Err(e) => Err(e),
     }
 }
 
-/// Whether [`locate`] records the oid it found.
+/// Whether [`locate`] is start-up's (it says when it follows a rename, and
+/// reads whether an earlier start accepted the table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Record {
-    Yes,
-    No,
+enum Reading {
+    StartUp,
+    Standing,
 }
 
-async fn check(client: &Client, m: &Mapping, publication: Option<&str>, record: Record) -> Result<Found, DbError> {
-    let table = locate(client, m, record).await?;
-    check_located(client, m, table, publication).await
+/// What a missing grant does ([`check_mapped`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Grants {
+    Refuse,
+    /// Logged: the table was accepted before, the grant taken back since.
+    Tolerate,
 }
 
-/// [`check`] of the table [`locate`] found for `m` (`None`: none).
+/// [`check_mapped`] of the table [`locate`] found for `m` (`None`: none).
 async fn check_located(
     client: &Client,
     m: &Mapping,
     table: Option<Located>,
     publication: Option<&str>,
+    grants: Grants,
 ) -> Result<Found, DbError> {
     let Some(table) = table else {
         return Err(DbError::Check(format!(
@@ -87,7 +103,13 @@ async fn check_located(
     let types = crate::db::schema::column_types(client, table.oid).await?;
     check_types(m, &types).map_err(|what| DbError::Check(format!("mapped table {name}: {what}")))?;
     check_key(client, table.oid, m, &name).await?;
-    check_grants(client, table.oid, m, &name).await?;
+    match check_grants(client, table.oid, m, &name).await {
+        Err(DbError::Check(why)) if grants == Grants::Tolerate => tracing::error!(
+            "{why} (taken back since an earlier start: the table's rows are still read; what the grant allows \
+             waits for it, and the other sources keep flowing)"
+        ),
+        r => r?,
+    }
     let id_type = types.iter().find(|(n, _)| *n == m.id).map(|(_, t)| t.clone()).unwrap_or_default();
     let found = Found { oid: table.oid, id_type, columns: types.into_iter().map(|(n, _)| n).collect() };
     let Some(publication) = publication else { return Ok(found) };
@@ -104,13 +126,17 @@ struct Located {
     /// `relreplident`.
     identity: String,
     partitioned: bool,
+    /// An earlier start accepted it under the configured name (start-up's
+    /// [`locate`] only).
+    known: bool,
 }
 
 /// The table `m` names, or, if there is none by that name, the one an
 /// earlier start found under it and that has been renamed or moved since
 /// (by its oid, recorded in `outbox_relay_sources`): followed, with a
-/// warning naming it. Found by name, its oid is recorded for the next start.
-async fn locate(client: &Client, m: &Mapping, record: Record) -> Result<Option<Located>, DbError> {
+/// warning naming it. Start-up's reading says whether an earlier start
+/// accepted the table ([`Located::known`]).
+async fn locate(client: &Client, m: &Mapping, reading: Reading) -> Result<Option<Located>, DbError> {
     const BY: &str = "SELECT c.oid, n.nspname::text, c.relname::text, c.relreplident::text, c.relkind = 'p'
                         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p')";
     let located = |r: tokio_postgres::Row| Located {
@@ -119,14 +145,21 @@ async fn locate(client: &Client, m: &Mapping, record: Record) -> Result<Option<L
         name: r.get(2),
         identity: r.get(3),
         partitioned: r.get(4),
+        known: false,
     };
     let configured = format!("{}.{}", m.schema, m.table);
     let by_name =
         client.query_opt(&format!("{BY} AND n.nspname = $1 AND c.relname = $2"), &[&m.schema, &m.table]).await?;
     let remembered = client.query_one("SELECT to_regclass('outbox_relay_sources') IS NOT NULL", &[]).await?.get(0);
-    if let Some(found) = by_name.map(located) {
-        if remembered && record == Record::Yes {
-            remember(client, &configured, found.oid).await;
+    if let Some(mut found) = by_name.map(located) {
+        if remembered && reading == Reading::StartUp {
+            // A role that may not read the record (see [`remember`]): not known.
+            let known = "SELECT EXISTS (SELECT 1 FROM outbox_relay_sources WHERE name = $1 AND relid = $2)";
+            found.known = match client.query_one(known, &[&configured, &found.oid]).await {
+                Ok(row) => row.get(0),
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => false,
+                Err(e) => return Err(e.into()),
+            };
         }
         return Ok(Some(found));
     }
@@ -134,10 +167,11 @@ async fn locate(client: &Client, m: &Mapping, record: Record) -> Result<Option<L
         return Ok(None);
     }
     let sql = format!("{BY} AND c.oid = (SELECT relid FROM outbox_relay_sources WHERE name = $1)");
-    let Some(found) = client.query_opt(&sql, &[&configured]).await?.map(located) else { return Ok(None) };
-    if record == Record::No {
+    let Some(mut found) = client.query_opt(&sql, &[&configured]).await?.map(located) else { return Ok(None) };
+    if reading == Reading::Standing {
         return Ok(Some(found));
     }
+    found.known = true;
     tracing::warn!(
         table = %configured, now = %format!("{}.{}", found.schema, found.name), oid = found.oid,
         "mapped table renamed or moved since the last start: followed by its oid; set `table` in [[outbox]] to its new name"
@@ -152,13 +186,19 @@ async fn remember(client: &Client, name: &str, oid: u32) {
     let upsert = "INSERT INTO outbox_relay_sources (name, relid) VALUES ($1, $2)
                   ON CONFLICT (name) DO UPDATE SET relid = EXCLUDED.relid, seen_at = now()
                   WHERE outbox_relay_sources.relid IS DISTINCT FROM EXCLUDED.relid";
-    if let Err(e) = client.execute(upsert, &[&name, &oid]).await {
-        tracing::warn!(
-            table = name, error = %crate::db::describe(&e),
-            "cannot record the mapped table's oid: a rename is followed while the relay runs, not across a restart \
-             (GRANT SELECT, INSERT, UPDATE ON outbox_relay_sources to the relay's role)"
-        );
+    let Err(e) = client.execute(upsert, &[&name, &oid]).await else { return };
+    if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) {
+        return; // before migration 14
     }
+    let fix = if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) {
+        " (GRANT SELECT, INSERT, UPDATE ON outbox_relay_sources to the relay's role)"
+    } else {
+        ""
+    };
+    tracing::warn!(
+        table = name, error = %crate::db::describe(&e),
+        "cannot record the mapped table's oid: a rename is followed while the relay runs, not across a restart{fix}"
+    );
 }
 
 /// Every mapped column is there, with a type that carries what it gives.

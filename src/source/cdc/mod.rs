@@ -24,7 +24,7 @@ use crate::db;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
 use crate::pipeline::watermark::Watermark;
-use crate::source::mapped_table::{run_resends, Resend};
+use crate::source::mapped_table::{readable_again, run_resends, Resend};
 
 mod decode;
 pub mod mapped;
@@ -109,7 +109,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         o = open_session(ctx, &stop) => o?,
         _ = shutdown.wait_for(|s| *s) => return Ok(()),
     };
-    let Opened { sql, mut repl, start_lsn, startup_lsn } = opened;
+    let Opened { sql, mut repl, start_lsn, startup_lsn, skipped } = opened;
     ctx.slot_seen.store(true, Ordering::Relaxed);
     ctx.parts.metrics.set_ready(true);
     *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
@@ -117,7 +117,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
 
     let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
     let confirm = Arc::new(Notify::new());
-    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, (&watermark, &confirm), &stop).await {
+    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, (&watermark, &confirm), skipped, &stop).await {
         Ok(p) => p,
         Err(e) => {
             let _ = repl.shutdown().await;
@@ -137,6 +137,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     pipeline.wal_watch.abort();
     pipeline.held_watch.abort();
     pipeline.resends.abort();
+    pipeline.readable.abort();
     // What this session's watch held is released: the next session, or the
     // watch for one, judges afresh.
     ctx.parts.metrics.release_hold();
@@ -156,6 +157,10 @@ struct Pipeline {
     /// Mapped rows set unpublished again, to their claims ([`run_resends`]).
     resend: tokio::sync::mpsc::UnboundedSender<Resend>,
     resends: tokio::task::JoinHandle<()>,
+    /// Ends with the name of a mapped table the catch-up skipped once it is
+    /// readable again ([`readable_again`]): the session ends for the next
+    /// one's catch-up.
+    readable: tokio::task::JoinHandle<String>,
 }
 
 /// The session's pipeline ([`Streaming::start`]), after the lanes with rows
@@ -164,6 +169,7 @@ async fn start_pipeline(
     ctx: &StreamContext,
     sql: &Client,
     (watermark, confirm): (&Arc<Mutex<Watermark>>, &Arc<Notify>),
+    skipped: Vec<usize>,
     stop: &watch::Receiver<bool>,
 ) -> Result<(Pipeline, Settler), CdcError> {
     let (cfg, db) = (&ctx.parts.settings, &ctx.db);
@@ -184,7 +190,8 @@ async fn start_pipeline(
     let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, watermark, confirm);
     let (resend, rx) = tokio::sync::mpsc::unbounded_channel();
     let resends = tokio::spawn(run_resends(db.clone(), Arc::clone(&ctx.parts), rx, stop.clone()));
-    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress, resend, resends }, settler))
+    let readable = tokio::spawn(readable_again(db.clone(), Arc::clone(&ctx.parts), skipped));
+    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress, resend, resends, readable }, settler))
 }
 
 /// Lanes with rows in the table keep spooling until the drain empties it,
@@ -293,6 +300,10 @@ async fn stream(
             }
             _ = confirm.notified() => {}
             r = &mut *settler => return Err(settler_ended(r)),
+            table = &mut pipeline.readable => return Err(CdcError::Protocol(format!(
+                "mapped table {} readable again: a new session catches up the rows that waited",
+                table.unwrap_or_default()
+            ))),
             _ = shutdown.changed() => {
                 if *shutdown.borrow() {
                     return Ok(());

@@ -27,6 +27,8 @@ pub(crate) struct Opened {
     /// The server's WAL position when the session began: replayed events
     /// before it are filtered against the table.
     pub(crate) startup_lsn: Lsn,
+    /// Mapped tables the catch-up could not claim ([`crate::source::mapped_table::CaughtUp::skipped`]).
+    pub(crate) skipped: Vec<usize>,
 }
 
 /// Connect, look the slot up (recreating a lost one), open the replication
@@ -59,7 +61,8 @@ pub(crate) async fn open_session(ctx: &StreamContext, stop: &watch::Receiver<boo
     // (a polling relay's, or older than a new slot), now that the slot
     // streams everything after: the replay filter skips what this sent, for
     // the session's start position is read again after it.
-    let startup_lsn = if catch_up_all(db, &ctx.parts, stop).await? > 0 {
+    let caught_up = catch_up_all(db, &ctx.parts, stop).await?;
+    let startup_lsn = if caught_up.settled > 0 {
         db.within("reading the current WAL position", current_wal_lsn(&sql)).await?
     } else {
         startup_lsn
@@ -70,7 +73,7 @@ pub(crate) async fn open_session(ctx: &StreamContext, stop: &watch::Receiver<boo
         Ok::<(), CdcError>(())
     })
     .await?;
-    Ok(Opened { sql, repl, start_lsn, startup_lsn })
+    Ok(Opened { sql, repl, start_lsn, startup_lsn, skipped: caught_up.skipped })
 }
 
 /// An existing slot: made FAILOVER if configured so, and an interrupted
