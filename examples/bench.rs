@@ -76,6 +76,9 @@ struct Args {
     /// (`NAME=value`), to compare one setting with the default.
     #[arg(long)]
     relay_env: Option<String>,
+    /// With --memory-only: only the shapes whose name contains this.
+    #[arg(long)]
+    memory_shape: Option<String>,
     /// Run only the decode comparison (pg_recvlogical, transient and
     /// persistent rows, settlement WAL), with this many rows.
     #[arg(long)]
@@ -1358,38 +1361,71 @@ struct MemoryShape {
     env: String,
 }
 
-/// One shape: rows written by `write` (the slot exists already, the relay
-/// not started), drained by the relay (through S3 via a proxy that `hang`s
-/// for its first 25 s if asked); peak RSS beside `bound`.
+/// Where a memory shape's rows go.
+#[derive(Clone, Copy)]
+enum MemoryTarget {
+    /// One queue, no S3.
+    Queue,
+    /// One queue, bodies over 256 KiB through S3, which hangs for this
+    /// long once the relay is up (0: not at all).
+    S3 { hang_secs: u64 },
+    /// This many queues, looked up by the queue-URL template on first use.
+    Templated(usize),
+}
+
+/// One shape: rows written by `write` to the destinations of `target` (the
+/// slot exists already, the relay not started), drained by the relay; peak
+/// RSS beside the bound.
 async fn memory_shape(
     sqs: &SqsPublisher,
     a: &Args,
     shape: &str,
     largest_body: u64,
-    s3: Option<bool>,
-    write: impl AsyncFnOnce(&TestDb, &str) -> usize,
-) -> MemoryShape {
+    target: MemoryTarget,
+    write: impl AsyncFnOnce(&TestDb, &[String]) -> usize,
+) -> Option<MemoryShape> {
+    if a.memory_shape.as_ref().is_some_and(|only| !shape.contains(only.as_str())) {
+        return None;
+    }
     let budget = 64u64 << 20;
     let db = TestDb::new("bench_mem").await;
     create_slot(&db, &db.slot).await;
-    let queues = create_queues(sqs, 1).await;
+    let queues = create_queues(sqs, if let MemoryTarget::Templated(n) = target { n } else { 1 }).await;
     db.client().await.batch_execute("ALTER TABLE outbox ALTER COLUMN body SET STORAGE EXTERNAL").await.unwrap();
-    let rows = write(&db, &queues[0].0).await;
+    let destinations: Vec<String> = match target {
+        // The queues' names, looked up by the template.
+        MemoryTarget::Templated(_) => {
+            queues.iter().map(|(_, url)| url.rsplit('/').next().unwrap().to_string()).collect()
+        }
+        _ => vec![queues[0].0.clone()],
+    };
+    let rows = write(&db, &destinations).await;
     let addr = free_addr();
     let upstream = stack().sqs_url.trim_start_matches("http://").to_string();
     let proxy = testkit::proxy::Proxy::start(&upstream).await;
     let mut extra = format!("metrics_addr = \"{addr}\"\nlane_stall_timeout = \"1h\"");
-    if s3.is_some() {
+    let (s3, hang) = match target {
+        MemoryTarget::S3 { hang_secs } => (true, Duration::from_secs(hang_secs)),
+        _ => (false, Duration::ZERO),
+    };
+    if s3 {
         let bucket = testkit::create_bucket("benchmem").await;
         extra += &format!("\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\nmax_body_bytes = \"32MB\"", proxy.url);
     }
-    let cfg = RelayConfig::new(&db, "cdc", &dests(&queues), &extra);
+    let cfg = match target {
+        MemoryTarget::Templated(_) => {
+            let (name, url) = (&destinations[0], &queues[0].1);
+            let template = format!("{}{{destination}}", url.strip_suffix(name.as_str()).unwrap());
+            RelayConfig::templated(&db, "cdc", &extra, &stack().sqs_url, &template)
+        }
+        _ => RelayConfig::new(&db, "cdc", &dests(&queues), &extra),
+    };
     let env: Vec<(String, String)> =
         a.relay_env.iter().filter_map(|e| e.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect();
     let env_refs: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let t = Instant::now();
     let relay = cfg.spawn_with(&env_refs);
-    if s3 == Some(true) {
+    if !hang.is_zero() {
         // Hung once the relay is up (its start-up checks the bucket).
         while scrape(&addr).await.is_none() {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1398,7 +1434,7 @@ async fn memory_shape(
     }
     let mut rss = 0;
     loop {
-        if s3 == Some(true) && t.elapsed() > Duration::from_secs(25) {
+        if !hang.is_zero() && t.elapsed() > hang {
             proxy.up();
         }
         if let Some(text) = scrape(&addr).await {
@@ -1415,15 +1451,15 @@ async fn memory_shape(
     relay.terminate(Duration::from_secs(15)).await;
     delete_queues(sqs, &queues).await;
     let mb = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
-    let bound = budget + 2 * s3.map_or(largest_body, |_| 32 << 20) + (64 << 20);
-    MemoryShape {
+    let bound = budget + 2 * if s3 { 32 << 20 } else { largest_body } + (64 << 20);
+    Some(MemoryShape {
         shape: shape.into(),
         rows,
         seconds: (secs * 10.0).round() / 10.0,
         peak_rss_mb: mb(rss),
         bound_mb: mb(bound),
         env: a.relay_env.clone().unwrap_or_default(),
-    }
+    })
 }
 
 /// `n` rows of 20-30 MiB in transactions of `per_txn`, committed at once
@@ -1459,48 +1495,43 @@ async fn huge_at_once(db: &TestDb, destination: &str, n: usize, per_txn: usize) 
     n
 }
 
-async fn memory_shapes(a: &Args, sqs: &SqsPublisher) -> Vec<MemoryShape> {
-    let small = if a.quick { 5_000 } else { 20_000 };
-    let mut out = Vec::new();
-    out.push(
-        memory_shape(sqs, a, &format!("one transaction of {small} rows of 2-8 KB"), 8 << 10, None, async |db, d| {
-            db.client()
-                .await
-                .execute(
-                    "INSERT INTO outbox (event_id, destination, body)
-                     SELECT 'small:' || i, $1, repeat(chr(97 + i % 26), 2048 + (i * 7919) % 6145)
-                       FROM generate_series(1, $2::int) i",
-                    &[&d, &(small as i32)],
-                )
-                .await
-                .unwrap();
-            small
-        })
-        .await,
-    );
-    out.push(
-        memory_shape(sqs, a, "4 bodies of 20-30 MiB in one transaction", 30 << 20, Some(false), async |db, d| {
-            huge_at_once(db, d, 4, 4).await
-        })
-        .await,
-    );
-    out.push(
-        memory_shape(
-            sqs,
-            a,
-            "20 bodies of 20-30 MiB, 5 transactions committed at once",
-            30 << 20,
-            Some(false),
-            async |db, d| huge_at_once(db, d, 20, 4).await,
+/// `n` rows of 2-8 KB over `destinations` (round robin), in transactions
+/// of `per_txn`.
+async fn small_rows(db: &TestDb, destinations: &[String], n: usize, per_txn: usize) -> usize {
+    let c = db.client().await;
+    for start in (0..n).step_by(per_txn) {
+        c.execute(
+            "INSERT INTO outbox (event_id, destination, body)
+             SELECT 'small:' || i, ($3::text[])[1 + i % cardinality($3::text[])],
+                    repeat(chr(97 + i % 26), 2048 + (i * 7919) % 6145)
+               FROM generate_series($1::int, $2::int) i",
+            &[&(start as i32), &((start + per_txn).min(n) as i32 - 1), &destinations],
         )
-        .await,
-    );
-    out.push(
-        memory_shape(sqs, a, "12 bodies of 20-30 MiB while S3 hangs 25 s", 30 << 20, Some(true), async |db, d| {
-            huge_at_once(db, d, 12, 4).await
-        })
-        .await,
-    );
+        .await
+        .unwrap();
+    }
+    n
+}
+
+async fn memory_shapes(a: &Args, sqs: &SqsPublisher) -> Vec<MemoryShape> {
+    use MemoryTarget::{Queue, Templated, S3};
+    let small = if a.quick { 5_000 } else { 20_000 };
+    let up = S3 { hang_secs: 0 };
+    let mut out = Vec::new();
+    let shape = format!("one transaction of {small} rows of 2-8 KB");
+    out.extend(memory_shape(sqs, a, &shape, 8 << 10, Queue, async |db, d| small_rows(db, d, small, small).await).await);
+    let shape = format!("{small} rows of 2-8 KB over 1,000 destinations by template, transactions of 1,000");
+    let templated = async |db: &TestDb, d: &[String]| small_rows(db, d, small, 1_000).await;
+    out.extend(memory_shape(sqs, a, &shape, 8 << 10, Templated(1_000), templated).await);
+    let shape = "4 bodies of 20-30 MiB in one transaction";
+    out.extend(memory_shape(sqs, a, shape, 30 << 20, up, async |db, d| huge_at_once(db, &d[0], 4, 4).await).await);
+    let shape = "20 bodies of 20-30 MiB, 5 transactions committed at once";
+    out.extend(memory_shape(sqs, a, shape, 30 << 20, up, async |db, d| huge_at_once(db, &d[0], 20, 4).await).await);
+    for (n, hang_secs) in [(12, 25), (24, 25), (12, 50)] {
+        let shape = format!("{n} bodies of 20-30 MiB while S3 hangs {hang_secs} s");
+        let write = async |db: &TestDb, d: &[String]| huge_at_once(db, &d[0], n, 4).await;
+        out.extend(memory_shape(sqs, a, &shape, 30 << 20, S3 { hang_secs }, write).await);
+    }
     out
 }
 

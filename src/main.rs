@@ -62,9 +62,13 @@ enum Command {
         /// cdc | polling | auto
         #[arg(long)]
         mode: Option<Mode>,
-        /// Address for /metrics, /healthz and /readyz ("off" to disable).
+        /// Address for /metrics, /healthz, /readyz and /leader ("off" to disable).
         #[arg(long)]
         metrics_addr: Option<String>,
+        /// Read and check the configuration (file, environment, flags), say
+        /// what it sets, and exit: nothing is connected to.
+        #[arg(long)]
+        check: bool,
     },
     /// Mode, slot, lag and per-destination counts (NEW, spooled, DEAD, oldest).
     Status {
@@ -311,11 +315,15 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Run { common, mode, metrics_addr } => {
+        Command::Run { common, mode, metrics_addr, check } => {
             let mut o = overrides(&common);
             o.mode = mode;
             o.metrics_addr = metrics_addr;
             let config = Config::load(common.config.as_deref(), &o)?;
+            if check {
+                println!("{}", config.summary());
+                return Ok(());
+            }
             tracing::info!(?config, "starting");
             let publisher = SqsPublisher::with_role(
                 &config.sqs_region,

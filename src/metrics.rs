@@ -110,6 +110,8 @@ pub struct Metrics {
     /// What holds the stream back (or keeps sessions from streaming), named.
     held_cause: std::sync::Mutex<Option<String>>,
     pub ready: AtomicBool,
+    /// A standby able to take over ([`Metrics::set_standby`]).
+    standby: AtomicBool,
     /// The slot's confirmed LSN has not moved for `readiness_stall` while it has lag.
     pub stalled: AtomicBool,
 }
@@ -163,6 +165,7 @@ impl Metrics {
             health: Default::default(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
+            standby: AtomicBool::new(false),
             stalled: AtomicBool::new(false),
             registry,
         };
@@ -323,11 +326,45 @@ impl Metrics {
         self.ready.store(ready, Ordering::Relaxed);
     }
 
+    /// A standby that can take over: connected, asking for the leader lock
+    /// another relay holds (false once it leads, or when it cannot ask).
+    pub fn set_standby(&self, can_take_over: bool) {
+        self.standby.store(can_take_over, Ordering::Relaxed);
+    }
+
     /// Streaming (or polling), the confirmed LSN not stalled and the stream
-    /// not held back by the server: `/readyz`.
+    /// not held back by the server.
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed) && !self.stalled.load(Ordering::Relaxed) && self.stream_held.get() == 0
     }
+
+    /// `/readyz`: a leader (or polling relay) that [`Self::is_ready`], or a
+    /// standby that can take over. Leadership is not asked: a Deployment of
+    /// a leader and a standby must finish its rolling updates.
+    pub fn readiness(&self) -> Readiness {
+        if self.is_leader.get() == 1 || self.ready.load(Ordering::Relaxed) {
+            if self.is_ready() {
+                Readiness::Active
+            } else {
+                Readiness::NotReady(self.unready_reason())
+            }
+        } else if self.standby.load(Ordering::Relaxed) {
+            Readiness::Standby
+        } else {
+            Readiness::NotReady("starting, or cannot reach PostgreSQL for the leader lock".into())
+        }
+    }
+}
+
+/// What `/readyz` answers ([`Metrics::readiness`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Leading (streaming) or polling, not stalled, not held.
+    Active,
+    /// Waiting on the leader lock, able to take over.
+    Standby,
+    /// Why not.
+    NotReady(String),
 }
 
 /// What a destination's sends go through.

@@ -89,6 +89,12 @@ pub const MAX_IN_FLIGHT_BATCHES: Key = key(
     Some("256"),
     "the cap of a lane's SendMessageBatch calls in flight (the limit under it adapts)",
 );
+pub const MAX_CONCURRENT_CALLS: Key = key(
+    "max_concurrent_calls",
+    Kind::Count { min: 1, max: 10_000 },
+    Some("256"),
+    "the cap of calls in flight to the destinations' service over every lane: each is a connection with its buffers",
+);
 pub const MAX_UNSETTLED_EVENTS: Key = key(
     "max_unsettled_events",
     Kind::Count { min: 1, max: 10_000_000 },
@@ -209,6 +215,7 @@ pub const KEYS: &[Key] = &[
     FAIR_QUEUES,
     PUBLISHED_ROWS,
     MAX_IN_FLIGHT_BATCHES,
+    MAX_CONCURRENT_CALLS,
     MAX_UNSETTLED_EVENTS,
     MAX_UNSETTLED_BYTES,
     CONNECT_TIMEOUT,

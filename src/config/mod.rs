@@ -221,6 +221,9 @@ pub struct Config {
     pub fair_queues: bool,
     /// SendMessageBatch calls in flight per lane.
     pub max_in_flight_batches: usize,
+    /// Calls in flight to the destinations' service, over every lane
+    /// ([`crate::publish::limit`]).
+    pub max_concurrent_calls: usize,
     /// Events read from the slot but not yet settled, across all lanes.
     pub max_unsettled_events: usize,
     /// Bytes (bodies and attributes) of those events: with the replication
@@ -313,6 +316,34 @@ impl Overrides {
 }
 
 impl Config {
+    /// What `run --check` prints: what the configuration sets, without its
+    /// secrets (the database URL is not shown), and the memory the relay
+    /// stays within, for a container's limit.
+    pub fn summary(&self) -> String {
+        let mib = |b: u64| b.div_ceil(1 << 20);
+        // Without S3 a body is at most a message: 1 MiB, SQS's ceiling.
+        let body = self.s3.as_ref().map_or(1 << 20, |s| s.max_body_bytes);
+        let bound = self.max_unsettled_bytes + 2 * body + (64 << 20);
+        let metrics = self.metrics_addr.map_or_else(|| "off".to_string(), |a| a.to_string());
+        let template = if self.queue_url_template.is_some() { " (and any by the queue-URL template)" } else { "" };
+        format!(
+            "configuration accepted\n\
+             mode: {}\nslot: {}\npublication: {}\n\
+             destinations: {}{template}\nmapped tables: {}\nbodies through S3: {}\n\
+             metrics, /healthz, /readyz, /leader: {metrics}\n\
+             memory bound: {} MiB (max_unsettled_bytes {} MiB + 2 x the largest body {} MiB + 64 MiB)",
+            self.mode,
+            self.slot,
+            self.publication,
+            self.destinations.len(),
+            self.mapped.len(),
+            if self.s3.is_some() { "yes" } else { "no" },
+            mib(bound),
+            mib(self.max_unsettled_bytes),
+            mib(body),
+        )
+    }
+
     /// Load `path` (if given), apply the environment, then `overrides`.
     pub fn load(path: Option<&Path>, overrides: &Overrides) -> Result<Config, ConfigError> {
         let file = match path {
@@ -411,6 +442,7 @@ impl Config {
         self.fair_queues = src.get(&keys::FAIR_QUEUES).flag()?;
         self.published_rows = src.get(&keys::PUBLISHED_ROWS).string()?.unwrap_or_default().parse()?;
         self.max_in_flight_batches = src.get(&keys::MAX_IN_FLIGHT_BATCHES).count()?;
+        self.max_concurrent_calls = src.get(&keys::MAX_CONCURRENT_CALLS).count()?;
         self.max_unsettled_events = src.get(&keys::MAX_UNSETTLED_EVENTS).count()?;
         self.max_unsettled_bytes = src.get(&keys::MAX_UNSETTLED_BYTES).size()?;
         self.connect_timeout = d(&keys::CONNECT_TIMEOUT)?;

@@ -5,6 +5,7 @@
 
 pub mod aws;
 pub mod entry;
+pub mod limit;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
 pub mod offload;

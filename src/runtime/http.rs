@@ -1,18 +1,23 @@
-//! The HTTP endpoints: `/metrics` (Prometheus text), `/healthz`, `/readyz`,
-//! and `/status` (JSON: each destination's current failures and bodies
-//! through S3, which `outbox-relay status` shows beside the table's counts).
+//! The HTTP endpoints: `/metrics` (Prometheus text); `/healthz` (the
+//! process answers: liveness, asking neither PostgreSQL nor AWS); `/readyz`
+//! (leading or polling and keeping up, or a standby able to take over:
+//! readiness, which leadership does not decide); `/leader` (200 only on the
+//! relay that holds the slot's leader lock); and `/status` (JSON: each
+//! destination's current failures and bodies through S3, which
+//! `outbox-relay status` shows beside the table's counts).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::metrics::Metrics;
 
-/// Serve `/metrics`, `/healthz`, `/readyz` and `/status` on `listener` until `shutdown`.
+/// Serve `/metrics`, `/healthz`, `/readyz`, `/leader` and `/status` on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    use crate::metrics::Readiness;
     use axum::{extract::State, http::StatusCode, routing::get, Router};
     let app = Router::new()
         .route(
@@ -32,10 +37,20 @@ pub async fn serve(
         .route(
             "/readyz",
             get(|State(m): State<Arc<Metrics>>| async move {
-                if m.is_ready() {
-                    (StatusCode::OK, "ready\n".to_string())
+                match m.readiness() {
+                    Readiness::Active => (StatusCode::OK, "ready\n".to_string()),
+                    Readiness::Standby => (StatusCode::OK, "ready: standby, takes over when the leader goes\n".into()),
+                    Readiness::NotReady(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n")),
+                }
+            }),
+        )
+        .route(
+            "/leader",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                if m.is_leader.get() == 1 {
+                    (StatusCode::OK, "leader\n")
                 } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", m.unready_reason()))
+                    (StatusCode::SERVICE_UNAVAILABLE, "not the leader\n")
                 }
             }),
         )

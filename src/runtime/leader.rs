@@ -35,17 +35,20 @@ pub(crate) async fn acquire_leadership(
                 {
                     Ok(r) if r.get::<_, bool>(0) => {
                         tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
+                        metrics.set_standby(false);
                         metrics.is_leader.set(1);
                         metrics.leader_changes.inc();
                         return Some(c);
                     }
                     Ok(_) => {
+                        metrics.set_standby(true);
                         if !waiting {
                             tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
                             waiting = true;
                         }
                     }
                     Err(e) => {
+                        metrics.set_standby(false);
                         tracing::warn!(error = %e, "leader lock query failed; reconnecting");
                         break;
                     }
@@ -56,6 +59,7 @@ pub(crate) async fn acquire_leadership(
                 }
             },
             Err(e) => {
+                metrics.set_standby(false);
                 tracing::warn!(error = %e, "cannot connect for the leader lock; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(poll.max(Duration::from_secs(1))) => {}

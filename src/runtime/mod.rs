@@ -31,6 +31,7 @@ use crate::pipeline::assemble::Parts;
 use crate::pipeline::destinations::{Destination, Destinations, REREAD_EVERY};
 use crate::pipeline::lane::LaneState;
 use crate::pipeline::settings::Settings;
+use crate::publish::limit::CallLimit;
 use crate::publish::Publisher;
 use crate::source::cdc::{run_stream, watch_down, StreamContext};
 use crate::source::mapped_table::run_mapped_poller;
@@ -58,28 +59,43 @@ pub async fn run(
         shutdown.await;
         let _ = stop_tx.send(true);
     });
+    let publisher: Arc<dyn Publisher> = Arc::new(CallLimit::new(publisher, config.max_concurrent_calls));
+
+    // Served from the start: `/healthz` answers while start-up waits on
+    // PostgreSQL or AWS (a probe must not restart a relay for their
+    // outage), `/readyz` says it is starting.
+    let metrics_server = match config.metrics_addr {
+        Some(addr) => {
+            let listener = http::bind(addr)
+                .await
+                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?;
+            let mut stop = stop_rx.clone();
+            let m = Arc::clone(&metrics);
+            Some(tokio::spawn(http::serve(listener, m, async move {
+                let _ = stop.wait_for(|s| *s).await;
+            })))
+        }
+        None => None,
+    };
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
     let mut settings = Settings::of(&config);
-    let Some(started) =
-        start_up_until_done(&config, &settings, &db, publisher.as_ref(), &metrics, &mut stop_rx).await?
-    else {
-        tracing::info!("shutdown requested during start-up; stopped");
-        return Ok(());
+    let started = start_up_until_done(&config, &settings, &db, publisher.as_ref(), &metrics, &mut stop_rx).await;
+    let Ok(Some(started)) = started else {
+        if let Some(s) = metrics_server {
+            s.abort();
+        }
+        if started.is_ok() {
+            tracing::info!("shutdown requested during start-up; stopped");
+        }
+        return started.map(|_| ());
     };
-    let Started { mode, sharded, queues, listener, retention, mapped_columns, prepare } = started;
+    let Started { mode, sharded, queues, retention, mapped_columns, prepare } = started;
     settings.marking.bound_unpositioned = mode != Mode::Polling;
     for (m, found) in settings.mapped.iter_mut().zip(mapped_columns) {
         m.settle_columns(found.oid, found.id_type, |c| found.columns.iter().any(|n| n == c));
     }
-    let metrics_server = listener.map(|listener| {
-        let mut stop = stop_rx.clone();
-        let m = Arc::clone(&metrics);
-        tokio::spawn(http::serve(listener, m, async move {
-            let _ = stop.wait_for(|s| *s).await;
-        }))
-    });
     let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
     let template = config.queue_url_template.clone();

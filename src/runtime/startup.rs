@@ -13,7 +13,6 @@ use crate::policy::retry::{classify_start_up, StartUpFailure};
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
 
-use super::http;
 use tokio::sync::watch;
 
 use super::monitor::warn_if_slot_retains_wal;
@@ -24,7 +23,6 @@ pub(crate) struct Started {
     pub(crate) mode: Mode,
     pub(crate) sharded: bool,
     pub(crate) queues: BTreeMap<String, crate::publish::entry::QueueInfo>,
-    pub(crate) listener: Option<tokio::net::TcpListener>,
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type and columns, in `settings.mapped`'s order.
     pub(crate) mapped_columns: Vec<crate::source::cdc::mapped::Found>,
@@ -92,8 +90,7 @@ pub(crate) async fn start_up_until_done(
 }
 
 /// The start-up checks, each with a deadline: the database (connect_timeout,
-/// query_timeout), the queues (the SQS client's own timeouts), the metrics
-/// listener.
+/// query_timeout), the queues (the SQS client's own timeouts).
 async fn start_up(
     config: &Config,
     settings: &Settings,
@@ -123,14 +120,6 @@ async fn start_up(
         tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size(), "queue ready");
         queues.insert(name.clone(), info);
     }
-    let listener = match config.metrics_addr {
-        Some(addr) => Some(
-            http::bind(addr)
-                .await
-                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?,
-        ),
-        None => None,
-    };
     if mode == Mode::Polling {
         let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
     }
@@ -150,7 +139,7 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    Ok(Started { mode, sharded, queues, listener, retention, mapped_columns, prepare })
+    Ok(Started { mode, sharded, queues, retention, mapped_columns, prepare })
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.

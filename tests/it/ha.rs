@@ -85,6 +85,66 @@ async fn a_leader_that_loses_its_lock_connection_stops_and_leads_again() {
     standby.stop().await;
 }
 
+/// Kubernetes' probes: a standby that can take over is ready (a rolling
+/// update of a leader and a standby must finish), `/leader` answers 200 only
+/// on the leader, and `/healthz` asks nothing of PostgreSQL: with the
+/// database unreachable the relay is alive and not ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_is_ready_and_only_the_leader_says_it_leads() {
+    let db = TestDb::new("probes").await;
+    let p = MemoryPublisher::new();
+    p.add_queue(Q, false, 262_144);
+    let addr = || {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        format!("127.0.0.1:{port}")
+    };
+    let get = |a: &str, path: &'static str| {
+        let a = a.to_string();
+        async move { tokio::task::spawn_blocking(move || http_get(&a, path)).await.unwrap() }
+    };
+    let (first, second) = (addr(), addr());
+    let mut cfg = config(&db, &[("orders", Q)]);
+    cfg.metrics_addr = Some(first.parse().unwrap());
+    let leader = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("the leader is ready", Duration::from_secs(30), || async { get(&first, "/readyz").await.0 == 200 }).await;
+    cfg.metrics_addr = Some(second.parse().unwrap());
+    let standby = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("the standby is ready", Duration::from_secs(30), || async { get(&second, "/readyz").await.0 == 200 })
+        .await;
+    let (_, body) = get(&second, "/readyz").await;
+    assert!(body.contains("standby"), "{body}");
+    assert_eq!(get(&first, "/leader").await.0, 200);
+    assert_eq!(get(&second, "/leader").await.0, 503);
+    assert_eq!(gauge(&standby.metrics.render(), "outbox_relay_is_leader "), Some(0.0));
+    // The leader goes (a rolling update replaced its pod): the standby leads.
+    leader.stop().await;
+    wait_for("the standby leads", Duration::from_secs(30), || async { get(&second, "/leader").await.0 == 200 }).await;
+    let c = db.client().await;
+    insert_rows(&c, "after", "orders", 10, None).await;
+    wait_for("rows sent by the new leader", Duration::from_secs(30), || async { p.sent(Q).len() >= 10 }).await;
+    standby.stop().await;
+
+    // PostgreSQL unreachable under a running relay: alive (liveness must
+    // not restart it), not ready, and ready again when it is back.
+    let upstream = db.url.split('@').nth(1).and_then(|r| r.split('/').next()).unwrap().to_string();
+    let proxy = testkit::proxy::Proxy::start(&upstream).await;
+    let mut cfg = config(&db, &[("orders", Q)]);
+    cfg.database_url = db.url.replacen(&upstream, proxy.url.trim_start_matches("http://"), 1);
+    cfg.metrics_addr = Some(first.parse().unwrap());
+    let relay = start(cfg, Arc::new(p.clone()));
+    wait_for("ready through the proxy", Duration::from_secs(30), || async { get(&first, "/readyz").await.0 == 200 })
+        .await;
+    proxy.down();
+    wait_for("not ready without PostgreSQL", Duration::from_secs(30), || async {
+        get(&first, "/readyz").await.0 == 503
+    })
+    .await;
+    assert_eq!(get(&first, "/healthz").await.0, 200, "alive without PostgreSQL");
+    proxy.up();
+    wait_for("ready again", Duration::from_secs(60), || async { get(&first, "/readyz").await.0 == 200 }).await;
+    relay.stop().await;
+}
+
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     let Ok(mut s) = std::net::TcpStream::connect(addr) else { return (0, String::new()) };
     write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
