@@ -25,39 +25,48 @@ pub(crate) async fn acquire_leadership(
             return None;
         }
         match db.connect().await {
-            Ok(c) => loop {
-                match db
-                    .query(
-                        "taking the leader lock",
-                        c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]),
-                    )
-                    .await
-                {
-                    Ok(r) if r.get::<_, bool>(0) => {
-                        tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
-                        metrics.set_standby(false);
-                        metrics.is_leader.set(1);
-                        metrics.leader_changes.inc();
-                        return Some(c);
-                    }
-                    Ok(_) => {
-                        metrics.set_standby(true);
-                        if !waiting {
-                            tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
-                            waiting = true;
+            Ok(c) => {
+                // Server-side keepalives on the lock's session: a leader
+                // whose host vanished (no FIN, no RST) loses the lock within
+                // about `takeover_timeout`, not the OS's two hours. Ignored
+                // over a Unix socket.
+                if let Err(e) = c.batch_execute(&lock_keepalive(config.takeover_timeout)).await {
+                    tracing::debug!(error = %e, "cannot set the lock session's keepalives");
+                }
+                loop {
+                    match db
+                        .query(
+                            "taking the leader lock",
+                            c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]),
+                        )
+                        .await
+                    {
+                        Ok(r) if r.get::<_, bool>(0) => {
+                            tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
+                            metrics.set_standby(false);
+                            metrics.is_leader.set(1);
+                            metrics.leader_changes.inc();
+                            return Some(c);
+                        }
+                        Ok(_) => {
+                            metrics.set_standby(true);
+                            if !waiting {
+                                tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
+                                waiting = true;
+                            }
+                        }
+                        Err(e) => {
+                            metrics.set_standby(false);
+                            tracing::warn!(error = %e, "leader lock query failed; reconnecting");
+                            break;
                         }
                     }
-                    Err(e) => {
-                        metrics.set_standby(false);
-                        tracing::warn!(error = %e, "leader lock query failed; reconnecting");
-                        break;
+                    tokio::select! {
+                        _ = tokio::time::sleep(poll) => {}
+                        _ = stop.wait_for(|s| *s) => return None,
                     }
                 }
-                tokio::select! {
-                    _ = tokio::time::sleep(poll) => {}
-                    _ = stop.wait_for(|s| *s) => return None,
-                }
-            },
+            }
             Err(e) => {
                 metrics.set_standby(false);
                 tracing::warn!(error = %e, "cannot connect for the leader lock; retrying");
@@ -91,5 +100,37 @@ pub(crate) async fn watch_lock(client: tokio_postgres::Client, takeover_timeout:
             }
             last_ping = tokio::time::Instant::now();
         }
+    }
+}
+
+/// The settings of the lock's session that end it on the server when its
+/// client's host is gone: keepalives after a third of `takeover`, three
+/// probes half of it apart, and unacknowledged data given up after `takeover`.
+fn lock_keepalive(takeover: Duration) -> String {
+    let idle = (takeover.as_secs() / 3).max(1);
+    let interval = (takeover.as_secs() / 6).max(1);
+    format!(
+        "SET tcp_keepalives_idle = {idle}; SET tcp_keepalives_interval = {interval}; \
+         SET tcp_keepalives_count = 3; SET tcp_user_timeout = {}",
+        takeover.as_millis().max(1000)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vanished_leader_loses_the_lock_within_about_the_takeover_timeout() {
+        // 3 s idle + 3 probes 1 s apart: 6 s of silence, under 10 s.
+        let s = lock_keepalive(Duration::from_secs(10));
+        assert_eq!(
+            s,
+            "SET tcp_keepalives_idle = 3; SET tcp_keepalives_interval = 1; \
+             SET tcp_keepalives_count = 3; SET tcp_user_timeout = 10000"
+        );
+        // Never below what the server accepts (whole seconds, at least 1).
+        assert!(lock_keepalive(Duration::from_secs(1))
+            .starts_with("SET tcp_keepalives_idle = 1; SET tcp_keepalives_interval = 1"));
     }
 }

@@ -170,6 +170,26 @@ fn zero_durations_are_refused_at_start_up() {
     assert!(text(&out).contains("line 2, column"), "{}", text(&out));
 }
 
+/// `run --check` reads the configuration and says what it sets (never the
+/// database URL) with the memory bound, connecting to nothing; a bad one is
+/// refused as `run` refuses it.
+#[test]
+fn run_check_says_what_the_configuration_sets_and_connects_to_nothing() {
+    let url = format!("postgres://app@127.0.0.1:1/app?password={SECRET}");
+    let cfg = ConfigFile::new(&config_text(&url, "max_unsettled_bytes = \"100MB\""));
+    let (out, _) = run_bin(&["run", "--check", "--config", cfg.arg()], &[], Duration::from_secs(20));
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{all}");
+    assert!(all.contains("configuration accepted") && all.contains("mode: "), "{all}");
+    // 100 MB (MiB, as every size here) + 2 x 1 MiB (no S3) + 64 MiB.
+    assert!(all.contains("memory bound: 166 MiB"), "{all}");
+    assert!(!all.contains(SECRET) && !all.contains("127.0.0.1:1"), "{all}");
+    let cfg = ConfigFile::new(&config_text(&url, "max_in_flight_batches = 0"));
+    let (out, _) = run_bin(&["run", "--check", "--config", cfg.arg()], &[], Duration::from_secs(20));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out).contains("max_in_flight_batches = 0 is out of range"), "{}", text(&out));
+}
+
 #[test]
 fn secrets_never_show_in_logs_or_errors() {
     // A password as a URL parameter, against a server that never answers:
