@@ -382,7 +382,7 @@ type Attributes = serde_json::Map<String, serde_json::Value>;
 
 /// The trace-context column's value as the `traceparent` attribute, with a
 /// `tracestate` when Debezium's span context holds one and the row's own
-/// attributes do not ([`trace_context`]); an unchanged value keeps both as
+/// attributes do not ([`crate::publish::entry::trace_context`]); an unchanged value keeps both as
 /// inserted, a blank one gives neither.
 fn trace_attributes(out: &mut Attributes, value: Value<'_>, old: &Attributes) {
     use crate::publish::entry::{trace_context, TRACEPARENT, TRACESTATE};

@@ -15,7 +15,7 @@ pub struct NewJob<'a> {
     /// Your own idempotency key; by default the hash of kind and payload.
     pub job_id: Option<&'a str>,
     /// The producer's W3C `traceparent`: the job's handler runs with it
-    /// ([`Job::traceparent`]) and in a span that names it.
+    /// ([`crate::Job::traceparent`]) and in a span that names it.
     pub traceparent: Option<&'a str>,
 }
 

@@ -1,7 +1,7 @@
 //! pgoutput, logical replication protocol version 1, decoded without I/O.
 //!
 //! Bytes in (the payload of one `XLogData` message), typed messages out:
-//! [`decode`] turns one message into a [`LogicalMessage`]; [`RelationCache`]
+//! [`decode()`] turns one message into a [`LogicalMessage`]; [`RelationCache`]
 //! remembers the `Relation` messages that later row messages refer to by OID.
 //! Malformed input is a [`DecodeError`]: lengths are checked against the bytes
 //! actually present before anything is allocated, so hostile or truncated input

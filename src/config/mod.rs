@@ -197,9 +197,9 @@ pub struct Config {
     pub sqs_region: String,
     pub sqs_endpoint_url: Option<String>,
     pub sqs_assume_role_arn: Option<String>,
-    /// Lane name → queue URL.
     /// Tables teams already have, read as outbox rows (`[[outbox]]`).
     pub mapped: Vec<crate::mapping::Mapping>,
+    /// Lane name → queue URL.
     pub destinations: BTreeMap<String, String>,
     /// `sqs.queue_url_template`: destinations beyond `destinations`.
     pub queue_url_template: Option<QueueUrlTemplate>,

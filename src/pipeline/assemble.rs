@@ -69,7 +69,7 @@ impl Streaming {
 /// judged at `now_us`, the database's clock), those to send through a lane of
 /// their own (retries go back to the table, not into memory), and every
 /// settlement marked in `claim`, the claiming transaction. The table path
-/// commits it (its confirm) and then [`record`]s the settlements.
+/// commits it (its confirm) and then [`record`](super::settle::record)s the settlements.
 pub async fn publish_claim<C: GenericClient>(
     claim: &C,
     parts: &Parts,

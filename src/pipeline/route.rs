@@ -1,6 +1,6 @@
 //! Routing: each event is judged for its destination's queue (validated, or
 //! DEAD with its reason) and handed to its lane, to the table when the lane
-//! spools, or straight to the settler when DEAD. [`judge`] is the one rule,
+//! spools, or straight to the settler when DEAD. [`judge_for`] is the one rule,
 //! used by the stream's [`Router`] and by the table path alike.
 
 use std::collections::{HashMap, HashSet};
@@ -223,7 +223,7 @@ fn chunk_ends(events: &[OutboxEvent]) -> Vec<bool> {
 
 /// Routes events to their lanes, or straight to the settler as DEAD. A
 /// destination met for the first time gets its lane here, once it is
-/// looked up ([`Destinations::resolve`]); a lane idle for
+/// looked up ([`crate::pipeline::destinations::Destinations::resolve`]); a lane idle for
 /// `lane_idle_timeout` with everything it was given finished is closed, and
 /// opened again by its destination's next event.
 pub struct Router {

@@ -1,6 +1,6 @@
 //! Bodies over a queue's limit go through S3, in the Amazon SQS Extended
 //! Client's format, so consumers using AWS's extended client libraries (Java,
-//! Python) and [`outbox_consumer`] read them unchanged: the body is stored as
+//! Python) and `outbox_consumer` read them unchanged: the body is stored as
 //! an object, and the message carries the pointer
 //! `["software.amazon.payloadoffloading.PayloadS3Pointer",{"s3BucketName":…,"s3Key":…}]`
 //! and the `ExtendedPayloadSize` attribute (the body's bytes).

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::*;
 
-/// The relay binary, target/<profile>/outbox-relay: beside the binary running
+/// The relay binary, `target/<profile>/outbox-relay`: beside the binary running
 /// (the measurement) or one level up (tests in deps/, examples in examples/).
 pub fn relay_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -232,7 +232,7 @@ pub fn postgres_walsenders() -> usize {
         .count()
 }
 
-/// The numbers of /proc/<pid>/stat this harness reads.
+/// The numbers of `/proc/<pid>/stat` this harness reads.
 struct Stat {
     ppid: String,
     utime: f64,
@@ -284,7 +284,7 @@ pub struct StackGuard {
 
 impl StackGuard {
     /// Point the harness at a stack of this process's own: the directory in
-    /// `override_var`, else /tmp/outbox-relay-<name>-<pid>. Call before the
+    /// `override_var`, else `/tmp/outbox-relay-<name>-<pid>`. Call before the
     /// first [`stack`]; `keep` leaves it running afterwards.
     pub fn own(name: &str, override_var: &str, keep: bool) -> StackGuard {
         let dir = std::env::var(override_var).unwrap_or_else(|_| {

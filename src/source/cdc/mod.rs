@@ -1,7 +1,7 @@
 //! The CDC source: the slot's pgoutput stream. One session reads it here,
 //! start to end: [`decode`] turns each replication event into a
-//! [`Change`](crate::source::Change), the pipeline's
-//! [`Intake`](crate::pipeline::intake::Intake) routes, sends and settles it,
+//! [`Change`](crate::pipeline::intake::Change), the pipeline's
+//! [`crate::pipeline::intake::Intake`] routes, sends and settles it,
 //! and the session confirms to the server what the intake says is settled
 //! ([`stream`], [`confirm_if_advanced`]).
 //!
