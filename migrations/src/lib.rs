@@ -40,12 +40,7 @@ pub const ALL: &[Migration] = &[
     m(9, "durable slot hand-off", Part::Relay, include_str!("../0009_handoffs.sql")),
     m(10, "runs list the table path's event ids", Part::Relay, include_str!("../0010_runs_event_ids.sql")),
     m(11, "delayed delivery", Part::Relay, include_str!("../0011_deliver_at.sql")),
-    m(
-        12,
-        "job trace context",
-        Part::Jobs,
-        concat!(include_str!("../0012_job_trace.sql"), include_str!("../0004_jobs.sql")),
-    ),
+    m(12, "job trace context", Part::Jobs, include_str!("../0012_job_trace.sql")),
     m(13, "FIFO rows in the table keep their commit order", Part::Relay, include_str!("../0013_commit_order.sql")),
     m(14, "mapped tables known by their oid", Part::Relay, include_str!("../0014_sources.sql")),
 ];
@@ -125,5 +120,33 @@ mod tests {
         for (f, m) in files.iter().zip(ALL) {
             assert!(f.starts_with(&format!("{:04}_", m.version)), "{f} is not migration {}", m.version);
         }
+    }
+
+    /// An applied migration's SQL never changes (a server that applied it
+    /// would not have what a new one gets): each is held to the FNV-1a hash
+    /// it had when it was written. A new migration adds its line here.
+    #[test]
+    fn applied_migrations_never_change() {
+        fn fnv1a(s: &str) -> u64 {
+            s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+        }
+        let frozen: &[(i32, u64)] = &[
+            (1, 0x334eb6d36c59b697),
+            (2, 0x44449cf183e46a83),
+            (3, 0xaf90dabde6ee8ea2),
+            (4, 0x8117e759074b4440),
+            (5, 0x196c86f216360c19),
+            (6, 0xda2acb27d0015c8a),
+            (7, 0x5c6abaedee8bec72),
+            (8, 0x6acdca99a880c127),
+            (9, 0x9d7c1cfba90a14e8),
+            (10, 0x38d01030995f7bb9),
+            (11, 0x69c5f980b0c48f0e),
+            (12, 0x925d51b5bd2b6144),
+            (13, 0x64ef79bc3dbb5490),
+            (14, 0xe2a8dac5ec1f6917),
+        ];
+        let now: Vec<(i32, u64)> = ALL.iter().map(|m| (m.version, fnv1a(m.sql))).collect();
+        assert_eq!(now, frozen, "a migration's SQL changed: write a new migration instead");
     }
 }
