@@ -242,29 +242,13 @@ impl Mapping {
             Value::Null | Value::Unchanged => prefixed(&id),
         };
         let destination = text(&self.destination, before.map(|b| b.destination.as_str()))?.unwrap_or_default();
-        // Read once: a bytea value sent now is hex text to decode; one the
-        // update left alone is the event's body already.
-        let body = match col(&self.body)? {
-            Value::Null => String::new(),
-            Value::Text(t) if bytea(&self.body) => {
-                bytea_to_base64(&t).ok_or_else(|| self.error(format!("{:?} is not bytea text", self.body)))?
-            }
-            Value::Text(t) => t.into_owned(),
-            Value::Unchanged => before.map(|b| b.body.clone()).unwrap_or_default(),
-        };
+        let body = self.body_of(&col, bytea(&self.body), before)?;
         let group_key = match &self.group_key {
             Some(c) => text(c, before.and_then(|b| b.group_key.as_deref()))?,
             None => None,
         };
         let attributes = self.attributes_json(&col, bytea(&self.body), before)?;
-        let deliver_at = match &self.deliver_at {
-            None => DeliverAt::Unset,
-            Some(c) => match col(c)? {
-                Value::Null => DeliverAt::Unset,
-                Value::Text(t) => crate::event::deliver_at(&t),
-                Value::Unchanged => before.map_or(DeliverAt::Unset, |b| b.deliver_at),
-            },
-        };
+        let deliver_at = self.deliver_at_of(&col, before)?;
         Ok(OutboxEvent {
             id: 0,
             event_id,
@@ -281,6 +265,39 @@ impl Mapping {
             transient: true,
             deliver_at,
             mapped: Some(MappedRow { key, published: published.cloned(), unreadable: None }),
+        })
+    }
+
+    /// The body column's value, read once: a bytea value sent now is hex
+    /// text to decode (as base64); one the update left alone is the event's
+    /// body already; NULL is empty (DEAD when routed).
+    fn body_of<'r>(
+        &self,
+        col: &impl Fn(&str) -> Result<Value<'r>, MappingError>,
+        bytea: bool,
+        before: Option<&OutboxEvent>,
+    ) -> Result<String, MappingError> {
+        Ok(match col(&self.body)? {
+            Value::Null => String::new(),
+            Value::Text(t) if bytea => {
+                bytea_to_base64(&t).ok_or_else(|| self.error(format!("{:?} is not bytea text", self.body)))?
+            }
+            Value::Text(t) => t.into_owned(),
+            Value::Unchanged => before.map(|b| b.body.clone()).unwrap_or_default(),
+        })
+    }
+
+    /// The delivery time column's value, if the mapping has one.
+    fn deliver_at_of<'r>(
+        &self,
+        col: &impl Fn(&str) -> Result<Value<'r>, MappingError>,
+        before: Option<&OutboxEvent>,
+    ) -> Result<DeliverAt, MappingError> {
+        let Some(c) = &self.deliver_at else { return Ok(DeliverAt::Unset) };
+        Ok(match col(c)? {
+            Value::Null => DeliverAt::Unset,
+            Value::Text(t) => crate::event::deliver_at(&t),
+            Value::Unchanged => before.map_or(DeliverAt::Unset, |b| b.deliver_at),
         })
     }
 
