@@ -1314,21 +1314,12 @@ async fn huge_bodies(sqs: &SqsPublisher, n: usize, body: usize, mode: &str) -> L
     let cfg = RelayConfig::new(&db, mode, &dests(&queues), &extra);
     let t = Instant::now();
     let relay = cfg.spawn();
-    let (mut rss, mut peak_unsettled) = (0, 0.0f64);
-    loop {
-        if let Some(text) = scrape(&addr).await {
-            let unsettled: f64 = series(&text, "outbox_relay_in_flight_events").iter().map(|(_, v)| v).sum();
-            peak_unsettled = peak_unsettled.max(unsettled);
-            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= n as f64 {
-                break;
-            }
-        }
-        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
-        assert!(t.elapsed() < Duration::from_secs(1800), "huge bodies: not drained in 30 min");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+    let mut peak_unsettled = 0.0f64;
+    let (secs, rss) = drained(&relay, &addr, n, t, "huge bodies", |_, text| {
+        let unsettled: f64 = series(text, "outbox_relay_in_flight_events").iter().map(|(_, v)| v).sum();
+        peak_unsettled = peak_unsettled.max(unsettled);
+    })
+    .await;
     relay.terminate(Duration::from_secs(15)).await;
     delete_queues(sqs, &queues).await;
     let mb = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
@@ -1432,22 +1423,12 @@ async fn memory_shape(
         }
         proxy.hang();
     }
-    let mut rss = 0;
-    loop {
-        if !hang.is_zero() && t.elapsed() > hang {
+    let (secs, rss) = drained(&relay, &addr, rows, t, shape, |elapsed, _| {
+        if !hang.is_zero() && elapsed > hang {
             proxy.up();
         }
-        if let Some(text) = scrape(&addr).await {
-            if series(&text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>() >= rows as f64 {
-                break;
-            }
-        }
-        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
-        assert!(t.elapsed() < Duration::from_secs(1800), "{shape}: not drained in 30 min");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+    })
+    .await;
     relay.terminate(Duration::from_secs(15)).await;
     delete_queues(sqs, &queues).await;
     let mb = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
@@ -1460,6 +1441,35 @@ async fn memory_shape(
         bound_mb: mb(bound),
         env: a.relay_env.clone().unwrap_or_default(),
     })
+}
+
+/// Wait until the relay at `addr` (started at `t`) has published `rows`,
+/// every 20 ms calling `tick` with the time since `t` and the metrics (when
+/// they answered) and sampling its peak RSS; 30 minutes at most. Seconds
+/// taken and the peak RSS in bytes.
+async fn drained(
+    relay: &testkit::process::RelayProcess,
+    addr: &str,
+    rows: usize,
+    t: Instant,
+    what: &str,
+    mut tick: impl FnMut(Duration, &str),
+) -> (f64, u64) {
+    let mut rss = 0;
+    loop {
+        let text = scrape(addr).await;
+        tick(t.elapsed(), text.as_deref().unwrap_or_default());
+        let published =
+            |text: &str| series(text, "outbox_relay_events_published_total").iter().map(|(_, v)| v).sum::<f64>();
+        if text.as_deref().is_some_and(|text| published(text) >= rows as f64) {
+            break;
+        }
+        rss = cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1);
+        assert!(t.elapsed() < Duration::from_secs(1800), "{what}: not drained in 30 min");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    (secs, cpu_and_peak_rss(relay.pid()).map_or(rss, |s| s.1))
 }
 
 /// `n` rows of 20-30 MiB in transactions of `per_txn`, committed at once
