@@ -306,16 +306,23 @@ impl OutboxEvent {
         }
     }
 
-    /// Bytes the event holds in memory, for the unsettled budget.
+    /// Bytes the event holds in memory, for the unsettled budget: its
+    /// texts, and [`PER_EVENT`] for what holds them.
     pub fn size(&self) -> usize {
         self.body.len()
             + self.event_id.len()
             + self.destination.len()
             + self.group_key.as_ref().map_or(0, String::len)
             + self.attributes.as_ref().map_or(0, String::len)
-            + 96
+            + PER_EVENT
     }
 }
+
+/// What an unsettled event holds beside its texts' bytes (2026-12-07,
+/// `size_of`): the event behind its `Arc` (264 bytes), its lane item in a
+/// lane's queue or channel (208; its settlement, 120, takes its place), and
+/// the allocator's overhead on each text (16–32 each).
+const PER_EVENT: usize = 512;
 
 #[cfg(any(test, feature = "test-utils"))]
 impl OutboxEvent {

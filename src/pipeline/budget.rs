@@ -70,6 +70,16 @@ pub fn charge(size: usize) -> usize {
 /// Events past this many bytes count twice ([`charge`]).
 const HUGE: usize = 1 << 20;
 
+/// Bytes of batches in calls at once, over every lane: a sixteenth of the
+/// byte budget, between 2 and 64 MiB (4 MiB at the default 64 MB). The
+/// request a call builds and sends copies its entries (the SDK's input,
+/// the serialized request): 256 calls of ten 5 KB rows held 25 MB the
+/// budget did not count. A hot queue of small rows is not slowed by it
+/// (256 calls of ten 200-byte rows are 0.5 MiB).
+pub fn call_bytes(max_unsettled_bytes: u64) -> u64 {
+    (max_unsettled_bytes / 16).clamp(2 << 20, 64 << 20)
+}
+
 /// The bounds on memory, from `max_unsettled_events` and
 /// `max_unsettled_bytes`: every buffer that holds events is sized from them.
 #[derive(Debug, Clone, Copy)]

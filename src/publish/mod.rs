@@ -48,6 +48,13 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// Send up to 10 entries; one result per entry, in the same order.
     async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError>;
+
+    /// The relay-wide cap of batches formed and not settled, if there is
+    /// one ([`limit::CallLimit`]): a lane takes a slot before it forms a
+    /// batch, so batches do not wait for a call in memory of their own.
+    fn batch_slots(&self) -> Option<std::sync::Arc<tokio::sync::Semaphore>> {
+        None
+    }
 }
 
 /// A read of a queue's attributes that has not answered in this long is a

@@ -59,7 +59,8 @@ pub async fn run(
         shutdown.await;
         let _ = stop_tx.send(true);
     });
-    let publisher: Arc<dyn Publisher> = Arc::new(CallLimit::new(publisher, config.max_concurrent_calls));
+    let call_bytes = crate::pipeline::budget::call_bytes(config.max_unsettled_bytes);
+    let publisher: Arc<dyn Publisher> = Arc::new(CallLimit::new(publisher, config.max_concurrent_calls, call_bytes));
 
     // Served from the start: `/healthz` answers while start-up waits on
     // PostgreSQL or AWS (a probe must not restart a relay for their

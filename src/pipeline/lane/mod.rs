@@ -31,6 +31,7 @@ use crate::pipeline::watermark::TxnSeq;
 use crate::policy::concurrency::{Limiter, Signal, Ticket};
 use crate::policy::spool::{stalled, SpoolCause};
 use crate::publish::entry::{Entry, QueueInfo};
+use crate::publish::limit::BatchSlot;
 use crate::publish::Publisher;
 
 mod send;
@@ -315,6 +316,10 @@ pub async fn run_lane(
                 }
             },
             Some(done) = lane.in_flight.join_next_with_id() => lane.finished(done),
+            slot = async { lane.awaiting.as_mut().unwrap().await }, if lane.awaiting.is_some() => {
+                lane.awaiting = None;
+                lane.spare = Some(slot);
+            }
             _ = async { lane.spool_rx.as_mut().unwrap().changed().await }, if lane.spool_rx.is_some() => lane.flow_changed(),
             // An idle lane does not wake: a thousand of them cost nothing.
             _ = tick.tick(), if lane.ctx.state.is_some() && lane.holds_work() => lane.check_stall(),
@@ -349,11 +354,21 @@ struct Lane {
     /// Entries taken from the input, and where to say how many are finished.
     received: u64,
     finished: Option<Arc<Finished>>,
+    /// The relay-wide cap of batches formed ([`Publisher::batch_slots`]):
+    /// a batch forms only with a slot, and the lane waits for one (in line
+    /// with the other lanes) with its entries unformed.
+    slots: Option<Arc<tokio::sync::Semaphore>>,
+    awaiting: Option<std::pin::Pin<Box<dyn std::future::Future<Output = BatchSlot> + Send>>>,
+    /// A slot the lane waited for, not used yet.
+    spare: Option<BatchSlot>,
 }
 
 impl Lane {
     fn new(ctx: Arc<Ctx>, spool_rx: Option<watch::Receiver<Flow>>, finished: Option<Arc<Finished>>) -> Self {
         Lane {
+            slots: ctx.publisher.batch_slots(),
+            awaiting: None,
+            spare: None,
             ctx,
             spool_rx,
             pending: VecDeque::new(),
@@ -432,6 +447,7 @@ impl Lane {
             if !(self.closed || due || full_batch_ready(&self.pending, fifo)) {
                 break;
             }
+            let Some(slot) = self.slot() else { break };
             let batch = take_batch(&mut self.pending, &self.busy);
             if batch.is_empty() {
                 break; // every pending group is in flight
@@ -443,18 +459,37 @@ impl Lane {
             let spool = self.spool_rx.clone();
             self.ctx.batches.store(self.in_flight.len() + 1, Ordering::Relaxed);
             let handle = self.in_flight.spawn(async move {
-                let settled = send_until_settled(&ctx, batch, spool).await;
+                let settled = send_until_settled(&ctx, batch, spool, slot).await;
                 Done { groups, settled }
             });
             self.in_flight_since.insert(handle.id(), since);
             self.oldest = self.pending.front().map(|_| Instant::now());
         }
+        // A slot waited for and not used goes back to the other lanes.
+        self.spare = None;
+    }
+
+    /// A slot for the next batch: the one waited for, or one free now; else
+    /// the lane starts waiting for one (once) and forms nothing meanwhile.
+    fn slot(&mut self) -> Option<BatchSlot> {
+        let Some(slots) = &self.slots else { return Some(BatchSlot::free()) };
+        if let Some(slot) = self.spare.take() {
+            return Some(slot);
+        }
+        if self.awaiting.is_some() {
+            return None;
+        }
+        let slot = BatchSlot::try_take(slots);
+        if slot.is_none() {
+            self.awaiting = Some(Box::pin(BatchSlot::take(Arc::clone(slots))));
+        }
+        slot
     }
 
     /// When the linger of the pending entries ends (or, adaptive, the lane
     /// turns idle, if sooner), if a batch could start then.
     fn linger_deadline(&self) -> Option<Instant> {
-        if self.in_flight.len() >= self.ctx.limit() {
+        if self.in_flight.len() >= self.ctx.limit() || self.awaiting.is_some() {
             return None;
         }
         let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty());

@@ -16,6 +16,7 @@ use crate::policy::concurrency::Signal;
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
 use crate::publish::entry::{prepare, Entry, TRACEPARENT};
+use crate::publish::limit::BatchSlot;
 use crate::publish::{reread_limit, CallError, EntryResult};
 
 /// What becomes of one entry after a call.
@@ -80,11 +81,14 @@ pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> Call
 /// and abandoned. The entries whose body goes through S3 and is not written
 /// yet (with, FIFO, the rest of their groups) are sent beside the others,
 /// not with them: nothing orders them, so an entry that needs no object goes
-/// out now and does not wait for a slow or failing write.
+/// out now and does not wait for a slow or failing write. `slot` is the
+/// batch's place under the cap of batches formed, given back while it
+/// waits to retry.
 pub(super) async fn send_until_settled(
     ctx: &Ctx,
     batch: Vec<LaneItem>,
     spool: Option<watch::Receiver<Flow>>,
+    mut slot: BatchSlot,
 ) -> Unsent {
     let (mut now, later) = apart_from_objects(batch);
     let mut unsent = Unsent::default();
@@ -104,10 +108,12 @@ pub(super) async fn send_until_settled(
     };
     if now.is_empty() || later.is_empty() {
         now.extend(later);
-        unsent.extend(send_retrying(ctx, now, spool).await);
+        unsent.extend(send_retrying(ctx, now, spool, &mut slot).await);
         return unsent;
     }
-    let (sent, other) = tokio::join!(send_retrying(ctx, now, spool.clone()), send_retrying(ctx, later, spool));
+    let mut beside = BatchSlot::free();
+    let (sent, other) =
+        tokio::join!(send_retrying(ctx, now, spool.clone(), &mut slot), send_retrying(ctx, later, spool, &mut beside));
     unsent.extend(sent);
     unsent.extend(other);
     unsent
@@ -141,7 +147,12 @@ fn apart_from_objects(batch: Vec<LaneItem>) -> (Vec<LaneItem>, Vec<LaneItem>) {
 }
 
 /// [`send_until_settled`] for entries sent together.
-async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch::Receiver<Flow>>) -> Unsent {
+async fn send_retrying(
+    ctx: &Ctx,
+    batch: Vec<LaneItem>,
+    mut spool: Option<watch::Receiver<Flow>>,
+    slot: &mut BatchSlot,
+) -> Unsent {
     let mut todo = batch;
     let mut attempt = 0u32;
     let mut unsent = Unsent::default();
@@ -158,7 +169,7 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
             CallOutcome::Split if todo.len() > 1 => {
                 // Find the entry the service objects to: each alone.
                 for item in todo.drain(..) {
-                    unsent.extend(Box::pin(send_retrying(ctx, vec![item], spool.clone())).await);
+                    unsent.extend(Box::pin(send_retrying(ctx, vec![item], spool.clone(), &mut *slot)).await);
                 }
                 break;
             }
@@ -188,7 +199,12 @@ async fn send_retrying(ctx: &Ctx, batch: Vec<LaneItem>, mut spool: Option<watch:
             break;
         }
         todo = retry.into_iter().map(|(i, _)| i).collect();
-        if !wait_to_retry(ctx, &mut spool, attempt).await {
+        slot.release();
+        let again = wait_to_retry(ctx, &mut spool, attempt).await;
+        if again {
+            slot.retake().await;
+        }
+        if !again {
             // Stopping: these stay unsettled and are read again from the slot.
             tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
             unsent.abandoned.extend(ordering_groups(&todo));

@@ -47,9 +47,12 @@ use held::{watch_held, HeldWatch, StreamProgress};
 use wal_watch::watch_wal;
 
 /// Events of one transaction are checked against the table and dispatched in
-/// chunks of this many, or of this many bytes, whichever comes first.
+/// chunks of this many, or of this many bytes, whichever comes first. A
+/// chunk is held outside the byte budget until it is routed (with, a
+/// transaction going on past it, its rows read back from the table beside
+/// it): 4 MiB chunks and their copies passed the memory bound.
 const CHUNK: usize = 1_000;
-const CHUNK_BYTES: usize = 4 << 20;
+const CHUNK_BYTES: usize = 1 << 20;
 /// Lanes may lag this long behind a shutdown request before they are abandoned.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 const STATUS_INTERVAL: Duration = Duration::from_millis(500);
