@@ -41,6 +41,15 @@ impl Budget {
         Permit { _event: event, _bytes: bytes }
     }
 
+    /// Room for one event of `size` bytes now, if there is ([`charge`]); an
+    /// event larger than the whole budget needs all of it.
+    pub fn try_acquire(&self, size: usize) -> Option<Permit> {
+        let want = charge(size).clamp(1, self.max_bytes as usize) as u32;
+        let event = Arc::clone(&self.events).try_acquire_owned().ok()?;
+        let bytes = Arc::clone(&self.bytes).try_acquire_many_owned(want).ok()?;
+        Some(Permit { _event: event, _bytes: bytes })
+    }
+
     /// Bytes not held by any unsettled event.
     pub fn available_bytes(&self) -> usize {
         self.bytes.available_permits()
@@ -60,7 +69,7 @@ impl Budget {
 /// bound a container is sized by (`max_unsettled_bytes + 2 × the largest
 /// body + 64 MiB`); events of 1 MiB or less, the most, count once.
 pub fn charge(size: usize) -> usize {
-    if size > HUGE {
+    if is_huge(size) {
         size.saturating_mul(2)
     } else {
         size
@@ -69,6 +78,12 @@ pub fn charge(size: usize) -> usize {
 
 /// Events past this many bytes count twice ([`charge`]).
 const HUGE: usize = 1 << 20;
+
+/// Whether a body of `size` bytes is one of the huge ones ([`charge`]):
+/// through S3, counted twice, handed on alone.
+pub fn is_huge(size: usize) -> bool {
+    size > HUGE
+}
 
 /// Bytes of batches in calls at once, over every lane: a sixteenth of the
 /// byte budget, between 2 and 64 MiB (4 MiB at the default 64 MB). The

@@ -343,7 +343,7 @@ impl Router {
         watermark: Arc<Mutex<Watermark>>,
     ) -> Router {
         Router {
-            budget: parts.settings.memory.budget(),
+            budget: parts.budget.clone(),
             idle_end: parts.settings.lanes.idle_timeout,
             parts,
             lanes: HashMap::new(),
@@ -598,7 +598,7 @@ mod tests {
             Arc::clone(&publisher),
             Arc::clone(&metrics),
         );
-        let parts = Arc::new(Parts { settings: Settings::of(&config), destinations, publisher, metrics });
+        let parts = Arc::new(Parts::new(Settings::of(&config), destinations, publisher, metrics));
         let (settle, rx) = mpsc::unbounded_channel();
         (Router::new(parts, Arc::default(), settle, Arc::default()), rx)
     }

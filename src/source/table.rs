@@ -19,7 +19,7 @@
 //! transaction-scoped advisory lock) so its groups stay in order, and a group
 //! whose earliest row is not due holds its later rows back.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +30,7 @@ use crate::db;
 use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{publish_claim, Parts};
+use crate::pipeline::budget::{is_huge, Budget, Permit};
 use crate::pipeline::destinations::{Destinations, Resolved};
 use crate::pipeline::lane::{Flow, LaneState};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
@@ -66,7 +67,14 @@ pub struct Round {
     pub published: usize,
     pub deferred: usize,
     pub dead: usize,
+    /// Bytes of the rows read (bodies and attributes).
+    pub read_bytes: u64,
 }
+
+/// A connection that read this many bytes in one round is closed, not given
+/// back to the pool: its read buffer grew to hold the rows and would stay
+/// that large (tens of MiB a connection, with bodies through S3).
+const KEEP_BELOW_BYTES: u64 = 8 << 20;
 
 /// A table lane with nothing to claim, and no spooling lane to bring back,
 /// ends after this long; it is started again when
@@ -146,7 +154,11 @@ async fn one_round(
         if let Err(e) = resume_streaming(state, cfg, &round, *sends_ok, &c).await {
             tracing::warn!(destination = %cfg.name, error = %e, "spool check failed");
             db::pool::Pool::discard(c);
+            return Some(round);
         }
+    }
+    if round.read_bytes >= KEEP_BELOW_BYTES {
+        db::pool::Pool::discard(c);
     }
     Some(round)
 }
@@ -323,6 +335,36 @@ fn due_within_budget(locked: &[tokio_postgres::Row], fifo: bool, budget: u64) ->
     ids
 }
 
+/// Of the chosen `ids`, those the relay has room for: a huge row (through
+/// S3) takes its share of the relay's budget of unsettled events, as the
+/// stream's do, or waits for a later round (on a FIFO queue, with every row
+/// after it: they keep their order). The table path never waits for room:
+/// a stream lane catching up behind this drain may hold the budget.
+fn with_room_for_huge(
+    sizes: &HashMap<i64, i64>,
+    ids: Vec<i64>,
+    budget: &Budget,
+    fifo: bool,
+) -> (Vec<i64>, Vec<Permit>) {
+    let (mut kept, mut room) = (Vec::with_capacity(ids.len()), Vec::new());
+    for id in ids {
+        let size = sizes.get(&id).copied().unwrap_or(0).max(0) as usize;
+        if !is_huge(size) {
+            kept.push(id);
+            continue;
+        }
+        match budget.try_acquire(size) {
+            Some(p) => {
+                room.push(p);
+                kept.push(id);
+            }
+            None if fifo => break,
+            None => {}
+        }
+    }
+    (kept, room)
+}
+
 /// One claim: lock due rows, send them, mark every outcome, commit.
 pub async fn claim_round(
     client: &mut Client,
@@ -343,6 +385,9 @@ pub async fn claim_round(
     let locked = lock_rows(&tx, cfg).await?;
     let mut round = Round { claimed: locked.len(), ..Default::default() };
     let ids = due_within_budget(&locked, fifo, parts.settings.memory.table_claim_bytes());
+    // Held until the round's rows are settled.
+    let sizes: HashMap<i64, i64> = locked.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let (ids, _room) = with_room_for_huge(&sizes, ids, &parts.budget, fifo);
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     // The database's clock, which the claim judged `deliver_at` by.
     let now_us: i64 = rows.first().map_or(0, |r| r.get(8));
@@ -350,6 +395,8 @@ pub async fn claim_round(
     // twice (the row's bytes and the event's), while the claim is sent.
     let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();
     round.handled = events.len();
+    round.read_bytes =
+        events.iter().map(|e| (e.body.len() + e.attributes.as_ref().map_or(0, String::len)) as u64).sum();
     let target = (&cfg.name, &cfg.queue);
     let settled = publish_claim(&tx, parts, target, events, now_us).await?;
     for s in &settled {
@@ -472,4 +519,31 @@ pub async fn sweep_unknown_destinations(
         }
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_row_waits_for_room_in_the_relays_budget() {
+        let budget = Budget::new(100, 64 << 20);
+        let sizes: HashMap<i64, i64> = [(1, 25 << 20), (2, 4_000), (3, 25 << 20), (4, 4_000)].into();
+        // The first huge row takes 50 MB of the 64: the second waits; a
+        // standard queue sends the small rows beside it.
+        let (ids, room) = with_room_for_huge(&sizes, vec![1, 2, 3, 4], &budget, false);
+        assert_eq!(ids, vec![1, 2, 4]);
+        assert_eq!(room.len(), 1);
+        // A FIFO queue's rows after it wait with it.
+        let (ids, _) = with_room_for_huge(&sizes, vec![2, 3, 4], &budget, true);
+        assert_eq!(ids, vec![2]);
+        // The stream holding the budget, the table path takes no huge row.
+        drop(room);
+        let stream = budget.try_acquire(30 << 20).expect("room");
+        let (ids, _) = with_room_for_huge(&sizes, vec![1, 2], &budget, false);
+        assert_eq!(ids, vec![2]);
+        drop(stream);
+        let (ids, _) = with_room_for_huge(&sizes, vec![1, 2], &budget, false);
+        assert_eq!(ids, vec![1, 2]);
+    }
 }

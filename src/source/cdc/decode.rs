@@ -201,25 +201,38 @@ impl Decoder {
         };
         let mut full = None;
         if t.buf.len() >= CHUNK || t.buf_bytes >= CHUNK_BYTES {
-            // What is left of the transaction may update the chunk's rows,
-            // so they are sent as committed (read back from the table).
-            let (final_lsn, mut events) = (t.final_lsn, std::mem::take(&mut t.buf));
-            t.buf_bytes = 0;
-            t.buffered.clear();
-            t.mapped_buffered.clear();
-            as_committed(sql, &mut events).await?;
-            full = Some(Chunk { events, replayed: self.replayed(final_lsn) });
+            full = Some(self.hand_on(sql).await?);
         }
         let t = self.txn.as_mut().expect("checked above");
         row.commit_seq = Some(t.rows);
         t.rows += 1;
+        let huge = crate::pipeline::budget::is_huge(row.body.len());
         t.buf_bytes += row.size();
         match key {
             Some(key) => t.mapped_buffered.insert(key, t.buf.len()),
             None => t.buffered.insert(row.id, t.buf.len()),
         };
         t.buf.push(row);
+        if huge && full.is_none() {
+            // A body through S3 goes on at once, not when the next row
+            // comes: held here while the next is read, it was one more body
+            // outside the byte budget.
+            return Ok(Some(self.hand_on(sql).await?));
+        }
         Ok(full)
+    }
+
+    /// The open transaction's rows so far, as a chunk handed on before its
+    /// end: what is left of the transaction may update them, so they are
+    /// sent as committed (read back from the table).
+    async fn hand_on(&mut self, sql: &Client) -> Result<Chunk, CdcError> {
+        let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("a chunk outside a transaction".into()))?;
+        let (final_lsn, mut events) = (t.final_lsn, std::mem::take(&mut t.buf));
+        t.buf_bytes = 0;
+        t.buffered.clear();
+        t.mapped_buffered.clear();
+        as_committed(sql, &mut events).await?;
+        Ok(Chunk { events, replayed: self.replayed(final_lsn) })
     }
 
     /// A row its own transaction inserted and then changed is sent as it
