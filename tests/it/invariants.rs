@@ -626,7 +626,9 @@ async fn randomized_workloads_keep_every_invariant() {
 /// killed with SIGKILL at random moments (mid-send, mid-settle,
 /// mid-confirm), against ministack, PostgreSQL crashed or stopped between,
 /// SQS or S3 gone for a while (proxies taken down), the big rows' bodies
-/// through S3 (queues of 1 KiB): every pointer received resolves.
+/// through S3 (queues of 1 KiB), and rows of 1.5-2.5 MiB, some deleted by
+/// their own transaction ([`workload::produce_huge`]): every pointer
+/// received resolves.
 /// A relay that exits at start-up (the server down) is started again, as a
 /// supervisor would. CI runs two seeds of 20 steps; a long run: `OUTBOX_RELAY_INVARIANT_SEEDS=1-8
 /// OUTBOX_RELAY_INVARIANT_STEPS=60 cargo test --release --features
@@ -687,8 +689,10 @@ mod workload {
         /// Rows with a `deliver_at`, and held rows moved by an UPDATE.
         delayed: usize,
         moved: usize,
-        /// Messages received through S3 (the SIGKILL variant).
+        /// Messages received through S3 (the SIGKILL variant), and rows of
+        /// 1.5-2.5 MiB among them.
         offloaded: usize,
+        huge: usize,
         /// Bursts of throttled calls and entries (the lanes' limits shrink).
         throttles: usize,
         /// Rows of the mapped (Debezium) table.
@@ -706,8 +710,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
             )
         }
     }
@@ -953,6 +957,37 @@ mod workload {
         }
         tx.commit().await.ok()?;
         Some(rows.into_iter().map(|(e, d, t)| (e, d, t, due)).collect())
+    }
+
+    /// A transaction of one to three rows of 1.5-2.5 MiB (huge: through S3,
+    /// counted twice, handed on alone the moment each is decoded, and taking
+    /// room in the relay's budget on the table path), to `a` or the FIFO
+    /// queue `f`, some deleted by their own transaction after the next row
+    /// was written (handed on before their delete is seen).
+    async fn produce_huge(c: &mut tokio_postgres::Client, rng: &mut StdRng, tag: &str) -> Option<Vec<Row>> {
+        let n = rng.random_range(1..=3);
+        let rows: Vec<(String, String, bool, i32)> = (0..n)
+            .map(|i| {
+                let d = ["a", "f"][rng.random_range(0..2)].to_string();
+                (format!("{tag}:{i}:huge"), d, rng.random_bool(0.3), rng.random_range(1_500_000..2_600_000))
+            })
+            .collect();
+        let tx = c.transaction().await.ok()?;
+        for (e, d, _, pad) in &rows {
+            tx.execute(
+                "INSERT INTO outbox (event_id, destination, body, group_key)
+                 VALUES ($1, $2, $1 || repeat('.', $3), CASE WHEN $2 = 'f' THEN 'g' || (length($1) % 3) END)",
+                &[e, d, pad],
+            )
+            .await
+            .ok()?;
+        }
+        let gone: Vec<&str> = rows.iter().filter(|r| r.2).map(|r| r.0.as_str()).collect();
+        if !gone.is_empty() {
+            tx.execute("DELETE FROM outbox WHERE event_id = ANY($1)", &[&gone]).await.ok()?;
+        }
+        tx.commit().await.ok()?;
+        Some(rows.into_iter().map(|(e, d, t, _)| (e, d, t, None)).collect())
     }
 
     /// Debezium's outbox table, mapped by the single relay of [`run`]
@@ -1370,6 +1405,10 @@ mod workload {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
                 },
+                8 => match produce_huge(&mut c, &mut rng, &format!("k{seed}t{step}")).await {
+                    Some(rows) => committed.extend(rows),
+                    None => tally.failed_txns += 1,
+                },
                 _ => match produce(&mut c, &mut rng, &format!("k{seed}t{step}"), &dests, false).await {
                     Some(rows) => committed.extend(rows),
                     None => tally.failed_txns += 1,
@@ -1397,6 +1436,7 @@ mod workload {
         tally.dead = nowhere.len();
         tally.transient = committed.iter().filter(|r| r.2).count();
         tally.mapped = committed.iter().filter(|r| r.0.starts_with('"')).count();
+        tally.huge = committed.iter().filter(|r| r.0.ends_with(":huge")).count();
         tally
     }
 
