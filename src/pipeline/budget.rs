@@ -35,7 +35,7 @@ impl Budget {
     /// larger than the whole byte budget takes all of it, so it still goes
     /// through, alone.
     pub async fn acquire(&self, size: usize) -> Permit {
-        let want = charge(size).clamp(1, self.max_bytes as usize) as u32;
+        let want = self.want(size);
         let event = Arc::clone(&self.events).acquire_owned().await.expect("the budget is never closed");
         let bytes = Arc::clone(&self.bytes).acquire_many_owned(want).await.expect("the budget is never closed");
         Permit { _event: event, _bytes: bytes }
@@ -44,10 +44,16 @@ impl Budget {
     /// Room for one event of `size` bytes now, if there is ([`charge`]); an
     /// event larger than the whole budget needs all of it.
     pub fn try_acquire(&self, size: usize) -> Option<Permit> {
-        let want = charge(size).clamp(1, self.max_bytes as usize) as u32;
+        let want = self.want(size);
         let event = Arc::clone(&self.events).try_acquire_owned().ok()?;
         let bytes = Arc::clone(&self.bytes).try_acquire_many_owned(want).ok()?;
         Some(Permit { _event: event, _bytes: bytes })
+    }
+
+    /// What an event of `size` bytes takes of the byte budget ([`charge`]),
+    /// at most all of it.
+    fn want(&self, size: usize) -> u32 {
+        charge(size).clamp(1, self.max_bytes as usize) as u32
     }
 
     /// Bytes not held by any unsettled event.

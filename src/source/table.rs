@@ -19,7 +19,7 @@
 //! transaction-scoped advisory lock) so its groups stay in order, and a group
 //! whose earliest row is not due holds its later rows back.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -308,61 +308,58 @@ fn fetch_sql() -> String {
     )
 }
 
-/// Of the locked rows (id, size, due, group) in claim order: the due ones to
-/// send now, while their sizes fit in `budget` (the first always does). On a
-/// FIFO queue a group whose earlier row is not due, or did not fit, holds its
-/// later rows back.
-fn due_within_budget(locked: &[tokio_postgres::Row], fifo: bool, budget: u64) -> Vec<i64> {
-    let mut ids = Vec::new();
-    let mut used = 0u64;
+/// A locked row as the claim reads it: id, size (body and attributes),
+/// due now, group.
+type Locked = (i64, i64, bool, Option<String>);
+
+/// What a round takes of its locked rows: their ids, their bytes, and the
+/// room its huge rows hold in the relay's budget (held until they are
+/// settled).
+#[derive(Default)]
+struct Chosen {
+    ids: Vec<i64>,
+    bytes: u64,
+    room: Vec<Permit>,
+}
+
+/// Of the locked rows in claim order: the due ones to send now, while their
+/// sizes fit in `claim_bytes` (the first always does). On a FIFO queue a
+/// group whose earlier row is not due, or did not fit, holds its later rows
+/// back. A huge row (through S3) takes its share of the relay's `budget`,
+/// as the stream's do, or waits for a later round (on a FIFO queue, with
+/// every row after it: they keep their order). The table path never waits
+/// for room: a stream lane catching up behind this drain may hold the
+/// budget.
+fn choose(locked: &[Locked], fifo: bool, claim_bytes: u64, budget: &Budget) -> Chosen {
+    let mut chosen = Chosen::default();
+    // Rows that fit so far, a huge one without room among them.
+    let (mut fitted, mut used) = (0usize, 0u64);
     let mut waiting_groups: HashSet<Option<String>> = HashSet::new();
     let mut full = false;
-    for r in locked {
-        let (id, size, due, group): (i64, i64, bool, Option<String>) = (r.get(0), r.get(1), r.get(2), r.get(3));
-        let size = size.max(0) as u64;
-        full = full || (!ids.is_empty() && used + size > budget);
+    for (id, size, due, group) in locked {
+        let size = (*size).max(0) as u64;
+        full = full || (fitted > 0 && used + size > claim_bytes);
         if fifo {
-            if !due || full || waiting_groups.contains(&group) {
-                waiting_groups.insert(group);
+            if !due || full || waiting_groups.contains(group) {
+                waiting_groups.insert(group.clone());
                 continue;
             }
         } else if !due || full {
             continue;
         }
+        fitted += 1;
         used += size;
-        ids.push(id);
-    }
-    ids
-}
-
-/// Of the chosen `ids`, those the relay has room for: a huge row (through
-/// S3) takes its share of the relay's budget of unsettled events, as the
-/// stream's do, or waits for a later round (on a FIFO queue, with every row
-/// after it: they keep their order). The table path never waits for room:
-/// a stream lane catching up behind this drain may hold the budget.
-fn with_room_for_huge(
-    sizes: &HashMap<i64, i64>,
-    ids: Vec<i64>,
-    budget: &Budget,
-    fifo: bool,
-) -> (Vec<i64>, Vec<Permit>) {
-    let (mut kept, mut room) = (Vec::with_capacity(ids.len()), Vec::new());
-    for id in ids {
-        let size = sizes.get(&id).copied().unwrap_or(0).max(0) as usize;
-        if !is_huge(size) {
-            kept.push(id);
-            continue;
-        }
-        match budget.try_acquire(size) {
-            Some(p) => {
-                room.push(p);
-                kept.push(id);
+        if is_huge(size as usize) {
+            match budget.try_acquire(size as usize) {
+                Some(p) => chosen.room.push(p),
+                None if fifo => break,
+                None => continue,
             }
-            None if fifo => break,
-            None => {}
         }
+        chosen.bytes += size;
+        chosen.ids.push(*id);
     }
-    (kept, room)
+    chosen
 }
 
 /// One claim: lock due rows, send them, mark every outcome, commit.
@@ -384,10 +381,11 @@ pub async fn claim_round(
     }
     let locked = lock_rows(&tx, cfg).await?;
     let mut round = Round { claimed: locked.len(), ..Default::default() };
-    let ids = due_within_budget(&locked, fifo, parts.settings.memory.table_claim_bytes());
-    // Held until the round's rows are settled.
-    let sizes: HashMap<i64, i64> = locked.iter().map(|r| (r.get(0), r.get(1))).collect();
-    let (ids, _room) = with_room_for_huge(&sizes, ids, &parts.budget, fifo);
+    let locked: Vec<Locked> = locked.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    // Its room is held until the round's rows are settled.
+    let chosen = choose(&locked, fifo, parts.settings.memory.table_claim_bytes(), &parts.budget);
+    let (ids, _room) = (chosen.ids, chosen.room);
+    round.read_bytes = chosen.bytes;
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     // The database's clock, which the claim judged `deliver_at` by.
     let now_us: i64 = rows.first().map_or(0, |r| r.get(8));
@@ -395,8 +393,6 @@ pub async fn claim_round(
     // twice (the row's bytes and the event's), while the claim is sent.
     let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();
     round.handled = events.len();
-    round.read_bytes =
-        events.iter().map(|e| (e.body.len() + e.attributes.as_ref().map_or(0, String::len)) as u64).sum();
     let target = (&cfg.name, &cfg.queue);
     let settled = publish_claim(&tx, parts, target, events, now_us).await?;
     for s in &settled {
@@ -525,25 +521,42 @@ pub async fn sweep_unknown_destinations(
 mod tests {
     use super::*;
 
+    fn row(id: i64, size: i64) -> Locked {
+        (id, size, true, None)
+    }
+
     #[test]
     fn a_huge_row_waits_for_room_in_the_relays_budget() {
-        let budget = Budget::new(100, 64 << 20);
-        let sizes: HashMap<i64, i64> = [(1, 25 << 20), (2, 4_000), (3, 25 << 20), (4, 4_000)].into();
+        let (claim, budget) = (64 << 20, Budget::new(100, 64 << 20));
+        let rows = [row(1, 25 << 20), row(2, 4_000), row(3, 25 << 20), row(4, 4_000)];
         // The first huge row takes 50 MB of the 64: the second waits; a
         // standard queue sends the small rows beside it.
-        let (ids, room) = with_room_for_huge(&sizes, vec![1, 2, 3, 4], &budget, false);
-        assert_eq!(ids, vec![1, 2, 4]);
-        assert_eq!(room.len(), 1);
+        let chosen = choose(&rows, false, claim, &budget);
+        assert_eq!(chosen.ids, vec![1, 2, 4]);
+        assert_eq!(chosen.bytes, (25 << 20) + 8_000);
+        assert_eq!(chosen.room.len(), 1);
         // A FIFO queue's rows after it wait with it.
-        let (ids, _) = with_room_for_huge(&sizes, vec![2, 3, 4], &budget, true);
-        assert_eq!(ids, vec![2]);
+        assert_eq!(choose(&rows[1..], true, claim, &budget).ids, vec![2]);
         // The stream holding the budget, the table path takes no huge row.
-        drop(room);
+        drop(chosen);
         let stream = budget.try_acquire(30 << 20).expect("room");
-        let (ids, _) = with_room_for_huge(&sizes, vec![1, 2], &budget, false);
-        assert_eq!(ids, vec![2]);
+        assert_eq!(choose(&rows[..2], false, claim, &budget).ids, vec![2]);
         drop(stream);
-        let (ids, _) = with_room_for_huge(&sizes, vec![1, 2], &budget, false);
-        assert_eq!(ids, vec![1, 2]);
+        assert_eq!(choose(&rows[..2], false, claim, &budget).ids, vec![1, 2]);
+    }
+
+    #[test]
+    fn a_claim_takes_what_fits_and_a_fifo_group_keeps_its_order() {
+        let budget = Budget::new(100, 64 << 20);
+        let g = |id: i64, size: i64, due: bool, group: &str| (id, size, due, Some(group.to_string()));
+        // The first row always goes; then rows while they fit.
+        let rows = [row(1, 900), row(2, 200), row(3, 50)];
+        assert_eq!(choose(&rows, false, 1_000, &budget).ids, vec![1]);
+        assert_eq!(choose(&rows[1..], false, 1_000, &budget).ids, vec![2, 3]);
+        // A group whose row is not due holds its later rows back; others go.
+        let rows = [g(1, 10, false, "a"), g(2, 10, true, "b"), g(3, 10, true, "a"), g(4, 10, true, "b")];
+        assert_eq!(choose(&rows, true, 1_000, &budget).ids, vec![2, 4]);
+        // A standard queue sends every due row.
+        assert_eq!(choose(&rows, false, 1_000, &budget).ids, vec![2, 3, 4]);
     }
 }

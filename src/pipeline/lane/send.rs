@@ -200,16 +200,13 @@ async fn send_retrying(
         }
         todo = retry.into_iter().map(|(i, _)| i).collect();
         slot.release();
-        let again = wait_to_retry(ctx, &mut spool, attempt).await;
-        if again {
-            slot.retake().await;
-        }
-        if !again {
+        if !wait_to_retry(ctx, &mut spool, attempt).await {
             // Stopping: these stay unsettled and are read again from the slot.
             tracing::debug!(destination = %ctx.cfg.name, entries = todo.len(), "shutdown: entries to retry abandoned");
             unsent.abandoned.extend(ordering_groups(&todo));
             break;
         }
+        slot.retake().await;
         attempt = attempt.saturating_add(1);
     }
     unsent
