@@ -26,7 +26,9 @@ use async_trait::async_trait;
 use clap::Parser;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
-use outbox_relay::publish::entry::{Entry, QueueInfo};
+use outbox_relay::publish::entry::Entry;
+use outbox_relay::publish::kind::Kind;
+use outbox_relay::publish::kind::Target;
 use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;
@@ -166,10 +168,10 @@ struct NullPublisher {
 
 #[async_trait]
 impl Publisher for NullPublisher {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
-        Ok(QueueInfo::new(queue_url, false, 1 << 20))
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
+        Ok(Target::new(kind, address, false, 1 << 20))
     }
-    async fn send_batch(&self, _queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_batch(&self, _target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         self.entries.fetch_add(entries.len() as u64, Ordering::Relaxed);
         Ok(vec![EntryResult::Sent; entries.len()])
     }
@@ -186,12 +188,12 @@ struct Timed {
 
 #[async_trait]
 impl Publisher for Timed {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
-        self.inner.queue_info(queue_url).await
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
+        self.inner.describe(kind, address).await
     }
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let r = self.inner.send_batch(queue_url, entries).await?;
+        let r = self.inner.send_batch(target, entries).await?;
         let now = now_us();
         let mut h = self.hist.lock().unwrap();
         for (e, res) in entries.iter().zip(&r) {
@@ -222,13 +224,13 @@ impl Clocked {
 
 #[async_trait]
 impl Publisher for Clocked {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
-        self.inner.queue_info(queue_url).await
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
+        self.inner.describe(kind, address).await
     }
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let _ = self.first_us.compare_exchange(0, now_us() as u64, Ordering::AcqRel, Ordering::Acquire);
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let r = self.inner.send_batch(queue_url, entries).await;
+        let r = self.inner.send_batch(target, entries).await;
         self.last_us.fetch_max(now_us() as u64, Ordering::AcqRel);
         r
     }

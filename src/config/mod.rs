@@ -580,10 +580,8 @@ fn check_destinations(destinations: &BTreeMap<String, String>, templated: bool) 
                 name.to_ascii_uppercase()
             )));
         }
-        if !(url.starts_with("http://") || url.starts_with("https://")) {
-            return Err(ConfigError::Invalid(format!(
-                "destination {name:?}: queue URL {url:?} must start with https:// (or http:// for a local endpoint)"
-            )));
+        if let Err(why) = crate::publish::kind::Kind::of_address(url) {
+            return Err(ConfigError::Invalid(format!("destination {name:?}: {why}")));
         }
     }
     Ok(())

@@ -14,7 +14,7 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::event::OutboxEvent;
 use crate::metrics::Metrics;
-use crate::publish::entry::QueueInfo;
+use crate::publish::kind::Target;
 use crate::publish::Publisher;
 
 use super::intake::Intake;
@@ -73,21 +73,21 @@ impl Streaming {
 pub async fn publish_claim<C: GenericClient>(
     claim: &C,
     parts: &Parts,
-    target: (&Arc<str>, &QueueInfo),
+    target: (&Arc<str>, &Target),
     events: Vec<Arc<OutboxEvent>>,
     now_us: i64,
 ) -> Result<Vec<Settlement>, tokio_postgres::Error> {
-    let (name, queue) = target;
+    let (name, target) = target;
     let settings = &parts.settings;
     let mut settled: Vec<Settlement> = Vec::new();
     let mut items: Vec<LaneItem> = Vec::with_capacity(events.len());
     for ev in events {
-        match judge_for(queue, &ev, now_us).unsent() {
+        match judge_for(target, &ev, now_us).unsent() {
             Ok(entry) => items.push(LaneItem::new(entry, None, None)),
             Err(outcome) => settled.push(Settlement::new(ev, None, Arc::clone(name), outcome)),
         }
     }
-    settled.extend(send_through_lane(settings, name, queue, items, &parts.publisher, &parts.metrics).await);
+    settled.extend(send_through_lane(settings, name, target, items, &parts.publisher, &parts.metrics).await);
     if !settled.is_empty() {
         // Claimed rows are locked FOR UPDATE: their column can be set, or
         // they stay unpublished and the next claim takes them.
@@ -101,7 +101,7 @@ pub async fn publish_claim<C: GenericClient>(
 async fn send_through_lane(
     settings: &Settings,
     name: &Arc<str>,
-    queue: &QueueInfo,
+    target: &Target,
     items: Vec<LaneItem>,
     publisher: &Arc<dyn Publisher>,
     metrics: &Arc<Metrics>,
@@ -112,7 +112,7 @@ async fn send_through_lane(
     }
     let (item_tx, item_rx) = mpsc::channel(items.len());
     let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-    let lane_cfg = LaneConfig::table(Arc::clone(name), queue, &settings.lanes, &settings.marking);
+    let lane_cfg = LaneConfig::table(Arc::clone(name), target, &settings.lanes, &settings.marking);
     let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
     let last = items.len() - 1;
     for (i, item) in items.into_iter().enumerate() {

@@ -1,8 +1,9 @@
-//! Cutting batches out of a lane's pending entries, within SQS's limits:
-//! at most 10 entries, at most 1 MiB together (each entry already fits its
-//! queue's `MaximumMessageSize`, see [`crate::publish::entry::prepare`]).
+//! Cutting batches out of a lane's pending entries, within the limits of
+//! the destination's kind ([`BatchLimits`]: for an SQS queue at most 10
+//! entries, at most 1 MiB together; each entry already fits the
+//! destination's `MaximumMessageSize`, see [`crate::publish::kind::Rules::prepare`]).
 //!
-//! FIFO queues: a batch holds at most one entry per message group, and never
+//! FIFO destinations: a batch holds at most one entry per message group, and never
 //! an entry of a group that is already in flight. A group's entries therefore
 //! reach SQS one at a time, in commit order, and a failed entry is retried
 //! before anything later in its group is sent.
@@ -10,9 +11,7 @@
 use std::collections::{HashSet, VecDeque};
 
 use crate::publish::entry::Entry;
-
-pub const MAX_BATCH_ENTRIES: usize = 10;
-pub const MAX_BATCH_BYTES: usize = 1_048_576;
+use crate::publish::kind::BatchLimits;
 
 /// How far into the pending entries a FIFO lane looks for sendable groups.
 pub const FIFO_SCAN_LIMIT: usize = 512;
@@ -34,16 +33,17 @@ impl Batchable for Entry {
     }
 }
 
-/// Take the next batch from the front of `pending`. `busy` holds the FIFO
-/// groups in flight; it is ignored for standard queues (entries have no group).
-pub fn take_batch<T: Batchable>(pending: &mut VecDeque<T>, busy: &HashSet<String>) -> Vec<T> {
-    let mut batch: Vec<T> = Vec::with_capacity(MAX_BATCH_ENTRIES);
+/// Take the next batch from the front of `pending`, within `limits`. `busy`
+/// holds the FIFO groups in flight; it is ignored for standard queues
+/// (entries have no group).
+pub fn take_batch<T: Batchable>(pending: &mut VecDeque<T>, busy: &HashSet<String>, limits: BatchLimits) -> Vec<T> {
+    let mut batch: Vec<T> = Vec::with_capacity(limits.entries);
     let mut bytes = 0usize;
     let mut blocked: HashSet<String> = HashSet::new();
     let mut i = 0usize;
-    while i < pending.len() && i < FIFO_SCAN_LIMIT && batch.len() < MAX_BATCH_ENTRIES {
+    while i < pending.len() && i < FIFO_SCAN_LIMIT && batch.len() < limits.entries {
         let size = pending[i].size();
-        if bytes + size > MAX_BATCH_BYTES {
+        if bytes + size > limits.bytes && !batch.is_empty() {
             break;
         }
         if let Some(g) = pending[i].group() {
@@ -64,24 +64,25 @@ pub fn take_batch<T: Batchable>(pending: &mut VecDeque<T>, busy: &HashSet<String
 
 /// Whether `pending` holds a full batch's worth of sendable entries: no reason
 /// to wait for the linger.
-pub fn full_batch_ready<T: Batchable>(pending: &VecDeque<T>, fifo: bool) -> bool {
+pub fn full_batch_ready<T: Batchable>(pending: &VecDeque<T>, fifo: bool, limits: BatchLimits) -> bool {
     if !fifo {
         let mut bytes = 0;
         for (n, e) in pending.iter().enumerate() {
             bytes += e.size();
-            if n + 1 >= MAX_BATCH_ENTRIES || bytes > MAX_BATCH_BYTES {
+            if n + 1 >= limits.entries || bytes > limits.bytes {
                 return true;
             }
         }
         return false;
     }
-    pending.len() >= MAX_BATCH_ENTRIES
+    pending.len() >= limits.entries
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::OutboxEvent;
+    use crate::publish::kind::queue::BATCH_LIMITS as SQS;
     use proptest::prelude::*;
     use std::sync::Arc;
 
@@ -105,19 +106,19 @@ mod tests {
     fn fair_queue_groups_are_not_serialised() {
         let mut p: VecDeque<_> = (0..12).map(|i| Entry { ordered: false, ..entry(i, 100, Some(1)) }).collect();
         let busy: HashSet<String> = ["g1".to_string()].into();
-        assert_eq!(take_batch(&mut p, &busy).len(), 10);
+        assert_eq!(take_batch(&mut p, &busy, SQS).len(), 10);
     }
 
     #[test]
     fn ten_entries_or_one_mebibyte() {
         let mut p: VecDeque<_> = (0..25).map(|i| entry(i, 100, None)).collect();
-        assert_eq!(take_batch(&mut p, &HashSet::new()).len(), 10);
+        assert_eq!(take_batch(&mut p, &HashSet::new(), SQS).len(), 10);
         assert_eq!(p.len(), 15);
         let mut p: VecDeque<_> = (0..5).map(|i| entry(i, 300_000, None)).collect();
-        let b = take_batch(&mut p, &HashSet::new());
+        let b = take_batch(&mut p, &HashSet::new(), SQS);
         assert_eq!(b.len(), 3); // 900,000 bytes; a fourth would pass 1,048,576
         let mut p: VecDeque<_> = (0..2).map(|i| entry(i, 262_144 * 4, None)).collect();
-        assert_eq!(take_batch(&mut p, &HashSet::new()).len(), 1);
+        assert_eq!(take_batch(&mut p, &HashSet::new(), SQS).len(), 1);
     }
 
     #[test]
@@ -125,7 +126,7 @@ mod tests {
         let mut p: VecDeque<_> =
             [(1, 1), (2, 1), (3, 2), (4, 3), (5, 2)].into_iter().map(|(id, g)| entry(id, 10, Some(g))).collect();
         let busy: HashSet<String> = ["g3".to_string()].into();
-        let b: Vec<i64> = take_batch(&mut p, &busy).iter().map(|e| e.event.id).collect();
+        let b: Vec<i64> = take_batch(&mut p, &busy, SQS).iter().map(|e| e.event.id).collect();
         assert_eq!(b, vec![1, 3]);
         let left: Vec<i64> = p.iter().map(|e| e.event.id).collect();
         assert_eq!(left, vec![2, 4, 5]);
@@ -143,10 +144,10 @@ mod tests {
             loop {
                 let before: Vec<(i64, Option<String>)> =
                     pending.iter().map(|e| (e.event.id, e.group_id.clone())).collect();
-                let batch = take_batch(&mut pending, &busy);
+                let batch = take_batch(&mut pending, &busy, SQS);
                 if batch.is_empty() { break; }
-                prop_assert!(batch.len() <= MAX_BATCH_ENTRIES);
-                prop_assert!(batch.iter().map(|e| e.size).sum::<usize>() <= MAX_BATCH_BYTES);
+                prop_assert!(batch.len() <= SQS.entries);
+                prop_assert!(batch.iter().map(|e| e.size).sum::<usize>() <= SQS.bytes);
                 let mut seen = HashSet::new();
                 for e in &batch {
                     if let Some(g) = &e.group_id {

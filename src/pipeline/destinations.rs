@@ -13,17 +13,17 @@ use std::time::{Duration, Instant};
 
 use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
-use crate::policy::dead::{DeadCode, DeadReason};
+use crate::policy::dead::DeadReason;
 use crate::policy::retry::{classify_lookup, Lookup};
-use crate::publish::entry::QueueInfo;
+use crate::publish::kind::Target;
 use crate::publish::queue_url::QueueUrlTemplate;
 use crate::publish::{reread_limit, Publisher, READ_TIMEOUT};
 
-/// A destination ready to send to: its queue and its lane's state.
+/// A destination ready to send to: its target and its lane's state.
 #[derive(Debug)]
 pub struct Destination {
     pub name: Arc<str>,
-    pub queue: QueueInfo,
+    pub target: Target,
     /// Streaming or spooling; outlives sessions.
     pub state: Arc<LaneState>,
 }
@@ -50,7 +50,7 @@ pub const REREAD_EVERY: Duration = Duration::from_secs(300);
 
 /// Turns a queue as SQS describes it into the relay's view of it (fair
 /// queues, its S3 target): the same for configured and looked-up ones.
-pub type Prepare = Box<dyn Fn(&str, QueueInfo) -> QueueInfo + Send + Sync>;
+pub type Prepare = Box<dyn Fn(&str, Target) -> Target + Send + Sync>;
 
 /// The destinations, and how to find more.
 pub struct Destinations {
@@ -66,7 +66,7 @@ pub struct Destinations {
 impl Destinations {
     /// The configured destinations (already looked up, already prepared).
     pub fn new(
-        configured: BTreeMap<String, QueueInfo>,
+        configured: BTreeMap<String, Target>,
         template: Option<QueueUrlTemplate>,
         prepare: Prepare,
         publisher: Arc<dyn Publisher>,
@@ -74,9 +74,9 @@ impl Destinations {
     ) -> Destinations {
         let ready = configured
             .into_iter()
-            .map(|(name, queue)| {
-                let state = LaneState::new(&name, queue.fifo, Arc::clone(&metrics));
-                let d = Destination { name: Arc::from(name.as_str()), queue, state };
+            .map(|(name, target)| {
+                let state = LaneState::new(&name, target.fifo, Arc::clone(&metrics));
+                let d = Destination { name: Arc::from(name.as_str()), target, state };
                 (name, Arc::new(d))
             })
             .collect();
@@ -127,13 +127,14 @@ impl Destinations {
             Ok(url) => url,
             Err(reason) => return Resolved::Dead(reason),
         };
-        let answer = tokio::time::timeout(READ_TIMEOUT, self.publisher.queue_info(&url)).await;
+        let rules = template.kind().rules();
+        let answer = tokio::time::timeout(READ_TIMEOUT, self.publisher.describe(rules.kind(), &url)).await;
         match answer {
             Ok(Ok(info)) => Resolved::Ready(self.add(name, (self.prepare)(name, info))),
-            Ok(Err(e)) => match classify_lookup(&e.code) {
+            Ok(Err(e)) => match classify_lookup(rules.failure(&e.code, e.sender_fault, &e.message)) {
                 Lookup::Missing => {
                     let reason = DeadReason::new(
-                        DeadCode::QueueNotFound,
+                        rules.missing(),
                         format!("destination {name:?}: no queue at {url} ({}: {})", e.code, e.message),
                     );
                     self.missing.lock().unwrap().insert(name.to_string(), (reason.clone(), Instant::now()));
@@ -152,8 +153,8 @@ impl Destinations {
     pub async fn reread_limits(&self) -> usize {
         let mut changed = 0;
         for d in self.all() {
-            let was = d.queue.max_message_size();
-            if reread_limit(self.publisher.as_ref(), &d.name, &d.queue).await.is_ok_and(|now| now != was) {
+            let was = d.target.max_message_size();
+            if reread_limit(self.publisher.as_ref(), &d.name, &d.target).await.is_ok_and(|now| now != was) {
                 changed += 1;
             }
         }
@@ -174,14 +175,14 @@ impl Destinations {
     }
 
     /// Keep a looked-up destination (the first one added wins a race).
-    fn add(&self, name: &str, queue: QueueInfo) -> Arc<Destination> {
+    fn add(&self, name: &str, target: Target) -> Arc<Destination> {
         let mut ready = self.ready.write().unwrap();
         if let Some(d) = ready.get(name) {
             return Arc::clone(d);
         }
-        tracing::info!(destination = %name, url = %queue.url, fifo = queue.fifo, "destination looked up on first use");
-        let state = LaneState::new(name, queue.fifo, Arc::clone(&self.metrics));
-        let d = Arc::new(Destination { name: Arc::from(name), queue, state });
+        tracing::info!(destination = %name, kind = %target.kind, address = %target.address, fifo = target.fifo, "destination looked up on first use");
+        let state = LaneState::new(name, target.fifo, Arc::clone(&self.metrics));
+        let d = Arc::new(Destination { name: Arc::from(name), target, state });
         ready.insert(name.to_string(), Arc::clone(&d));
         d
     }
@@ -203,10 +204,10 @@ mod tests {
         p.add_queue("http://memory.invalid/r1/orders", false, 1024);
         let d = destinations(&p);
         let Resolved::Ready(orders) = d.resolve("orders").await else { panic!("orders is there") };
-        assert_eq!(orders.queue.max_message_size(), 1024);
+        assert_eq!(orders.target.max_message_size(), 1024);
         assert!(Arc::ptr_eq(&orders, &d.get("orders").unwrap()));
         let Resolved::Dead(r) = d.resolve("billing").await else { panic!("billing has no queue") };
-        assert_eq!(r.code, DeadCode::QueueNotFound);
+        assert_eq!(r.code, crate::policy::dead::DeadCode::QueueNotFound);
         // Created since: still DEAD until the verdict expires.
         p.add_queue("http://memory.invalid/r1/billing", false, 1024);
         assert!(matches!(d.resolve("billing").await, Resolved::Dead(_)));
@@ -219,10 +220,10 @@ mod tests {
         p.add_queue("http://memory.invalid/r1/orders", false, 1024);
         let d = destinations(&p);
         let Resolved::Ready(orders) = d.resolve("orders").await else { panic!("orders is there") };
-        let lanes_copy = orders.queue.clone();
+        let lanes_copy = orders.target.clone();
         assert_eq!(d.reread_limits().await, 0);
         p.add_queue("http://memory.invalid/r1/orders", false, 4096);
         assert_eq!(d.reread_limits().await, 1);
-        assert_eq!((orders.queue.max_message_size(), lanes_copy.max_message_size()), (4096, 4096));
+        assert_eq!((orders.target.max_message_size(), lanes_copy.max_message_size()), (4096, 4096));
     }
 }

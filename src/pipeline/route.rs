@@ -23,7 +23,8 @@ use crate::pipeline::settle::{seq_param, Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
 use crate::policy::dead::{DeadCode, DeadReason};
 use crate::policy::delay::Timing;
-use crate::publish::entry::{prepare, Entry, QueueInfo};
+use crate::publish::entry::Entry;
+use crate::publish::kind::Target;
 
 /// The metric label of events whose destination is not configured.
 pub const UNKNOWN_DESTINATION_LABEL: &str = "unknown";
@@ -73,16 +74,17 @@ impl Judged {
 pub const HELD_FIFO: &str = "held until deliver_at: a FIFO queue takes no per-message delay";
 pub const HELD_LATER: &str = "held until deliver_at: more than the 15 minutes SQS can delay a message";
 
-/// The one rule for an event bound for `queue`, judged at `now_us`
+/// The one rule for an event bound for `target`, judged at `now_us`
 /// (microseconds since the Unix epoch): validated and timed, held, or DEAD.
-pub fn judge_for(queue: &QueueInfo, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged {
-    let timing = match crate::policy::delay::timing(ev.deliver_at, now_us, queue.fifo) {
+pub fn judge_for(target: &Target, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged {
+    let delays = target.delays();
+    let timing = match crate::policy::delay::timing(ev.deliver_at, now_us, delays) {
         Ok(t) => t,
         Err(reason) => return Judged::Dead(reason),
     };
-    match (timing, prepare(Arc::clone(ev), queue)) {
+    match (timing, target.prepare(Arc::clone(ev))) {
         (_, Err(reason)) => Judged::Dead(reason),
-        (Timing::Hold, Ok(_)) => Judged::Hold(if queue.fifo { HELD_FIFO } else { HELD_LATER }),
+        (Timing::Hold, Ok(_)) => Judged::Hold(if delays { HELD_LATER } else { HELD_FIFO }),
         (Timing::Now, Ok(entry)) => Judged::Send(entry),
         (Timing::Delay(s), Ok(entry)) => Judged::Send(Entry { delay_seconds: Some(s), ..entry }),
     }
@@ -325,7 +327,7 @@ fn lane_for(
 ) -> (Open, impl std::future::Future<Output = ()> + Send + 'static) {
     let (tx, rx) = mpsc::channel(LANE_CHANNEL);
     let lane = run_lane(
-        LaneConfig::streaming(&destination.name, &destination.queue, &parts.settings.lanes),
+        LaneConfig::streaming(&destination.name, &destination.target, &parts.settings.lanes),
         Arc::clone(&parts.publisher),
         Input { rx, finished: Some(Arc::clone(&drained.lane)) },
         settle.clone(),
@@ -488,7 +490,7 @@ impl Router {
 /// (held, DEAD).
 async fn hand_on(open: &Open, r: Routed, outlet: &Outlet) -> Result<(), RouteError> {
     let d = &open.destination;
-    let (outcome, unmarked) = match judge_for(&d.queue, &r.ev, now_unix_us()).unsent() {
+    let (outcome, unmarked) = match judge_for(&d.target, &r.ev, now_unix_us()).unsent() {
         // A spooling lane's new events go straight to the table; a FIFO
         // lane's go through the lane, which keeps those of a group with an
         // entry in flight until it is settled.
@@ -589,7 +591,7 @@ mod tests {
         let config = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
         let metrics = Metrics::new();
         let template = QueueUrlTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
-        let configured = BTreeMap::from([("orders.fifo".to_string(), QueueInfo::new(FIFO, true, 262_144))]);
+        let configured = BTreeMap::from([("orders.fifo".to_string(), Target::queue(FIFO, true, 262_144))]);
         let publisher: Arc<dyn crate::publish::Publisher> = Arc::new(p.clone());
         let destinations = Destinations::new(
             configured,

@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use super::retry::slows_down;
+use super::retry::{slows_down, Failure};
 
 /// The limit a lane starts at: the fixed number of earlier versions.
 pub const INITIAL: usize = 8;
@@ -46,16 +46,17 @@ pub enum Signal {
 }
 
 impl Signal {
-    /// The signal of a call that took `rtt`: `Err(code)` for a call failed as
-    /// a whole, or the codes of the entries it failed that may be retried.
-    pub fn of<'a>(call: Result<impl IntoIterator<Item = &'a str>, &str>, rtt: Duration) -> Signal {
+    /// The signal of a call that took `rtt`: `Err(failure)` for a call
+    /// failed as a whole, or the failures of the entries it failed that may
+    /// be retried.
+    pub fn of(call: Result<impl IntoIterator<Item = Failure>, Failure>, rtt: Duration) -> Signal {
         match call {
-            Err(code) if slows_down(code) => Signal::Throttled,
+            Err(failure) if slows_down(failure) => Signal::Throttled,
             Err(_) => Signal::Failed,
             Ok(retryable) => {
                 let mut failed = false;
-                for code in retryable {
-                    if slows_down(code) {
+                for failure in retryable {
+                    if slows_down(failure) {
                         return Signal::Throttled;
                     }
                     failed = true;
@@ -275,12 +276,12 @@ mod tests {
 
     #[test]
     fn signals_of_results() {
-        let none: [&str; 0] = [];
+        let none: [Failure; 0] = [];
         assert_eq!(Signal::of(Ok(none), RTT), Signal::Sent { rtt: RTT });
-        assert_eq!(Signal::of(Ok(["InternalError"]), RTT), Signal::Failed);
-        assert_eq!(Signal::of(Ok(["InternalError", "RequestThrottled"]), RTT), Signal::Throttled);
-        assert_eq!(Signal::of(Err::<[&str; 0], _>("ThrottlingException"), RTT), Signal::Throttled);
-        assert_eq!(Signal::of(Err::<[&str; 0], _>("transport"), RTT), Signal::Failed);
+        assert_eq!(Signal::of(Ok([Failure::Passing]), RTT), Signal::Failed);
+        assert_eq!(Signal::of(Ok([Failure::Passing, Failure::Throttled]), RTT), Signal::Throttled);
+        assert_eq!(Signal::of(Err::<[Failure; 0], _>(Failure::Throttled), RTT), Signal::Throttled);
+        assert_eq!(Signal::of(Err::<[Failure; 0], _>(Failure::Passing), RTT), Signal::Failed);
     }
 
     fn signal() -> impl Strategy<Value = Signal> {

@@ -4,7 +4,8 @@
 //! - Due within [`MAX_DELAY_SECONDS`] on a standard queue: sent now with
 //!   `DelaySeconds`, rounded up to the whole second (never early, at most a
 //!   second late).
-//! - Due later, or on a FIFO queue (SQS refuses a per-message delay there):
+//! - Due later, or on a destination that takes no per-message delay (a
+//!   FIFO queue: SQS refuses one there; see [`crate::publish::kind::Rules::delays`]):
 //!   held in the table. The row stays NEW with `next_attempt_at` set, its
 //!   `deliver_at` keeps the table path off it until it is due (FIFO) or due
 //!   within the SQS limit (standard), and the slot never waits for it.
@@ -31,8 +32,9 @@ pub enum Timing {
 }
 
 /// The timing of a row due at `deliver_at`, judged at `now_us` (both
-/// microseconds since the Unix epoch), for a FIFO queue or a standard one.
-pub fn timing(deliver_at: DeliverAt, now_us: i64, fifo: bool) -> Result<Timing, DeadReason> {
+/// microseconds since the Unix epoch), for a destination that `delays` a
+/// message by itself (a standard queue) or not (a FIFO queue).
+pub fn timing(deliver_at: DeliverAt, now_us: i64, delays: bool) -> Result<Timing, DeadReason> {
     let due = match deliver_at {
         DeliverAt::Unset => return Ok(Timing::Now),
         DeliverAt::Unreadable => {
@@ -51,15 +53,16 @@ pub fn timing(deliver_at: DeliverAt, now_us: i64, fifo: bool) -> Result<Timing, 
         return Ok(Timing::Now);
     }
     let seconds = wait_us.saturating_add(999_999) / 1_000_000;
-    Ok(if fifo || seconds > MAX_DELAY_SECONDS { Timing::Hold } else { Timing::Delay(seconds as u32) })
+    Ok(if !delays || seconds > MAX_DELAY_SECONDS { Timing::Hold } else { Timing::Delay(seconds as u32) })
 }
 
 /// The SQL condition the table path claims with (`$h`: seconds of delay
-/// SQS may carry for this queue: 0 on FIFO, [`MAX_DELAY_SECONDS`] otherwise):
+/// the destination may carry: [`MAX_DELAY_SECONDS`] where it `delays` (a
+/// standard queue), 0 otherwise (a FIFO queue)):
 /// rows held longer stay out of the claim, and out of a FIFO window (a held
 /// row does not hold its group back). `infinity` is claimed, to end DEAD.
-pub fn claimable_sql(fifo: bool) -> String {
-    let horizon = if fifo { 0 } else { MAX_DELAY_SECONDS };
+pub fn claimable_sql(delays: bool) -> String {
+    let horizon = if delays { MAX_DELAY_SECONDS } else { 0 };
     format!("(deliver_at IS NULL OR deliver_at <= now() + make_interval(secs => {horizon}) OR deliver_at = 'infinity')")
 }
 
@@ -78,7 +81,7 @@ mod tests {
     #[test]
     fn the_rules_at_their_edges() {
         let now = 1_700_000_000 * S;
-        let t = |at: i64, fifo| timing(DeliverAt::at(at), now, fifo).unwrap();
+        let t = |at: i64, fifo: bool| timing(DeliverAt::at(at), now, !fifo).unwrap();
         assert_eq!(timing(DeliverAt::Unset, now, true).unwrap(), Timing::Now);
         assert_eq!(t(now, false), Timing::Now);
         assert_eq!(t(now - 5 * S, true), Timing::Now);
@@ -99,7 +102,7 @@ mod tests {
         /// exceeds what SQS takes nor comes more than a second late.
         #[test]
         fn never_early_never_over_the_limit(now in -S * 100_000_000..S * 100_000_000, wait in -S * 10_000..S * 10_000, fifo: bool) {
-            match timing(DeliverAt::at(now + wait), now, fifo).unwrap() {
+            match timing(DeliverAt::at(now + wait), now, !fifo).unwrap() {
                 Timing::Now => prop_assert!(wait <= 0),
                 Timing::Delay(s) => {
                     prop_assert!(!fifo);

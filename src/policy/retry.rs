@@ -1,5 +1,7 @@
 //! The one place that decides what is retried, what is DEAD, and how long to
-//! wait. Everything else asks here.
+//! wait. Everything else asks here. A kind of destination says what its
+//! service's answers mean ([`Failure`], `publish::kind`); what is done about
+//! them is decided here, the same for every kind.
 
 use std::time::Duration;
 
@@ -13,51 +15,36 @@ pub enum Remedy {
     /// The request as a whole was refused for a reason one entry may have
     /// caused: send each entry alone to find out which.
     Split,
-    /// Refused as longer than the queue takes, though it was judged by the
-    /// queue's `MaximumMessageSize`: the limit was lowered since it was
+    /// Refused as longer than the destination takes, though it was judged
+    /// by its `MaximumMessageSize`: the limit was lowered since it was
     /// read. Read it again and judge the entry anew (through S3, or DEAD
     /// `too_large`); if it was not lowered, the entry is DEAD.
     Reread,
 }
 
-/// Error codes that mean "slow down" even when SQS marks them as the sender's fault.
-const SLOW_DOWN: &[&str] = &[
-    "Throttling",
-    "ThrottlingException",
-    "RequestThrottled",
-    "TooManyRequestsException",
-    "KmsThrottled",
-    "KMS.ThrottlingException",
-];
-
-/// Whether `code` tells the sender to slow down (the lane's concurrency
-/// limit shrinks: [`crate::policy::concurrency`]).
-pub fn slows_down(code: &str) -> bool {
-    SLOW_DOWN.contains(&code)
+/// What a failed entry or call means, whatever the service's words for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// Told to slow down (throttling), even when marked as the sender's fault.
+    Throttled,
+    /// May pass: the service's own trouble, the network, a timeout, or what
+    /// an operator must mend (the credentials, a permission, a key).
+    Passing,
+    /// The destination does not exist (deleted, or never created): an
+    /// operator may create it; a destination looked up for the first time
+    /// is DEAD.
+    Missing,
+    /// Refused as longer than the destination takes.
+    TooLong,
+    /// Refused for good: the request's fault.
+    Refused,
 }
 
-/// Error codes of the service's own trouble, retried even when marked as the sender's fault.
-const SERVER_TROUBLE: &[&str] = &["ServiceUnavailable", "InternalError", "InternalFailure", "RequestTimeout"];
-
-/// Codes that mean the queue or the credentials are wrong: an operator must act,
-/// and retrying keeps the rows safe until they do.
-const OPERATOR_ACTION: &[&str] = &[
-    "AWS.SimpleQueueService.NonExistentQueue",
-    "QueueDoesNotExist",
-    "AccessDenied",
-    "AccessDeniedException",
-    "InvalidClientTokenId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "UnrecognizedClientException",
-    "KmsAccessDenied",
-    "KmsDisabled",
-    "KmsNotFound",
-    "KmsInvalidState",
-    "KmsInvalidKeyUsage",
-    "KmsOptInRequired",
-    "RequestCanceled",
-];
+/// Whether a failure tells the sender to slow down (the lane's concurrency
+/// limit shrinks: [`crate::policy::concurrency`]).
+pub fn slows_down(failure: Failure) -> bool {
+    failure == Failure::Throttled
+}
 
 /// How a start-up step failed: the server went away under it (a restart,
 /// a failover, the network), or it refused what it found.
@@ -119,63 +106,44 @@ pub fn classify_start_up(failure: DbFailure, connected: bool) -> StartUpFailure 
     }
 }
 
-/// What a failed queue lookup (`GetQueueAttributes` of a destination seen
-/// for the first time) means.
+/// What a failed lookup of a destination (seen for the first time) means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lookup {
-    /// There is no such queue: its rows are DEAD (`queue_not_found`).
+    /// There is no such destination: its rows are DEAD (`queue_not_found`,
+    /// or its kind's code).
     Missing,
     /// Anything else (the network, the credentials, throttling): its rows
     /// wait and it is looked up again.
     Retry,
 }
 
-/// A failed lookup's error code.
-pub fn classify_lookup(code: &str) -> Lookup {
-    match code {
-        "AWS.SimpleQueueService.NonExistentQueue" | "QueueDoesNotExist" => Lookup::Missing,
+/// A failed lookup.
+pub fn classify_lookup(failure: Failure) -> Lookup {
+    match failure {
+        Failure::Missing => Lookup::Missing,
         _ => Lookup::Retry,
     }
 }
 
-/// Codes retried whoever SQS says is at fault: throttling, the service's
-/// trouble, and what an operator must mend.
-fn transient(code: &str) -> bool {
-    SLOW_DOWN.contains(&code) || SERVER_TROUBLE.contains(&code) || OPERATOR_ACTION.contains(&code)
-}
-
-/// A failed entry of a `SendMessageBatch` response.
-pub fn classify_entry(code: &str, sender_fault: bool, message: &str) -> Remedy {
-    if transient(code) || !sender_fault {
-        Remedy::Retry
-    } else if says_too_long(code, message) {
-        Remedy::Reread
-    } else {
-        Remedy::Dead
+/// A failed entry of a batch. A destination that went missing under the
+/// relay is retried: an operator may create it again, and its rows are
+/// safe meanwhile.
+pub fn classify_entry(failure: Failure) -> Remedy {
+    match failure {
+        Failure::Throttled | Failure::Passing | Failure::Missing => Remedy::Retry,
+        Failure::TooLong => Remedy::Reread,
+        Failure::Refused => Remedy::Dead,
     }
 }
 
-/// Codes SQS refuses an entry longer than the queue's limit with (its own,
-/// and the one compatible servers use), and what the message then says.
-const TOO_LONG: &[&str] = &["InvalidParameterValue", "InvalidParameterValueException", "MessageTooLong"];
-const TOO_LONG_TEXT: &str = "must be shorter than";
-
-/// Whether an error says the message is longer than the queue takes.
-fn says_too_long(code: &str, message: &str) -> bool {
-    TOO_LONG.contains(&code) && message.contains(TOO_LONG_TEXT)
-}
-
-/// A `SendMessageBatch` call of `entries` entries that failed as a whole
-/// with the service's `code` (or `transport` / `timeout`).
-pub fn classify_call(code: &str, sender_fault: bool, message: &str, entries: usize) -> Remedy {
-    if transient(code) || !sender_fault {
-        Remedy::Retry
-    } else if entries > 1 {
-        Remedy::Split
-    } else if says_too_long(code, message) {
-        Remedy::Reread
-    } else {
-        Remedy::Dead
+/// A call of `entries` entries that failed as a whole: refused for a
+/// reason one entry may have caused, each entry is sent alone.
+pub fn classify_call(failure: Failure, entries: usize) -> Remedy {
+    match failure {
+        Failure::Throttled | Failure::Passing | Failure::Missing => Remedy::Retry,
+        _ if entries > 1 => Remedy::Split,
+        Failure::TooLong => Remedy::Reread,
+        Failure::Refused => Remedy::Dead,
     }
 }
 
@@ -273,28 +241,22 @@ mod tests {
     }
 
     #[test]
-    fn entries() {
-        assert_eq!(classify_entry("InvalidMessageContents", true, ""), Remedy::Dead);
-        assert_eq!(classify_entry("MissingParameter", true, ""), Remedy::Dead);
-        assert_eq!(classify_entry("RequestThrottled", true, ""), Remedy::Retry);
-        assert_eq!(classify_entry("InternalError", false, ""), Remedy::Retry);
-        assert_eq!(classify_entry("Anything", false, ""), Remedy::Retry);
-        assert_eq!(classify_entry("AccessDenied", true, ""), Remedy::Retry);
-        let too_long = "One or more parameters are invalid. Reason: Message must be shorter than 65536 bytes.";
-        assert_eq!(classify_entry("InvalidParameterValue", true, too_long), Remedy::Reread);
-        assert_eq!(classify_entry("InvalidParameterValue", true, "Reason: invalid attribute"), Remedy::Dead);
-    }
-
-    #[test]
-    fn calls() {
-        assert_eq!(classify_call("transport", false, "", 10), Remedy::Retry);
-        assert_eq!(classify_call("BatchRequestTooLong", true, "", 10), Remedy::Split);
-        assert_eq!(classify_call("InvalidParameterValue", true, "", 1), Remedy::Dead);
-        assert_eq!(
-            classify_call("InvalidParameterValue", true, "Message must be shorter than 9 bytes", 1),
-            Remedy::Reread
-        );
-        assert_eq!(classify_call("AWS.SimpleQueueService.NonExistentQueue", true, "", 3), Remedy::Retry);
+    fn remedies() {
+        use Failure::*;
+        assert_eq!(classify_entry(Refused), Remedy::Dead);
+        for passing in [Throttled, Passing, Missing] {
+            assert_eq!(classify_entry(passing), Remedy::Retry);
+            assert_eq!(classify_call(passing, 10), Remedy::Retry);
+            assert_eq!(classify_call(passing, 1), Remedy::Retry);
+        }
+        assert_eq!(classify_entry(TooLong), Remedy::Reread);
+        assert_eq!(classify_call(Refused, 10), Remedy::Split);
+        assert_eq!(classify_call(TooLong, 10), Remedy::Split);
+        assert_eq!(classify_call(Refused, 1), Remedy::Dead);
+        assert_eq!(classify_call(TooLong, 1), Remedy::Reread);
+        assert_eq!(classify_lookup(Missing), Lookup::Missing);
+        assert_eq!(classify_lookup(Throttled), Lookup::Retry);
+        assert!(slows_down(Throttled) && !slows_down(Passing));
         assert_eq!(
             backoff_sql("o.attempts", "$4", "$5"),
             "least($5::float8, $4::float8 * power(2, least(o.attempts, 20)))"

@@ -16,7 +16,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::entry::{Entry, QueueInfo};
+use super::entry::Entry;
+use super::kind::{Kind, Target};
 use super::{CallError, EntryResult, Publisher};
 
 /// A [`Publisher`] whose calls in flight, over every destination, are at
@@ -50,16 +51,16 @@ impl CallLimit {
 
 #[async_trait]
 impl Publisher for CallLimit {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
         let _call = self.calls.acquire().await.expect("never closed");
-        self.inner.queue_info(queue_url).await
+        self.inner.describe(kind, address).await
     }
 
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let size = entries.iter().map(|e| e.size).sum::<usize>().clamp(1, self.max_bytes as usize) as u32;
         let _bytes = self.bytes.acquire_many(size).await.expect("never closed");
         let _call = self.calls.acquire().await.expect("never closed");
-        self.inner.send_batch(queue_url, entries).await
+        self.inner.send_batch(target, entries).await
     }
 
     fn batch_slots(&self) -> Option<Arc<Semaphore>> {
@@ -132,7 +133,7 @@ mod tests {
         let calls: Vec<_> = (0..3)
             .map(|i| {
                 let l = Arc::clone(&limited);
-                tokio::spawn(async move { l.send_batch("q", &[entry(i)]).await })
+                tokio::spawn(async move { l.send_batch(&Target::queue("q", false, 262_144), &[entry(i)]).await })
             })
             .collect();
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

@@ -9,7 +9,8 @@ use async_trait::async_trait;
 use tokio::sync::Semaphore;
 
 use super::{CallError, EntryResult, Publisher};
-use crate::publish::entry::{Entry, QueueInfo};
+use crate::publish::entry::Entry;
+use crate::publish::kind::{Kind, Target};
 
 /// What the next `send_batch` call does instead of succeeding.
 #[derive(Debug, Clone)]
@@ -41,7 +42,8 @@ pub struct Sent {
 
 #[derive(Default)]
 struct Inner {
-    queues: HashMap<String, QueueInfo>,
+    /// Every destination, by its address.
+    queues: HashMap<String, Target>,
     sent: HashMap<String, Vec<Sent>>,
     faults: VecDeque<Fault>,
     /// Queues that fail every call with this error until fixed.
@@ -71,7 +73,7 @@ impl MemoryPublisher {
     /// A queue (or a queue's attributes changed): entries longer than
     /// `max_message_size` are refused as SQS refuses them.
     pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
-        self.inner.lock().unwrap().queues.insert(url.to_string(), QueueInfo::new(url, fifo, max_message_size));
+        self.inner.lock().unwrap().queues.insert(url.to_string(), Target::queue(url, fifo, max_message_size));
     }
 
     pub fn push_fault(&self, f: Fault) {
@@ -128,18 +130,21 @@ impl MemoryPublisher {
 
 #[async_trait]
 impl Publisher for MemoryPublisher {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
         // A description of its own: not one the relay's copies share.
         let queues = &self.inner.lock().unwrap().queues;
-        let queue = queues.get(queue_url).map(|q| QueueInfo::new(queue_url, q.fifo, q.max_message_size()));
-        queue.ok_or(CallError {
+        let found = queues.get(address).filter(|t| t.kind == kind);
+        let target = found.map(|t| Target::new(kind, address, t.fifo, t.max_message_size()));
+        target.ok_or(CallError {
             code: "AWS.SimpleQueueService.NonExistentQueue".into(),
-            message: format!("no queue {queue_url}"),
+            message: format!("no {kind} {address}"),
             sender_fault: true,
         })
     }
 
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        assert!(entries.len() <= target.batch_limits().entries, "batch over {}'s entries", target.kind);
+        let queue_url = target.address.as_str();
         let latency = {
             let mut inner = self.inner.lock().unwrap();
             inner.in_flight += 1;
@@ -169,14 +174,13 @@ impl MemoryPublisher {
             return Err(e.clone());
         }
         inner.batch_sizes.push(entries.len());
-        assert!(entries.len() <= 10, "batch over SQS's 10 entries");
         let fault = inner.faults.pop_front();
         let failing: Vec<usize> = match &fault {
             Some(Fault::FailCall(e)) => return Err(e.clone()),
             Some(Fault::FailEntries { positions, .. } | Fault::TooLong { positions }) => positions.clone(),
             None => vec![],
         };
-        let limit = inner.queues.get(queue_url).map_or(usize::MAX, QueueInfo::max_message_size);
+        let limit = inner.queues.get(queue_url).map_or(usize::MAX, Target::max_message_size);
         let mut out = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
             if e.size > limit || (failing.contains(&i) && matches!(fault, Some(Fault::TooLong { .. }))) {

@@ -1,10 +1,13 @@
-//! The network call: one `SendMessageBatch`, and `GetQueueAttributes` at
-//! start-up. [`sqs::SqsPublisher`] talks to SQS (its SDK retries are off:
-//! [`crate::policy::retry`] is the only place that retries); [`memory::MemoryPublisher`]
-//! keeps messages in memory and injects faults, for tests.
+//! The send stage: a destination's [`kind::Target`] (its [`kind`] and
+//! what it enforces), the [`entry::Entry`] made from a row for it, and the
+//! network call, one batch to one destination. [`sqs::SqsPublisher`] talks
+//! to AWS (its SDK retries are off: [`crate::policy::retry`] is the only
+//! place that retries); [`memory::MemoryPublisher`] keeps messages in
+//! memory and injects faults, for tests.
 
 pub mod aws;
 pub mod entry;
+pub mod kind;
 pub mod limit;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
@@ -14,7 +17,8 @@ pub mod sqs;
 
 use async_trait::async_trait;
 
-use crate::publish::entry::{Entry, QueueInfo};
+use crate::publish::entry::Entry;
+use crate::publish::kind::{Kind, Target};
 
 /// The outcome of one entry of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,12 +46,14 @@ impl CallError {
 
 #[async_trait]
 pub trait Publisher: Send + Sync + 'static {
-    /// `MaximumMessageSize` and `FifoQueue` of a queue; fails when the queue
-    /// does not answer.
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError>;
+    /// The destination of `kind` at `address` as its service describes it
+    /// (a queue's `MaximumMessageSize` and `FifoQueue`); fails when it does
+    /// not answer.
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError>;
 
-    /// Send up to 10 entries; one result per entry, in the same order.
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError>;
+    /// Send a batch within `target`'s [`Target::batch_limits`]; one result
+    /// per entry, in the same order.
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError>;
 
     /// The relay-wide cap of batches formed and not settled, if there is
     /// one ([`limit::CallLimit`]): a lane takes a slot before it forms a
@@ -57,23 +63,23 @@ pub trait Publisher: Send + Sync + 'static {
     }
 }
 
-/// A read of a queue's attributes that has not answered in this long is a
-/// failure that may pass.
+/// A read of a destination's attributes that has not answered in this long
+/// is a failure that may pass.
 pub const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Read `queue`'s `MaximumMessageSize` again (destination `name`'s); a
+/// Read `target`'s `MaximumMessageSize` again (destination `name`'s); a
 /// changed one holds from then on for every copy of its description (the
 /// router's, every lane's). The limit read, or why it could not be.
-pub async fn reread_limit(publisher: &dyn Publisher, name: &str, queue: &QueueInfo) -> Result<usize, String> {
-    let now = match tokio::time::timeout(READ_TIMEOUT, publisher.queue_info(&queue.url)).await {
+pub async fn reread_limit(publisher: &dyn Publisher, name: &str, target: &Target) -> Result<usize, String> {
+    let now = match tokio::time::timeout(READ_TIMEOUT, publisher.describe(target.kind, &target.address)).await {
         Ok(Ok(info)) => info.max_message_size(),
         Ok(Err(e)) => return Err(e.to_string()),
         Err(_) => return Err(format!("no answer within {READ_TIMEOUT:?}")),
     };
-    let was = queue.max_message_size();
+    let was = target.max_message_size();
     if now != was {
-        tracing::warn!(destination = %name, was, now, "the queue's MaximumMessageSize changed: its rows are judged by the new one");
-        queue.resize(now);
+        tracing::warn!(destination = %name, was, now, kind = %target.kind, "the destination's MaximumMessageSize changed: its rows are judged by the new one");
+        target.resize(now);
     }
     Ok(now)
 }

@@ -2,6 +2,7 @@
 //! row's value to a queue of that name.
 
 use crate::policy::dead::{DeadCode, DeadReason};
+use crate::publish::kind::Kind;
 
 /// A queue URL with `{destination}` (and optionally `{region}`) in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,6 +25,11 @@ impl QueueUrlTemplate {
             ));
         }
         Ok(QueueUrlTemplate { template: template.to_string(), region: region.to_string() })
+    }
+
+    /// The kind of destination its addresses name.
+    pub fn kind(&self) -> Kind {
+        Kind::Queue
     }
 
     /// The queue URL of `destination`, if it can name a queue (SQS's rule:

@@ -11,7 +11,8 @@ use aws_sdk_sqs::config::http::HttpResponse;
 use aws_sdk_sqs::operation::send_message_batch::SendMessageBatchOutput;
 
 use super::{CallError, EntryResult, Publisher};
-use crate::publish::entry::{Entry, QueueInfo};
+use crate::publish::entry::Entry;
+use crate::publish::kind::{Kind, Target};
 
 #[derive(Clone, Debug)]
 pub struct SqsPublisher {
@@ -60,7 +61,22 @@ where
 
 #[async_trait]
 impl Publisher for SqsPublisher {
-    async fn queue_info(&self, queue_url: &str) -> Result<QueueInfo, CallError> {
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
+        match kind {
+            Kind::Queue => self.queue(address).await,
+        }
+    }
+
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        match target.kind {
+            Kind::Queue => self.send_message_batch(&target.address, entries).await,
+        }
+    }
+}
+
+impl SqsPublisher {
+    /// A queue's `MaximumMessageSize` and `FifoQueue`.
+    async fn queue(&self, queue_url: &str) -> Result<Target, CallError> {
         let out = self
             .client
             .get_queue_attributes()
@@ -75,10 +91,10 @@ impl Publisher for SqsPublisher {
             attrs.get(&QueueAttributeName::MaximumMessageSize).and_then(|v| v.parse().ok()).unwrap_or(262_144);
         let fifo = attrs.get(&QueueAttributeName::FifoQueue).map(|v| v == "true").unwrap_or(false)
             || queue_url.ends_with(".fifo");
-        Ok(QueueInfo::new(queue_url, fifo, max_message_size))
+        Ok(Target::queue(queue_url, fifo, max_message_size))
     }
 
-    async fn send_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn send_message_batch(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
         let mut req = self.client.send_message_batch().queue_url(queue_url);
         for (i, e) in entries.iter().enumerate() {
             req = req.entries(request_entry(i, e)?);

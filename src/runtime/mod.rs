@@ -250,7 +250,7 @@ fn table_lane(parts: &Parts, mode: Mode, d: &Destination) -> (TableLaneConfig, O
     };
     let cfg = TableLaneConfig {
         name: Arc::clone(&d.name),
-        queue: d.queue.clone(),
+        target: d.target.clone(),
         source,
         claim_limit: TABLE_CLAIM_LIMIT,
         poll_interval,

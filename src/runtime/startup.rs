@@ -10,6 +10,7 @@ use crate::metrics::Metrics;
 use crate::pipeline::destinations::Prepare;
 use crate::pipeline::settings::Settings;
 use crate::policy::retry::{classify_start_up, StartUpFailure};
+use crate::publish::kind::Kind;
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
 
@@ -22,7 +23,7 @@ use super::RelayError;
 pub(crate) struct Started {
     pub(crate) mode: Mode,
     pub(crate) sharded: bool,
-    pub(crate) queues: BTreeMap<String, crate::publish::entry::QueueInfo>,
+    pub(crate) queues: BTreeMap<String, crate::publish::kind::Target>,
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type and columns, in `settings.mapped`'s order.
     pub(crate) mapped_columns: Vec<crate::source::cdc::mapped::Found>,
@@ -110,14 +111,16 @@ async fn start_up(
     }
     let prepare = prepare_queues(config, settings, store.cloned());
     let mut queues = BTreeMap::new();
-    for (name, url) in &config.destinations {
-        let info = publisher.queue_info(url).await.map_err(|e| {
+    for (name, address) in &config.destinations {
+        let kind =
+            Kind::of_address(address).map_err(|why| RelayError::Startup(format!("destination {name:?}: {why}")))?;
+        let info = publisher.describe(kind, address).await.map_err(|e| {
             RelayError::Startup(format!(
-                "destination {name:?}: queue {url} did not answer GetQueueAttributes ({e}); check the queue URL, the region/endpoint and the credentials"
+                "destination {name:?}: {kind} {address} did not answer ({e}); check its address, the region/endpoint and the credentials"
             ))
         })?;
         let info = prepare(name, info);
-        tracing::info!(destination = %name, url = %url, fifo = info.fifo, max_message_size = info.max_message_size(), "queue ready");
+        tracing::info!(destination = %name, %kind, %address, fifo = info.fifo, max_message_size = info.max_message_size(), "destination ready");
         queues.insert(name.clone(), info);
     }
     if mode == Mode::Polling {

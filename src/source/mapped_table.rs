@@ -250,8 +250,8 @@ async fn settle_claim<C: GenericClient>(
                 continue;
             }
         };
-        let events = if d.queue.fifo { behind_waiting_groups(tx, &d.name, events, &mut here).await? } else { events };
-        settled.extend(publish_claim(tx, parts, (&d.name, &d.queue), events, now_us).await?);
+        let events = if d.target.fifo { behind_waiting_groups(tx, &d.name, events, &mut here).await? } else { events };
+        settled.extend(publish_claim(tx, parts, (&d.name, &d.target), events, now_us).await?);
     }
     if !here.is_empty() {
         // A claim locked its rows FOR UPDATE: their column can be set, or

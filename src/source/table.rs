@@ -36,7 +36,7 @@ use crate::pipeline::lane::{Flow, LaneState};
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{record, Due, Outcome};
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
-use crate::publish::entry::QueueInfo;
+use crate::publish::kind::Target;
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub enum Claims {
 
 pub struct TableLaneConfig {
     pub name: Arc<str>,
-    pub queue: QueueInfo,
+    pub target: Target,
     pub source: Claims,
     /// Rows claimed per transaction.
     pub claim_limit: usize,
@@ -191,7 +191,7 @@ async fn resume_streaming(
 ) -> Result<(), tokio_postgres::Error> {
     let resume = may_stream_again(DrainRound {
         held: state.is_held(),
-        fifo: cfg.queue.fifo,
+        fifo: cfg.target.fifo,
         catching_up: state.flow() == Flow::CatchingUp,
         claimed: round.claimed,
         full: round.claimed >= cfg.claim_limit,
@@ -253,7 +253,7 @@ enum ClaimOrder {
 
 /// The claim locks rows and reads their sizes, not their bodies; the bodies
 /// of the rows that fit in `claim_bytes` are read next ([`fetch_sql`]).
-fn claim_sql(source: Claims, order: ClaimOrder) -> String {
+fn claim_sql(source: Claims, order: ClaimOrder, delays: bool) -> String {
     let fifo = order != ClaimOrder::Id;
     let mut sql = String::from(
         "SELECT id, octet_length(body)::bigint + coalesce(octet_length(attributes::text), 0)::bigint,
@@ -263,7 +263,7 @@ fn claim_sql(source: Claims, order: ClaimOrder) -> String {
     );
     // Rows held until a later deliver_at are not claimed, nor hold a group.
     sql += " AND ";
-    sql += &crate::policy::delay::claimable_sql(fifo);
+    sql += &crate::policy::delay::claimable_sql(delays);
     if source == Claims::Spool {
         sql += " AND next_attempt_at IS NOT NULL";
     }
@@ -288,13 +288,14 @@ async fn lock_rows(
     cfg: &TableLaneConfig,
 ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
     let (name, limit) = (&*cfg.name, cfg.claim_limit as i64);
-    if !cfg.queue.fifo {
-        return tx.query(&claim_sql(cfg.source, ClaimOrder::Id), &[&name, &limit]).await;
+    let delays = cfg.target.delays();
+    if !cfg.target.fifo {
+        return tx.query(&claim_sql(cfg.source, ClaimOrder::Id, delays), &[&name, &limit]).await;
     }
-    let mut rows = tx.query(&claim_sql(cfg.source, ClaimOrder::Committed), &[&name, &limit]).await?;
+    let mut rows = tx.query(&claim_sql(cfg.source, ClaimOrder::Committed, delays), &[&name, &limit]).await?;
     let rest = limit - rows.len() as i64;
     if rest > 0 {
-        rows.extend(tx.query(&claim_sql(cfg.source, ClaimOrder::Unpositioned), &[&name, &rest]).await?);
+        rows.extend(tx.query(&claim_sql(cfg.source, ClaimOrder::Unpositioned, delays), &[&name, &rest]).await?);
     }
     Ok(rows)
 }
@@ -368,7 +369,7 @@ pub async fn claim_round(
     cfg: &TableLaneConfig,
     parts: &Parts,
 ) -> Result<Round, tokio_postgres::Error> {
-    let fifo = cfg.queue.fifo;
+    let fifo = cfg.target.fifo;
     let tx = client.transaction().await?;
     if fifo {
         let key = format!("outbox_relay:{}", cfg.name);
@@ -393,7 +394,7 @@ pub async fn claim_round(
     // twice (the row's bytes and the event's), while the claim is sent.
     let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();
     round.handled = events.len();
-    let target = (&cfg.name, &cfg.queue);
+    let target = (&cfg.name, &cfg.target);
     let settled = publish_claim(&tx, parts, target, events, now_us).await?;
     for s in &settled {
         match s.outcome {
@@ -428,7 +429,7 @@ SELECT destination FROM d WHERE destination IS NOT NULL";
 fn waiting_destinations_sql(source: Claims) -> String {
     let mut cond = format!(
         "status = 'NEW' AND (next_attempt_at IS NULL OR next_attempt_at <= now()) AND {}",
-        crate::policy::delay::claimable_sql(false)
+        crate::policy::delay::claimable_sql(true)
     );
     if source == Claims::Spool {
         cond += " AND next_attempt_at IS NOT NULL";

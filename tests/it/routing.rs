@@ -313,19 +313,23 @@ struct SlowLookup {
 
 #[async_trait::async_trait]
 impl outbox_relay::publish::Publisher for SlowLookup {
-    async fn queue_info(&self, url: &str) -> Result<outbox_relay::publish::entry::QueueInfo, CallError> {
+    async fn describe(
+        &self,
+        kind: outbox_relay::publish::kind::Kind,
+        url: &str,
+    ) -> Result<outbox_relay::publish::kind::Target, CallError> {
         if url == self.queue {
             tokio::time::sleep(self.slow).await;
         }
-        self.inner.queue_info(url).await
+        self.inner.describe(kind, url).await
     }
 
     async fn send_batch(
         &self,
-        url: &str,
+        target: &outbox_relay::publish::kind::Target,
         entries: &[outbox_relay::publish::entry::Entry],
     ) -> Result<Vec<outbox_relay::publish::EntryResult>, CallError> {
-        self.inner.send_batch(url, entries).await
+        self.inner.send_batch(target, entries).await
     }
 }
 

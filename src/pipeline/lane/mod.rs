@@ -30,7 +30,8 @@ use crate::pipeline::settle::{Due, Marking, Outcome, Settlement};
 use crate::pipeline::watermark::TxnSeq;
 use crate::policy::concurrency::{Limiter, Signal, Ticket};
 use crate::policy::spool::{stalled, SpoolCause};
-use crate::publish::entry::{Entry, QueueInfo};
+use crate::publish::entry::Entry;
+use crate::publish::kind::Target;
 use crate::publish::limit::BatchSlot;
 use crate::publish::Publisher;
 
@@ -91,7 +92,7 @@ pub enum RetryPolicy {
 
 pub struct LaneConfig {
     pub name: Arc<str>,
-    pub queue: QueueInfo,
+    pub target: Target,
     pub linger: Duration,
     /// Send at once when nothing is in flight; linger only while batches are.
     pub adaptive: bool,
@@ -108,10 +109,10 @@ pub struct LaneConfig {
 impl LaneConfig {
     /// A streaming lane: entries SQS did not take are retried from memory;
     /// a lane stalled past `lane_stall_timeout` spools.
-    pub fn streaming(name: &str, queue: &QueueInfo, s: &LaneSettings) -> LaneConfig {
+    pub fn streaming(name: &str, target: &Target, s: &LaneSettings) -> LaneConfig {
         LaneConfig {
             name: Arc::from(name),
-            queue: queue.clone(),
+            target: target.clone(),
             linger: s.linger,
             adaptive: s.adaptive,
             max_in_flight: s.max_in_flight,
@@ -124,10 +125,10 @@ impl LaneConfig {
 
     /// A lane of the table path: entries SQS did not take go back to the
     /// table with the marking's backoff; it never spools.
-    pub fn table(name: Arc<str>, queue: &QueueInfo, s: &LaneSettings, marking: &Marking) -> LaneConfig {
+    pub fn table(name: Arc<str>, target: &Target, s: &LaneSettings, marking: &Marking) -> LaneConfig {
         LaneConfig {
             name,
-            queue: queue.clone(),
+            target: target.clone(),
             linger: s.linger,
             adaptive: s.adaptive,
             max_in_flight: s.max_in_flight,
@@ -435,7 +436,8 @@ impl Lane {
         if catching_up(&self.spool_rx) {
             return;
         }
-        let fifo = self.ctx.cfg.queue.fifo;
+        let fifo = self.ctx.cfg.target.fifo;
+        let limits = self.ctx.cfg.target.batch_limits();
         let linger = self.ctx.cfg.linger;
         let limit = self.ctx.limit();
         while self.in_flight.len() < limit && !self.pending.is_empty() {
@@ -444,11 +446,11 @@ impl Lane {
                 && self.last_done.is_none_or(|t| t.elapsed() >= linger)
                 && self.pending.back().is_some_and(|i| i.chunk_end);
             let due = idle || self.oldest.is_some_and(|t| t.elapsed() >= linger);
-            if !(self.closed || due || full_batch_ready(&self.pending, fifo)) {
+            if !(self.closed || due || full_batch_ready(&self.pending, fifo, limits)) {
                 break;
             }
             let Some(slot) = self.slot() else { break };
-            let batch = take_batch(&mut self.pending, &self.busy);
+            let batch = take_batch(&mut self.pending, &self.busy, limits);
             if batch.is_empty() {
                 break; // every pending group is in flight
             }
@@ -535,7 +537,7 @@ impl Lane {
     /// nothing left there to wait for.
     fn flow_changed(&mut self) {
         let streaming = self.spool_rx.as_ref().is_some_and(|r| *r.borrow() == Flow::Streaming);
-        if streaming && self.ctx.cfg.queue.fifo {
+        if streaming && self.ctx.cfg.target.fifo {
             self.held.clear();
         }
     }
@@ -627,7 +629,6 @@ fn catching_up(spool: &Option<watch::Receiver<Flow>>) -> bool {
 mod tests {
     use super::*;
     use crate::event::OutboxEvent;
-    use crate::publish::entry::prepare;
     use crate::publish::memory::{Fault, MemoryPublisher};
     use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
     use crate::publish::CallError;
@@ -636,15 +637,15 @@ mod tests {
 
     fn item(id: i64) -> LaneItem {
         let ev = OutboxEvent::for_test(id, "orders", &format!("body {id}"));
-        let queue = QueueInfo::new(Q, false, 1 << 20);
-        LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
+        let queue = Target::queue(Q, false, 1 << 20);
+        LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None)
     }
 
     /// A streaming lane of queue `Q`, no linger, retried in memory.
     fn streaming_lane(max_in_flight: usize, retry_base: Duration, retry_cap: Duration) -> LaneConfig {
         LaneConfig {
             name: Arc::from("orders"),
-            queue: QueueInfo::new(Q, false, 1 << 20),
+            target: Target::queue(Q, false, 1 << 20),
             linger: Duration::ZERO,
             adaptive: true,
             max_in_flight,
@@ -808,7 +809,7 @@ mod tests {
         p.add_queue(Q, false, 1 << 20);
         let (store, queue) = down_s3(Q, false);
         let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
-        cfg.queue = queue.clone();
+        cfg.target = queue.clone();
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
@@ -816,7 +817,7 @@ mod tests {
         let big = "b".repeat(5000);
         let big_item = |id| {
             let ev = OutboxEvent::for_test(id, "orders", &big);
-            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)
+            LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None)
         };
         tx.send(big_item(1)).await.unwrap();
         tx.send(item(2)).await.unwrap();
@@ -866,7 +867,7 @@ mod tests {
         let (store, queue) = memory_s3(Q, false, Duration::from_secs(2));
         store.hung.store(true, Ordering::Release);
         let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
-        cfg.queue = queue.clone();
+        cfg.target = queue.clone();
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel(64);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
@@ -874,11 +875,11 @@ mod tests {
         let started = Instant::now();
         let big = |id| {
             let ev = OutboxEvent::for_test(id, "orders", &"b".repeat(5000));
-            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(false)
+            LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None).ending_chunk(false)
         };
         let small = |id, end| {
             let ev = OutboxEvent::for_test(id, "orders", "small");
-            LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None).ending_chunk(end)
+            LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None).ending_chunk(end)
         };
         tx.send(big(1)).await.unwrap();
         for id in 2..=4 {
@@ -925,19 +926,19 @@ mod tests {
         use crate::policy::dead::DeadCode;
         let p = MemoryPublisher::new();
         let (store, with_s3) = memory_s3(Q, false, Duration::from_secs(30));
-        let without_s3 = QueueInfo::new("http://memory.invalid/plain", false, 1000);
+        let without_s3 = Target::queue("http://memory.invalid/plain", false, 1000);
         for (queue, expected) in [(with_s3, None), (without_s3, Some(DeadCode::TooLarge))] {
-            p.add_queue(&queue.url, false, 1000);
+            p.add_queue(&queue.address, false, 1000);
             let mut cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
-            cfg.queue = queue.clone();
+            cfg.target = queue.clone();
             let (tx, rx) = mpsc::channel(16);
             let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
             let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
             // Judged for 1,000 bytes; the queue takes 600 by the time it is sent.
             let ev = OutboxEvent::for_test(1, "orders", &"b".repeat(800));
-            let entry = prepare(Arc::new(ev), &queue).unwrap();
+            let entry = queue.prepare(Arc::new(ev)).unwrap();
             assert!(entry.offload.is_none());
-            p.add_queue(&queue.url, false, 600);
+            p.add_queue(&queue.address, false, 600);
             tx.send(LaneItem::new(entry, None, None)).await.unwrap();
             let s = settle_rx.recv().await.unwrap();
             match expected {
@@ -970,7 +971,7 @@ mod tests {
 
     /// A queue of 1,000 bytes whose larger bodies go through a memory store,
     /// its writes' deadline derived from `stall_timeout`.
-    fn memory_s3(url: &str, fifo: bool, stall_timeout: Duration) -> (Arc<MemoryStore>, QueueInfo) {
+    fn memory_s3(url: &str, fifo: bool, stall_timeout: Duration) -> (Arc<MemoryStore>, Target) {
         let store = Arc::new(MemoryStore::default());
         let target = Arc::new(OffloadTarget {
             store: Arc::clone(&store) as _,
@@ -980,13 +981,13 @@ mod tests {
             max_body: 32 << 20,
             stall_timeout,
         });
-        let mut queue = QueueInfo::new(url, fifo, 1000);
+        let mut queue = Target::queue(url, fifo, 1000);
         queue.offload = Some(target);
         (store, queue)
     }
 
     /// [`memory_s3`] with the store down, to be brought up with `store.down`.
-    fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, QueueInfo) {
+    fn down_s3(url: &str, fifo: bool) -> (Arc<MemoryStore>, Target) {
         let (store, queue) = memory_s3(url, fifo, Duration::from_secs(30));
         store.down.store(true, std::sync::atomic::Ordering::Release);
         (store, queue)
@@ -1002,14 +1003,14 @@ mod tests {
         p.add_queue(F, true, 1 << 20);
         let (store, queue) = down_s3(F, true);
         let mut cfg = streaming_lane(2, Duration::from_millis(20), Duration::from_millis(20));
-        cfg.queue = queue.clone();
+        cfg.target = queue.clone();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
         for (id, group, body) in [(1, "a", "b".repeat(5000)), (2, "a", "small".into()), (3, "b", "small".into())] {
             let mut ev = OutboxEvent::for_test(id, "orders", &body);
             ev.group_key = Some(group.into());
-            tx.send(LaneItem::new(prepare(Arc::new(ev), &queue).unwrap(), None, None)).await.unwrap();
+            tx.send(LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None)).await.unwrap();
         }
         let first = settle_rx.recv().await.unwrap();
         assert_eq!(first.id(), 3, "the other group goes on");
@@ -1024,10 +1025,10 @@ mod tests {
     }
 
     /// A FIFO entry of group `g`, `n` bytes of body.
-    fn fifo_item(id: i64, g: &str, queue: &QueueInfo) -> LaneItem {
+    fn fifo_item(id: i64, g: &str, queue: &Target) -> LaneItem {
         let mut ev = OutboxEvent::for_test(id, "orders", &format!("body {id}"));
         ev.group_key = Some(g.into());
-        LaneItem::new(prepare(Arc::new(ev), queue).unwrap(), None, None)
+        LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None)
     }
 
     /// A FIFO lane told to spool while a group's entry is in flight keeps
@@ -1039,11 +1040,11 @@ mod tests {
         const F: &str = "http://memory.invalid/orders.fifo";
         let p = MemoryPublisher::new();
         p.add_queue(F, true, 1 << 20);
-        let queue = QueueInfo::new(F, true, 1 << 20);
+        let queue = Target::queue(F, true, 1 << 20);
         let metrics = Metrics::new();
         let state = LaneState::new("orders", true, Arc::clone(&metrics));
         let mut cfg = streaming_lane(1, Duration::from_millis(10), Duration::from_millis(100));
-        cfg.queue = queue.clone();
+        cfg.target = queue.clone();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         p.close_gate();
@@ -1075,10 +1076,10 @@ mod tests {
         const F: &str = "http://memory.invalid/orders.fifo";
         let p = MemoryPublisher::new();
         p.add_queue(F, true, 1 << 20);
-        let queue = QueueInfo::new(F, true, 1 << 20);
+        let queue = Target::queue(F, true, 1 << 20);
         p.push_fault(crate::publish::memory::Fault::FailCall(crate::publish::CallError::transport("reset")));
         let mut cfg = streaming_lane(1, Duration::from_secs(5), Duration::from_secs(10));
-        cfg.queue = queue.clone();
+        cfg.target = queue.clone();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));

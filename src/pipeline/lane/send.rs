@@ -1,6 +1,7 @@
-//! Sending a batch until every entry is settled: one `SendMessageBatch` at a
-//! time, its result reconciled entry by entry ([`reconcile`], pure), the
-//! entries SQS may still take retried alone after a backoff (the stream) or
+//! Sending a batch until every entry is settled: one call at a time (an SQS
+//! queue's `SendMessageBatch`), its result reconciled entry by entry
+//! ([`reconcile`], pure, by what the destination's kind says its service's
+//! answers mean), the entries the service may still take retried alone after a backoff (the stream) or
 //! deferred to the table (the table path).
 
 use std::sync::Arc;
@@ -13,9 +14,10 @@ use super::{defer, ordering_groups, settle, spooling, Ctx, Flow, LaneItem, Retry
 use crate::metrics::Service;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::concurrency::Signal;
-use crate::policy::dead::{DeadCode, DeadReason};
-use crate::policy::retry::{backoff, classify_call, classify_entry, Remedy};
-use crate::publish::entry::{prepare, Entry, TRACEPARENT};
+use crate::policy::dead::DeadReason;
+use crate::policy::retry::{backoff, classify_call, classify_entry, Failure, Remedy};
+use crate::publish::entry::{Entry, TRACEPARENT};
+use crate::publish::kind::Target;
 use crate::publish::limit::BatchSlot;
 use crate::publish::{reread_limit, CallError, EntryResult};
 
@@ -24,7 +26,7 @@ use crate::publish::{reread_limit, CallError, EntryResult};
 pub enum Verdict {
     Published,
     Dead(DeadReason),
-    /// SQS may take it later; the text is the error, for `last_error`.
+    /// The service may take it later; the text is the error, for `last_error`.
     Retry(String),
     /// Refused as longer than the queue takes ([`Remedy::Reread`]).
     TooLong(String),
@@ -39,41 +41,38 @@ pub enum CallOutcome {
     Split,
 }
 
-/// Reconcile a `SendMessageBatch` result of `n` entries: successful entries
-/// are published (never resent), failed ones retried or DEAD as the retry
-/// policy classifies them; a failed call retries, splits or kills them all.
-pub fn reconcile(result: &Result<Vec<EntryResult>, CallError>, n: usize) -> CallOutcome {
+/// Reconcile a batch's result of `n` entries sent to `target`: successful
+/// entries are published (never resent), failed ones retried or DEAD as the
+/// retry policy classifies what `target`'s kind says they mean; a failed
+/// call retries, splits or kills them all.
+pub fn reconcile(target: &Target, result: &Result<Vec<EntryResult>, CallError>, n: usize) -> CallOutcome {
     match result {
-        Ok(results) => CallOutcome::Entries(
-            results
-                .iter()
-                .map(|r| match r {
-                    EntryResult::Sent => Verdict::Published,
-                    EntryResult::Failed { code, sender_fault, message } => {
-                        match classify_entry(code, *sender_fault, message) {
-                            Remedy::Dead => {
-                                Verdict::Dead(DeadReason::new(DeadCode::SqsRejected, format!("{code}: {message}")))
-                            }
-                            Remedy::Reread => Verdict::TooLong(format!("{code}: {message}")),
-                            Remedy::Retry | Remedy::Split => Verdict::Retry(format!("{code}: {message}")),
-                        }
-                    }
-                })
-                .collect(),
-        ),
-        Err(e) => match classify_call(&e.code, e.sender_fault, &e.message, n) {
+        Ok(results) => CallOutcome::Entries(results.iter().map(|r| verdict(target, r)).collect()),
+        Err(e) => match classify_call(target.failure(&e.code, e.sender_fault, &e.message), n) {
             Remedy::Retry => CallOutcome::Entries(vec![Verdict::Retry(e.to_string()); n]),
             Remedy::Split => CallOutcome::Split,
             Remedy::Reread => CallOutcome::Entries(vec![Verdict::TooLong(e.to_string()); n]),
-            Remedy::Dead => CallOutcome::Entries(vec![
-                Verdict::Dead(DeadReason::new(
-                    DeadCode::SqsRejected,
-                    format!("{}: {}", e.code, e.message)
-                ));
-                n
-            ]),
+            Remedy::Dead => CallOutcome::Entries(vec![Verdict::Dead(target.rejected(e.to_string())); n]),
         },
     }
+}
+
+/// One entry's verdict.
+fn verdict(target: &Target, r: &EntryResult) -> Verdict {
+    let EntryResult::Failed { code, sender_fault, message } = r else { return Verdict::Published };
+    let error = format!("{code}: {message}");
+    match classify_entry(target.failure(code, *sender_fault, message)) {
+        Remedy::Dead => Verdict::Dead(target.rejected(error)),
+        Remedy::Reread => Verdict::TooLong(error),
+        Remedy::Retry | Remedy::Split => Verdict::Retry(error),
+    }
+}
+
+/// What a failed entry means, if it may be retried.
+fn retryable(target: &Target, r: &EntryResult) -> Option<Failure> {
+    let EntryResult::Failed { code, sender_fault, message } = r else { return None };
+    let failure = target.failure(code, *sender_fault, message);
+    (classify_entry(failure) == Remedy::Retry && !s3_failure(code)).then_some(failure)
 }
 
 /// Send `batch` until every entry is published, DEAD or deferred (or, the
@@ -127,7 +126,7 @@ const S3_FAILING: &str = "S3 failing for this destination: its body is written f
 /// entries; a FIFO lane keeps the group in memory behind its entry, and
 /// spools if it must). The table path hands every failure back anyway.
 fn s3_to_table(ctx: &Ctx) -> bool {
-    ctx.cfg.retry == RetryPolicy::InMemory && !ctx.cfg.queue.fifo
+    ctx.cfg.retry == RetryPolicy::InMemory && !ctx.cfg.target.fifo
 }
 
 /// Whether `err` (an entry's last error) is a failed write to S3.
@@ -212,32 +211,33 @@ async fn send_retrying(
     unsent
 }
 
-/// Entries SQS refused as longer than the queue takes ([`Remedy::Reread`]):
-/// the queue's `MaximumMessageSize` is read again, and holds from then on
-/// for every copy of the queue's description (the router's, every lane's).
-/// An entry over the limit read is prepared anew for it (through S3, or
-/// DEAD `too_large`) and retried; one within it was refused for a reason
-/// the relay cannot tell: DEAD `sqs_rejected`. The read failing, they are
+/// Entries refused as longer than the destination takes ([`Remedy::Reread`]):
+/// its `MaximumMessageSize` is read again, and holds from then on for every
+/// copy of the destination's description (the router's, every lane's). An
+/// entry over the limit read is prepared anew for it (through S3, or DEAD
+/// `too_large`) and retried; one within it was refused for a reason the
+/// relay cannot tell: DEAD as its kind's refusal (`sqs_rejected`). The read failing, they are
 /// retried (and read again if refused again).
 async fn judge_anew(ctx: &Ctx, refused: Vec<(LaneItem, String)>) -> Vec<(LaneItem, String)> {
     if refused.is_empty() {
         return refused;
     }
-    let queue = &ctx.cfg.queue;
-    let limit = match reread_limit(ctx.publisher.as_ref(), &ctx.cfg.name, queue).await {
+    let target = &ctx.cfg.target;
+    let limit = match reread_limit(ctx.publisher.as_ref(), &ctx.cfg.name, target).await {
         Ok(limit) => limit,
         Err(why) => {
-            let again = |(i, e): (LaneItem, String)| (i, format!("{e}; reading the queue's limit again: {why}"));
+            let again =
+                |(i, e): (LaneItem, String)| (i, format!("{e}; reading the {}'s limit again: {why}", target.kind));
             return refused.into_iter().map(again).collect();
         }
     };
     let mut retry = Vec::new();
     for (mut item, err) in refused {
         if item.entry.size <= limit {
-            settle(ctx, item, Outcome::Dead(DeadReason::new(DeadCode::SqsRejected, err)));
+            settle(ctx, item, Outcome::Dead(target.rejected(err)));
             continue;
         }
-        match prepare(Arc::clone(&item.entry.event), queue) {
+        match target.prepare(Arc::clone(&item.entry.event)) {
             Ok(entry) => {
                 item.entry = Entry { delay_seconds: item.entry.delay_seconds, ..entry };
                 retry.push((item, err));
@@ -293,31 +293,25 @@ async fn send_with_objects(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResu
     Ok(blocked.iter().map(|b| if *b { failed() } else { sent.next().unwrap_or_else(failed) }).collect())
 }
 
-/// One `SendMessageBatch`, its failure or success noted for the
-/// destination's health (`status`, `/status`): failures SQS may recover
-/// from, not entries it refuses for good.
+/// One call, its failure or success noted for the destination's health
+/// (`status`, `/status`): failures the service may recover from, not
+/// entries it refuses for good.
 async fn send_batch(ctx: &Ctx, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
-    let result = ctx.publisher.send_batch(&ctx.cfg.queue.url, entries).await;
-    let name = &*ctx.cfg.name;
+    let target = &ctx.cfg.target;
+    let result = ctx.publisher.send_batch(target, entries).await;
+    let (name, service) = (&*ctx.cfg.name, target.rules().service());
     match &result {
-        Ok(results) if results.iter().any(|r| matches!(r, EntryResult::Sent)) => {
-            ctx.metrics.succeeded(name, Service::Sqs)
-        }
+        Ok(results) if results.iter().any(|r| matches!(r, EntryResult::Sent)) => ctx.metrics.succeeded(name, service),
         Ok(results) => {
-            let passing = results.iter().find_map(|r| match r {
-                EntryResult::Failed { code, sender_fault, message }
-                    if classify_entry(code, *sender_fault, message) == Remedy::Retry =>
-                {
-                    Some(format!("{code}: {message}"))
-                }
-                _ => None,
-            });
-            if let Some(e) = passing {
-                ctx.metrics.failed(name, Service::Sqs, &e);
+            let passing = results.iter().find(|r| retryable(target, r).is_some());
+            if let Some(EntryResult::Failed { code, message, .. }) = passing {
+                ctx.metrics.failed(name, service, &format!("{code}: {message}"));
             }
         }
-        Err(e) if classify_call(&e.code, e.sender_fault, &e.message, entries.len()) == Remedy::Retry => {
-            ctx.metrics.failed(name, Service::Sqs, &e.to_string())
+        Err(e)
+            if classify_call(target.failure(&e.code, e.sender_fault, &e.message), entries.len()) == Remedy::Retry =>
+        {
+            ctx.metrics.failed(name, service, &e.to_string())
         }
         Err(_) => {}
     }
@@ -340,7 +334,7 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
     }
     let ticket = ctx.call_starts();
     let result = send_with_objects(ctx, &entries).instrument(span).await;
-    ctx.call_ended(ticket, signal(&result, started.elapsed()));
+    ctx.call_ended(ticket, signal(&ctx.cfg.target, &result, started.elapsed()));
     ctx.metrics.publish_seconds.with_label_values(&[name]).observe(started.elapsed().as_secs_f64());
     match &result {
         Ok(results) => {
@@ -354,35 +348,23 @@ async fn send_once(ctx: &Ctx, todo: &[LaneItem], attempt: u32) -> CallOutcome {
         Err(e) => {
             ctx.metrics.sqs_entry_failures.with_label_values(&[name, e.code.as_str()]).inc();
             if ctx.cfg.retry == RetryPolicy::InMemory && ctx.warn_due() {
-                tracing::warn!(destination = %name, error = %e, attempt, "SendMessageBatch failed");
+                tracing::warn!(destination = %name, error = %e, attempt, call = ctx.cfg.target.rules().call_name(), "the call failed");
             } else {
-                tracing::debug!(destination = %name, error = %e, attempt, "SendMessageBatch failed");
+                tracing::debug!(destination = %name, error = %e, attempt, call = ctx.cfg.target.rules().call_name(), "the call failed");
             }
         }
     }
-    reconcile(&result, todo.len())
+    reconcile(&ctx.cfg.target, &result, todo.len())
 }
 
 /// What a call's result says about the far end, for the lane's limit.
-fn signal(result: &Result<Vec<EntryResult>, CallError>, rtt: std::time::Duration) -> Signal {
+fn signal(target: &Target, result: &Result<Vec<EntryResult>, CallError>, rtt: std::time::Duration) -> Signal {
     match result {
         // Nothing was sent: every entry waited on an object not written.
         Err(e) if s3_failure(&e.code) => Signal::Silent,
-        Err(e) => Signal::of(Err::<[&str; 0], _>(e.code.as_str()), rtt),
-        // Entries failed on S3 say nothing of the queue.
-        Ok(results) => Signal::of(Ok(results.iter().filter_map(retryable_code).filter(|c| !s3_failure(c))), rtt),
-    }
-}
-
-/// The code of an entry that failed and may be retried.
-fn retryable_code(r: &EntryResult) -> Option<&str> {
-    match r {
-        EntryResult::Failed { code, sender_fault, message }
-            if classify_entry(code, *sender_fault, message) == Remedy::Retry =>
-        {
-            Some(code.as_str())
-        }
-        _ => None,
+        Err(e) => Signal::of(Err::<[Failure; 0], _>(target.failure(&e.code, e.sender_fault, &e.message)), rtt),
+        // Entries failed on S3 say nothing of the destination.
+        Ok(results) => Signal::of(Ok(results.iter().filter_map(|r| retryable(target, r))), rtt),
     }
 }
 
@@ -441,6 +423,10 @@ async fn wait_to_retry(ctx: &Ctx, spool: &mut Option<watch::Receiver<Flow>>, att
 mod tests {
     use super::*;
 
+    fn queue() -> Target {
+        Target::queue("http://q", false, 1 << 20)
+    }
+
     fn failed(code: &str, sender_fault: bool) -> EntryResult {
         EntryResult::Failed { code: code.into(), sender_fault, message: "m".into() }
     }
@@ -448,10 +434,10 @@ mod tests {
     #[test]
     fn entries_are_reconciled_one_by_one() {
         let r = Ok(vec![EntryResult::Sent, failed("InvalidMessageContents", true), failed("InternalError", false)]);
-        let CallOutcome::Entries(v) = reconcile(&r, 3) else { panic!("entries") };
+        let CallOutcome::Entries(v) = reconcile(&queue(), &r, 3) else { panic!("entries") };
         assert_eq!(v[0], Verdict::Published);
         assert!(
-            matches!(&v[1], Verdict::Dead(d) if d.code == DeadCode::SqsRejected && d.detail == "InvalidMessageContents: m")
+            matches!(&v[1], Verdict::Dead(d) if d.code == crate::policy::dead::DeadCode::SqsRejected && d.detail == "InvalidMessageContents: m")
         );
         assert_eq!(v[2], Verdict::Retry("InternalError: m".into()));
     }
@@ -460,11 +446,11 @@ mod tests {
     fn a_failed_call_retries_splits_or_kills() {
         let e = |code: &str, sf| Err(CallError { code: code.into(), message: "m".into(), sender_fault: sf });
         assert_eq!(
-            reconcile(&e("transport", false), 2),
+            reconcile(&queue(), &e("transport", false), 2),
             CallOutcome::Entries(vec![Verdict::Retry("transport: m".into()); 2])
         );
-        assert_eq!(reconcile(&e("BatchRequestTooLong", true), 2), CallOutcome::Split);
-        let CallOutcome::Entries(v) = reconcile(&e("InvalidParameterValue", true), 1) else { panic!() };
+        assert_eq!(reconcile(&queue(), &e("BatchRequestTooLong", true), 2), CallOutcome::Split);
+        let CallOutcome::Entries(v) = reconcile(&queue(), &e("InvalidParameterValue", true), 1) else { panic!() };
         assert!(matches!(&v[0], Verdict::Dead(d) if d.detail == "InvalidParameterValue: m"));
     }
 }

@@ -1,10 +1,10 @@
-//! The SQS entry made from an outbox row. Every rule SQS would enforce is
-//! checked here, before any send, so a row SQS would refuse becomes DEAD
-//! with its reason instead of failing a whole batch: the attributes
+//! The entry made from an outbox row: what a batch holds, for every kind of
+//! destination. A message's rules (an SQS queue's, an SNS topic's) are
+//! here, checked before any send, so a row the service would refuse becomes
+//! DEAD with its reason instead of failing a whole batch: the attributes
 //! ([`attributes`]), the deduplication and group ids ([`ids`]), the trace
-//! header ([`trace`]), the size and the S3 pointer ([`prepare`]).
+//! header ([`trace`]), the size and the S3 pointer ([`prepare_message`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::event::OutboxEvent;
@@ -21,50 +21,6 @@ pub use attributes::{
 pub use ids::dedup_id;
 use ids::is_sqs_token;
 pub use trace::{trace_context, xray_trace_header, Traceparent, TRACEPARENT, TRACESTATE};
-
-/// What SQS needs to know about a queue to batch for it.
-#[derive(Debug, Clone)]
-pub struct QueueInfo {
-    pub url: String,
-    pub fifo: bool,
-    /// `MaximumMessageSize`, bytes (body plus attributes), shared by every
-    /// copy of this description: read again ([`QueueInfo::resize`]), the
-    /// router and every lane of the queue judge by the new one.
-    max_message_size: Arc<AtomicUsize>,
-    /// A standard queue gets the row's `group_key` as `MessageGroupId`
-    /// (SQS fair queues: one busy tenant does not delay the others); from
-    /// the `fair_queues` setting, on unless configured off.
-    pub fair: bool,
-    /// Bodies over the threshold go through S3 (none: they are DEAD,
-    /// `too_large`).
-    pub offload: Option<Arc<OffloadTarget>>,
-}
-
-impl QueueInfo {
-    /// A queue as SQS describes it, fair-queue groups on, no S3.
-    pub fn new(url: impl Into<String>, fifo: bool, max_message_size: usize) -> QueueInfo {
-        let max_message_size = Arc::new(AtomicUsize::new(max_message_size));
-        QueueInfo { url: url.into(), fifo, max_message_size, fair: true, offload: None }
-    }
-
-    /// `MaximumMessageSize`, as last read.
-    pub fn max_message_size(&self) -> usize {
-        self.max_message_size.load(Ordering::Relaxed)
-    }
-
-    /// The queue's `MaximumMessageSize` read again, for this description and
-    /// every copy of it.
-    pub fn resize(&self, max_message_size: usize) {
-        self.max_message_size.store(max_message_size, Ordering::Relaxed);
-    }
-}
-
-impl PartialEq for QueueInfo {
-    fn eq(&self, other: &QueueInfo) -> bool {
-        (&self.url, self.fifo, self.max_message_size(), self.fair, &self.offload)
-            == (&other.url, other.fifo, other.max_message_size(), other.fair, &other.offload)
-    }
-}
 
 /// An event validated for its queue: ready to go into a batch.
 #[derive(Debug, Clone)]
@@ -102,10 +58,29 @@ impl Entry {
     }
 }
 
+/// What a message's rules need to know of its destination (a queue, or a
+/// topic: their messages are made alike).
+#[derive(Debug, Clone, Copy)]
+pub struct MessageRules<'a> {
+    /// The service and what it calls the destination, for the reasons
+    /// (`SQS`, `queue`).
+    pub service: &'static str,
+    pub noun: &'static str,
+    /// FIFO: a group key and a deduplication id per message.
+    pub fifo: bool,
+    /// Without order: the group key as a fair-queue tenant.
+    pub fair: bool,
+    /// Body plus attributes, bytes.
+    pub max_message_size: usize,
+    /// Bodies over the threshold go through S3.
+    pub offload: Option<&'a Arc<OffloadTarget>>,
+}
+
 /// Validate `event` for `queue` and build its entry, or say why it is DEAD.
-pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, DeadReason> {
+pub fn prepare_message(event: Arc<OutboxEvent>, queue: &MessageRules) -> Result<Entry, DeadReason> {
+    let service = queue.service;
     if event.body.is_empty() {
-        return Err(DeadReason::new(DeadCode::EmptyBody, "SQS refuses an empty message body"));
+        return Err(DeadReason::new(DeadCode::EmptyBody, format!("{service} refuses an empty message body")));
     }
     let mut attributes = match &event.attributes {
         Some(json) => parse_attributes(json)?,
@@ -132,14 +107,14 @@ pub fn prepare(event: Arc<OutboxEvent>, queue: &QueueInfo) -> Result<Entry, Dead
 /// when the body has a character SQS refuses or the message is too large.
 fn sized(
     event: &OutboxEvent,
-    queue: &QueueInfo,
+    queue: &MessageRules,
     attributes: &mut Vec<Attribute>,
 ) -> Result<(usize, Option<Arc<Offload>>), DeadReason> {
     let attributes_size =
         |a: &[Attribute]| a.iter().map(|a| a.name.len() + a.data_type.len() + a.value.len()).sum::<usize>();
     let inline = event.body.len() + attributes_size(attributes);
-    let offload = match &queue.offload {
-        Some(t) if t.threshold.offloads(inline, queue.max_message_size()) => Some(offload(event, t, attributes)?),
+    let offload = match queue.offload {
+        Some(t) if t.threshold.offloads(inline, queue.max_message_size) => Some(offload(event, t, attributes)?),
         _ => None,
     };
     let size = match &offload {
@@ -150,16 +125,16 @@ fn sized(
     if let Some((i, c)) = offload.is_none().then(|| first_invalid_char(&event.body)).flatten() {
         return Err(DeadReason::new(
             DeadCode::InvalidCharacters,
-            format!("body has character U+{:04X} at byte {i}, which SQS refuses", c as u32),
+            format!("body has character U+{:04X} at byte {i}, which {} refuses", c as u32, queue.service),
         ));
     }
-    if size > queue.max_message_size() {
+    if size > queue.max_message_size {
         let through = if queue.offload.is_some() { " (its S3 pointer and attributes)" } else { "" };
         return Err(DeadReason::new(
             DeadCode::TooLarge,
             format!(
-                "message{through} is {size} bytes with its attributes; the queue allows {}",
-                queue.max_message_size()
+                "message{through} is {size} bytes with its attributes; the {} allows {}",
+                queue.noun, queue.max_message_size
             ),
         ));
     }
@@ -169,7 +144,7 @@ fn sized(
 /// `MessageGroupId` and `MessageDeduplicationId`: a FIFO queue needs the
 /// row's group key (DEAD without a valid one) and dedups by event id; a
 /// standard queue takes the group key for fair queues, if SQS accepts it.
-fn group_and_dedup(event: &OutboxEvent, queue: &QueueInfo) -> Result<(Option<String>, Option<String>), DeadReason> {
+fn group_and_dedup(event: &OutboxEvent, queue: &MessageRules) -> Result<(Option<String>, Option<String>), DeadReason> {
     if !queue.fifo {
         // Fair queues: a group key SQS would refuse is left out (the
         // message is still delivered; fairness is per group only).
@@ -178,7 +153,7 @@ fn group_and_dedup(event: &OutboxEvent, queue: &QueueInfo) -> Result<(Option<Str
     match &event.group_key {
         None => Err(DeadReason::new(
             DeadCode::FifoWithoutGroup,
-            "the destination is a FIFO queue and the row has no group_key",
+            format!("the destination is a FIFO {} and the row has no group_key", queue.noun),
         )),
         Some(g) if !is_sqs_token(g) => Err(DeadReason::new(
             DeadCode::InvalidGroupKey,
@@ -224,14 +199,19 @@ fn offload(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::kind::Target;
     use crate::publish::offload::RESERVED_ATTRIBUTES;
 
     pub(crate) fn ev(id: i64, body: &str) -> Arc<OutboxEvent> {
         Arc::new(OutboxEvent { event_id: format!("e:{id}:0"), ..OutboxEvent::for_test(id, "orders", body) })
     }
 
-    fn q(fifo: bool, max: usize) -> QueueInfo {
-        QueueInfo::new("http://q", fifo, max)
+    fn q(fifo: bool, max: usize) -> Target {
+        Target::queue("http://q", fifo, max)
+    }
+
+    fn prepare(ev: Arc<OutboxEvent>, queue: &Target) -> Result<Entry, DeadReason> {
+        queue.prepare(ev)
     }
 
     #[test]
@@ -349,7 +329,8 @@ mod tests {
         let entry = prepare(Arc::new(e.clone()), &q(false, 1 << 20)).unwrap();
         assert_eq!((entry.group_id.as_deref(), entry.dedup_id.as_deref()), (Some("tenant-7"), None));
         assert_eq!(entry.ordering_group(), None, "fair-queue groups impose no order");
-        let off = QueueInfo { fair: false, ..q(false, 1 << 20) };
+        let mut off = q(false, 1 << 20);
+        off.fair = false;
         assert_eq!(prepare(Arc::new(e.clone()), &off).unwrap().group_id, None);
         e.group_key = Some("has space".into());
         let entry = prepare(Arc::new(e), &q(false, 1 << 20)).unwrap();
@@ -369,7 +350,7 @@ mod tests {
         assert_eq!(prepare(Arc::new(e), &q(true, 1000)).unwrap_err().code, DeadCode::InvalidGroupKey);
     }
 
-    fn through_s3(threshold: crate::publish::offload::Threshold, max_body: usize) -> QueueInfo {
+    fn through_s3(threshold: crate::publish::offload::Threshold, max_body: usize) -> Target {
         use crate::publish::offload::{MemoryStore, OffloadTarget};
         let target = OffloadTarget {
             store: Arc::new(MemoryStore::default()),
@@ -379,7 +360,9 @@ mod tests {
             max_body,
             stall_timeout: std::time::Duration::from_secs(30),
         };
-        QueueInfo { offload: Some(Arc::new(target)), ..q(false, 1000) }
+        let mut queue = q(false, 1000);
+        queue.offload = Some(Arc::new(target));
+        queue
     }
 
     #[test]

@@ -1,0 +1,201 @@
+//! A kind of destination: what its service enforces and how it answers.
+//! Each kind implements [`Rules`] once (SQS queues: [`queue::SqsQueue`]);
+//! the lanes, settlement, routing and spooling ask the destination's
+//! [`Target`] (a destination as its service describes it) and never name a
+//! service.
+//!
+//! What a kind decides:
+//! - the entry made from a row, or why the row is DEAD ([`Rules::prepare`]);
+//! - the batch it takes ([`Rules::batch_limits`]);
+//! - what its service's error codes mean ([`Rules::failure`]), in the
+//!   relay's words ([`Failure`]); what is then done about them is
+//!   [`crate::policy::retry`]'s, the same for every kind;
+//! - the DEAD codes of a refused entry and of a destination that does not
+//!   exist.
+//!
+//! The network call itself is the [`Publisher`](crate::publish::Publisher)'s.
+
+pub mod queue;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::event::OutboxEvent;
+use crate::metrics::Service;
+use crate::policy::dead::{DeadCode, DeadReason};
+pub use crate::policy::retry::Failure;
+use crate::publish::entry::Entry;
+use crate::publish::offload::OffloadTarget;
+
+/// The kinds of destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// An Amazon SQS queue, by its URL.
+    Queue,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 1] = [Kind::Queue];
+
+    /// The kind a configured address names: a queue's URL.
+    pub fn of_address(address: &str) -> Result<Kind, String> {
+        if address.starts_with("https://") || address.starts_with("http://") {
+            Ok(Kind::Queue)
+        } else {
+            Err(format!(
+                "{address:?} is not a destination's address: a queue URL must start with https:// \
+                 (or http:// for a local endpoint)"
+            ))
+        }
+    }
+
+    /// Its rules.
+    pub fn rules(self) -> &'static dyn Rules {
+        match self {
+            Kind::Queue => &queue::SqsQueue,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Queue => "queue",
+        }
+    }
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How much one batch may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchLimits {
+    pub entries: usize,
+    /// Bytes of the entries' [`Entry::size`] together.
+    pub bytes: usize,
+}
+
+/// One kind of destination's rules. Implemented once per kind.
+pub trait Rules: Send + Sync + 'static {
+    fn kind(&self) -> Kind;
+
+    /// Validate `event` for `target` and build its entry, or say why it is
+    /// DEAD: every rule the service would enforce is checked here, before
+    /// any send, so a row it would refuse does not fail a whole batch.
+    fn prepare(&self, event: Arc<OutboxEvent>, target: &Target) -> Result<Entry, DeadReason>;
+
+    /// The most one call to `target` takes.
+    fn batch_limits(&self, target: &Target) -> BatchLimits;
+
+    /// What the service's `code` (with whether it blamed the sender, and its
+    /// message) means.
+    fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure;
+
+    /// Whether a row may be sent before its `deliver_at` with the service
+    /// holding it until then (a standard queue's `DelaySeconds`): otherwise
+    /// it is held in the table until due.
+    fn delays(&self, target: &Target) -> bool;
+
+    /// The DEAD code of an entry the service refused for good.
+    fn rejected(&self) -> DeadCode;
+
+    /// The DEAD code of a destination that does not exist.
+    fn missing(&self) -> DeadCode;
+
+    /// The service its calls count against, in `status` and the metrics.
+    fn service(&self) -> Service;
+
+    /// The call a batch is, for logs and spans (`SendMessageBatch`).
+    fn call_name(&self) -> &'static str;
+}
+
+/// What the relay needs to know about a destination to batch for it.
+#[derive(Debug, Clone)]
+pub struct Target {
+    pub kind: Kind,
+    /// A queue's URL.
+    pub address: String,
+    /// Order per group: a FIFO queue.
+    pub fifo: bool,
+    /// `MaximumMessageSize`, bytes (body plus attributes), shared by every
+    /// copy of this description: read again ([`Target::resize`]), the
+    /// router and every lane of the destination judge by the new one.
+    max_message_size: Arc<AtomicUsize>,
+    /// A destination without order gets the row's `group_key` as
+    /// `MessageGroupId` (SQS fair queues: one busy tenant does not delay
+    /// the others); from the `fair_queues` setting, on unless configured off.
+    pub fair: bool,
+    /// Bodies over the threshold go through S3 (none: they are DEAD,
+    /// `too_large`).
+    pub offload: Option<Arc<OffloadTarget>>,
+}
+
+impl Target {
+    /// A destination as its service describes it, fair-queue groups on, no S3.
+    pub fn new(kind: Kind, address: impl Into<String>, fifo: bool, max_message_size: usize) -> Target {
+        let max_message_size = Arc::new(AtomicUsize::new(max_message_size));
+        Target { kind, address: address.into(), fifo, max_message_size, fair: true, offload: None }
+    }
+
+    /// An SQS queue.
+    pub fn queue(url: impl Into<String>, fifo: bool, max_message_size: usize) -> Target {
+        Target::new(Kind::Queue, url, fifo, max_message_size)
+    }
+
+    /// `MaximumMessageSize`, as last read.
+    pub fn max_message_size(&self) -> usize {
+        self.max_message_size.load(Ordering::Relaxed)
+    }
+
+    /// The `MaximumMessageSize` read again, for this description and every
+    /// copy of it.
+    pub fn resize(&self, max_message_size: usize) {
+        self.max_message_size.store(max_message_size, Ordering::Relaxed);
+    }
+
+    /// Its kind's rules.
+    pub fn rules(&self) -> &'static dyn Rules {
+        self.kind.rules()
+    }
+
+    /// `event` as an entry for this destination, or why it is DEAD.
+    pub fn prepare(&self, event: Arc<OutboxEvent>) -> Result<Entry, DeadReason> {
+        self.rules().prepare(event, self)
+    }
+
+    /// The most one call takes.
+    pub fn batch_limits(&self) -> BatchLimits {
+        self.rules().batch_limits(self)
+    }
+
+    /// Whether the service holds a row until its `deliver_at` (else the
+    /// table holds it).
+    pub fn delays(&self) -> bool {
+        self.rules().delays(self)
+    }
+
+    /// What the service's answer means.
+    pub fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
+        self.rules().failure(code, sender_fault, message)
+    }
+
+    /// The DEAD reason of an entry the service refused for good.
+    pub fn rejected(&self, error: String) -> DeadReason {
+        DeadReason::new(self.rules().rejected(), error)
+    }
+
+    /// The DEAD code of a destination that does not exist.
+    pub fn missing(&self) -> DeadCode {
+        self.rules().missing()
+    }
+}
+
+impl PartialEq for Target {
+    fn eq(&self, other: &Target) -> bool {
+        (self.kind, &self.address, self.fifo, self.max_message_size(), self.fair, &self.offload)
+            == (other.kind, &other.address, other.fifo, other.max_message_size(), other.fair, &other.offload)
+    }
+}
