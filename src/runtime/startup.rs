@@ -116,7 +116,8 @@ async fn start_up(
             Kind::of_address(address).map_err(|why| RelayError::Startup(format!("destination {name:?}: {why}")))?;
         let info = publisher.describe(kind, address).await.map_err(|e| {
             RelayError::Startup(format!(
-                "destination {name:?}: {kind} {address} did not answer ({e}); check its address, the region/endpoint and the credentials"
+                "destination {name:?}: {kind} {address} did not answer {} ({e}); check its address, the region/endpoint and the credentials",
+                kind.rules().describe_name()
             ))
         })?;
         let info = prepare(name, info);

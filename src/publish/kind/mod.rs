@@ -110,6 +110,10 @@ pub trait Rules: Send + Sync + 'static {
 
     /// The call a batch is, for logs and spans (`SendMessageBatch`).
     fn call_name(&self) -> &'static str;
+
+    /// The call that describes a destination, for errors
+    /// (`GetQueueAttributes`).
+    fn describe_name(&self) -> &'static str;
 }
 
 /// What the relay needs to know about a destination to batch for it.

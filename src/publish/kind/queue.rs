@@ -63,6 +63,10 @@ impl Rules for SqsQueue {
     fn call_name(&self) -> &'static str {
         "SendMessageBatch"
     }
+
+    fn describe_name(&self) -> &'static str {
+        "GetQueueAttributes"
+    }
 }
 
 /// Codes that mean "slow down" even when SQS marks them as the sender's fault.
