@@ -26,10 +26,10 @@ use async_trait::async_trait;
 use clap::Parser;
 use hdrhistogram::Histogram;
 use outbox_relay::config::{Mode, PublishedRows};
+use outbox_relay::publish::aws::AwsPublisher;
 use outbox_relay::publish::entry::Entry;
 use outbox_relay::publish::kind::Kind;
 use outbox_relay::publish::kind::Target;
-use outbox_relay::publish::sqs::SqsPublisher;
 use outbox_relay::publish::{CallError, EntryResult, Publisher};
 use serde_json::json;
 use testkit::process::{cpu_and_peak_rss, free_addr, postgres_cpu, scrape, series, RelayConfig};
@@ -181,7 +181,7 @@ impl Publisher for NullPublisher {
 /// (CDC: the Begin message's commit timestamp; polling: created_at, the
 /// start of the row's one-statement transaction).
 struct Timed {
-    inner: SqsPublisher,
+    inner: AwsPublisher,
     hist: Mutex<Histogram<u64>>,
     calls: AtomicU64,
 }
@@ -208,7 +208,7 @@ impl Publisher for Timed {
 /// SQS, clocking the first call's start and the last call's end: the
 /// relay's sending time without its start-up (slot, queue lookups).
 struct Clocked {
-    inner: SqsPublisher,
+    inner: AwsPublisher,
     /// Microseconds since the Unix epoch; 0 until the first call.
     first_us: AtomicU64,
     last_us: AtomicU64,
@@ -216,7 +216,7 @@ struct Clocked {
 }
 
 impl Clocked {
-    fn new(sqs: &SqsPublisher) -> Arc<Clocked> {
+    fn new(sqs: &AwsPublisher) -> Arc<Clocked> {
         let zero = || AtomicU64::new(0);
         Arc::new(Clocked { inner: sqs.clone(), first_us: zero(), last_us: zero(), calls: zero() })
     }
@@ -239,7 +239,7 @@ impl Publisher for Clocked {
 // ---------------------------------------------------------------------------
 // Load.
 
-async fn create_queues(sqs: &SqsPublisher, n: usize) -> Vec<(String, String)> {
+async fn create_queues(sqs: &AwsPublisher, n: usize) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for i in 0..n {
         out.push((format!("d{i}"), create_queue(sqs, &format!("bench{i}"), false, None).await));
@@ -247,9 +247,9 @@ async fn create_queues(sqs: &SqsPublisher, n: usize) -> Vec<(String, String)> {
     out
 }
 
-async fn delete_queues(sqs: &SqsPublisher, queues: &[(String, String)]) {
+async fn delete_queues(sqs: &AwsPublisher, queues: &[(String, String)]) {
     for (_, url) in queues {
-        let _ = sqs.client().delete_queue().queue_url(url).send().await;
+        let _ = sqs.sqs().delete_queue().queue_url(url).send().await;
     }
 }
 
@@ -496,8 +496,8 @@ async fn routing_drains(a: &Args, n: usize, destinations: usize, rounds: usize) 
                 if templated {
                     cfg.destinations.clear();
                     let t = format!("{NULL_QUEUES}{{destination}}");
-                    cfg.queue_url_template =
-                        Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(&t, "r").unwrap());
+                    cfg.destination_template =
+                        Some(outbox_relay::publish::template::AddressTemplate::new(&t, "r").unwrap());
                 }
             })
             .await;
@@ -694,7 +694,7 @@ fn decode_cpu_json(d: &Decode) -> serde_json::Value {
 
 /// At each rate: the raw client's floor, CDC and polling, then the fixed
 /// 5 ms linger of before side by side (latency and calls).
-async fn latency_runs(a: &Args, sqs: &SqsPublisher, rates: &[u64], secs: u64) -> Vec<Latency> {
+async fn latency_runs(a: &Args, sqs: &AwsPublisher, rates: &[u64], secs: u64) -> Vec<Latency> {
     let mut lat = Vec::new();
     for &rate in rates {
         lat.push(steady_raw(a, sqs, rate, secs).await);
@@ -751,11 +751,11 @@ struct SqsCeiling {
 
 /// A SendMessageBatch of `bodies` (at most 10), as the raw client sends it.
 fn raw_batch(
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     url: &str,
     bodies: impl Iterator<Item = String>,
 ) -> aws_sdk_sqs::operation::send_message_batch::builders::SendMessageBatchFluentBuilder {
-    bodies.enumerate().fold(sqs.client().send_message_batch().queue_url(url), |req, (j, body)| {
+    bodies.enumerate().fold(sqs.sqs().send_message_batch().queue_url(url), |req, (j, body)| {
         req.entries(
             aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
                 .id(j.to_string())
@@ -766,7 +766,7 @@ fn raw_batch(
     })
 }
 
-async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, concurrency: usize, size: usize) -> f64 {
+async fn raw_sqs(sqs: &AwsPublisher, queues: &[(String, String)], n: usize, concurrency: usize, size: usize) -> f64 {
     let next = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
     let mut tasks = Vec::new();
@@ -789,7 +789,7 @@ async fn raw_sqs(sqs: &SqsPublisher, queues: &[(String, String)], n: usize, conc
     n as f64 / t.elapsed().as_secs_f64()
 }
 
-async fn sqs_ceiling(a: &Args, sqs: &SqsPublisher, n: usize) -> SqsCeiling {
+async fn sqs_ceiling(a: &Args, sqs: &AwsPublisher, n: usize) -> SqsCeiling {
     // Lanes x 8 batches in flight: these rows keep the fixed 8 of earlier
     // runs (the relay's cap set to it), comparable with them; the hot-queue
     // rows measure the default, adaptive, limit.
@@ -888,7 +888,7 @@ async fn sqs_ceiling_rtt(a: &Args, n: usize, rtt: Duration, lanes: usize) -> Sqs
     let target: std::net::SocketAddr =
         stack().sqs_url.trim_start_matches("http://").trim_end_matches('/').parse().expect("ministack's address");
     let proxy = delay_proxy(target, rtt / 2).await;
-    let far = SqsPublisher::new("us-east-1", Some(&format!("http://{proxy}"))).await;
+    let far = AwsPublisher::new("us-east-1", Some(&format!("http://{proxy}"))).await;
     sqs_ceiling(&Args { destinations: lanes, ..a.clone() }, &far, n).await
 }
 
@@ -965,7 +965,7 @@ async fn write_steadily(a: &Args, db: &TestDb, rate: u64, secs: u64, mut after: 
 /// `urls[(k + i) % urls.len()]`), batches of 10, at most 8 calls in flight;
 /// commit → answer of the rows of ticks from `record_from` on.
 struct RawSender {
-    sqs: SqsPublisher,
+    sqs: AwsPublisher,
     urls: Vec<String>,
     lanes: Vec<Arc<tokio::sync::Semaphore>>,
     hist: Arc<Mutex<Histogram<u64>>>,
@@ -977,7 +977,7 @@ struct RawSender {
 }
 
 impl RawSender {
-    fn new(sqs: &SqsPublisher, urls: Vec<String>, rate: u64, row_size: usize, record_from: i32) -> RawSender {
+    fn new(sqs: &AwsPublisher, urls: Vec<String>, rate: u64, row_size: usize, record_from: i32) -> RawSender {
         RawSender {
             sqs: sqs.clone(),
             lanes: urls.iter().map(|_| Arc::new(tokio::sync::Semaphore::new(8))).collect(),
@@ -1036,7 +1036,7 @@ impl RawSender {
 /// commit to SQS's answer. What is left between it and the relay is the
 /// relay (its reading of the slot, batching and settling), not ministack
 /// or the machine's two cores.
-async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Latency {
+async fn steady_raw(a: &Args, sqs: &AwsPublisher, rate: u64, secs: u64) -> Latency {
     let db = TestDb::new("bench_lat_raw").await;
     let queues = create_queues(sqs, a.destinations).await;
     let mut raw = RawSender::new(sqs, queues.iter().map(|(_, url)| url.clone()).collect(), rate, a.row_size, 0);
@@ -1048,7 +1048,7 @@ async fn steady_raw(a: &Args, sqs: &SqsPublisher, rate: u64, secs: u64) -> Laten
     latency_of("raw SQS client (floor)".into(), rate, achieved, &h, calls, rows, busy)
 }
 
-async fn steady(a: &Args, sqs: &SqsPublisher, mode: Mode, rate: u64, secs: u64, adaptive: bool) -> Latency {
+async fn steady(a: &Args, sqs: &AwsPublisher, mode: Mode, rate: u64, secs: u64, adaptive: bool) -> Latency {
     let db = TestDb::new(&format!("bench_lat_{mode}")).await;
     let queues = create_queues(sqs, a.destinations).await;
     let mut cfg = config(&db, &dests(&queues));
@@ -1092,14 +1092,14 @@ struct Drain {
 }
 
 /// Insert a backlog, start the relay binary, time until every row is published.
-async fn drain(a: &Args, sqs: &SqsPublisher, case: &str, mode: &str, n: usize, d: usize) -> Drain {
+async fn drain(a: &Args, sqs: &AwsPublisher, case: &str, mode: &str, n: usize, d: usize) -> Drain {
     drain_with(a, sqs, case, mode, n, d, &[]).await
 }
 
 /// [`drain`] with extra environment for the relay process.
 async fn drain_with(
     a: &Args,
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     case: &str,
     mode: &str,
     n: usize,
@@ -1159,7 +1159,7 @@ struct LaneDown {
 /// Two lanes; one queue deleted after start-up and never recreated; `n` rows
 /// arrive (half to each lane) while the relay runs. Done when the healthy
 /// lane has published its half and the slot confirmed everything.
-async fn lane_down(a: &Args, sqs: &SqsPublisher, n: usize) -> LaneDown {
+async fn lane_down(a: &Args, sqs: &AwsPublisher, n: usize) -> LaneDown {
     let db = TestDb::new("bench_down").await;
     let queues = create_queues(sqs, 2).await;
     let addr = free_addr();
@@ -1171,7 +1171,7 @@ async fn lane_down(a: &Args, sqs: &SqsPublisher, n: usize) -> LaneDown {
     );
     let relay = cfg.spawn();
     wait_for("slot streaming", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
-    sqs.client().delete_queue().queue_url(&queues[1].1).send().await.unwrap();
+    sqs.sqs().delete_queue().queue_url(&queues[1].1).send().await.unwrap();
     let t = Instant::now();
     let end_lsn = insert_backlog(&db, "x", n, 2, a.txn_size, a.row_size).await;
     let deadline = t + Duration::from_secs(1800);
@@ -1226,7 +1226,7 @@ struct LargeBodies {
 /// the slot far faster than SQS takes 250 KB messages), drained to one
 /// queue with `budget` as `max_unsettled_bytes`: peak RSS and the most
 /// events unsettled at once.
-async fn large_bodies(sqs: &SqsPublisher, n: usize, body: usize, budget: &str) -> LargeBodies {
+async fn large_bodies(sqs: &AwsPublisher, n: usize, body: usize, budget: &str) -> LargeBodies {
     let db = TestDb::new("bench_large").await;
     create_slot(&db, &db.slot).await;
     let queues = create_queues(sqs, 1).await;
@@ -1298,7 +1298,7 @@ async fn insert_bodies(db: &TestDb, destination: &str, tag: &str, n: usize, body
 /// drained through S3 in `mode` with `max_unsettled_bytes = 64MB` and
 /// `s3.max_body_bytes = 32MB`: peak RSS beside the bound
 /// `max_unsettled_bytes + 2 × max_body_bytes + 64 MiB`.
-async fn huge_bodies(sqs: &SqsPublisher, n: usize, body: usize, mode: &str) -> LargeBodies {
+async fn huge_bodies(sqs: &AwsPublisher, n: usize, body: usize, mode: &str) -> LargeBodies {
     let (budget, max_body) = (64u64 << 20, 32u64 << 20);
     let bucket = testkit::create_bucket("benchhuge").await;
     let db = TestDb::new("bench_huge").await;
@@ -1370,7 +1370,7 @@ enum MemoryTarget {
 /// slot exists already, the relay not started), drained by the relay; peak
 /// RSS beside the bound.
 async fn memory_shape(
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     a: &Args,
     shape: &str,
     largest_body: u64,
@@ -1525,7 +1525,7 @@ async fn small_rows(db: &TestDb, destinations: &[String], n: usize, per_txn: usi
     n
 }
 
-async fn memory_shapes(a: &Args, sqs: &SqsPublisher) -> Vec<MemoryShape> {
+async fn memory_shapes(a: &Args, sqs: &AwsPublisher) -> Vec<MemoryShape> {
     use MemoryTarget::{Queue, Templated, S3};
     let small = if a.quick { 5_000 } else { 20_000 };
     let up = S3 { hang_secs: 0 };
@@ -1577,7 +1577,7 @@ struct S3Bodies {
 /// one standard queue through S3 (`threshold = "always"`), timed from its
 /// first published message; then the raw client sends as many through S3
 /// with `in_flight / 10` batches at once.
-async fn s3_bodies(sqs: &SqsPublisher, n: usize, body: usize) -> S3Bodies {
+async fn s3_bodies(sqs: &AwsPublisher, n: usize, body: usize) -> S3Bodies {
     let budget: usize = 64 << 20;
     let in_flight = (budget / body).max(10) / 10 * 10;
     let s3 = testkit::s3_client().await;
@@ -1632,7 +1632,7 @@ async fn s3_bodies(sqs: &SqsPublisher, n: usize, body: usize) -> S3Bodies {
 /// The raw client: `concurrency` workers, each writing 10 objects at once
 /// and then sending their 10 pointers in one `SendMessageBatch`.
 async fn raw_s3(
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     s3: &aws_sdk_s3::Client,
     bucket: &str,
     url: &str,
@@ -1666,7 +1666,7 @@ async fn raw_s3(
                     .string_value(body.to_string())
                     .build()
                     .unwrap();
-                let req = keys.iter().enumerate().fold(sqs.client().send_message_batch().queue_url(&url), |req, (j, k)| {
+                let req = keys.iter().enumerate().fold(sqs.sqs().send_message_batch().queue_url(&url), |req, (j, k)| {
                     let pointer = json!(["software.amazon.payloadoffloading.PayloadS3Pointer", {"s3BucketName": bucket, "s3Key": k}]);
                     req.entries(
                         aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
@@ -1837,7 +1837,7 @@ fn print_large(large: &[LargeBodies]) {
 }
 
 /// Bodies of 20 and 30 MiB through S3, from the stream and polling.
-async fn huge_bodies_rows(a: &Args, sqs: &SqsPublisher) -> Vec<LargeBodies> {
+async fn huge_bodies_rows(a: &Args, sqs: &AwsPublisher) -> Vec<LargeBodies> {
     let n = if a.quick { 6 } else { 16 };
     let mut huge = Vec::new();
     for (body, mode) in [(20 << 20, "cdc"), (30 << 20, "cdc"), (30 << 20, "polling")] {
@@ -1848,7 +1848,7 @@ async fn huge_bodies_rows(a: &Args, sqs: &SqsPublisher) -> Vec<LargeBodies> {
 
 /// Large bodies, the default byte budget beside one so large that only the
 /// event budget (20,000) binds: peak RSS side by side.
-async fn large_bodies_rows(a: &Args, sqs: &SqsPublisher, started: Instant) -> Vec<LargeBodies> {
+async fn large_bodies_rows(a: &Args, sqs: &AwsPublisher, started: Instant) -> Vec<LargeBodies> {
     let large_n = if a.quick { 600 } else { 2_000 };
     let mut large = Vec::new();
     for budget in ["64MB", "64GB"] {
@@ -1861,7 +1861,7 @@ async fn large_bodies_rows(a: &Args, sqs: &SqsPublisher, started: Instant) -> Ve
 
 /// The ceilings: decode against pg_recvlogical, SQS against a plain client,
 /// directly and through the 15 ms RTT proxy.
-async fn ceilings(a: &Args, sqs: &SqsPublisher, started: Instant) -> (Decode, SqsCeiling, SqsCeiling, SqsCeiling) {
+async fn ceilings(a: &Args, sqs: &AwsPublisher, started: Instant) -> (Decode, SqsCeiling, SqsCeiling, SqsCeiling) {
     let q = a.quick;
     let dec = decode_ceiling(a, if q { 50_000 } else { 200_000 }).await;
     eprintln!("bench: decode ceiling done ({:.0} s)", started.elapsed().as_secs_f64());
@@ -1876,7 +1876,7 @@ async fn ceilings(a: &Args, sqs: &SqsPublisher, started: Instant) -> (Decode, Sq
 }
 
 /// The backlog drains: CDC, polling, CDC on one worker thread, CDC again.
-async fn backlog_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Drain> {
+async fn backlog_drains(a: &Args, sqs: &AwsPublisher, backlog: usize) -> Vec<Drain> {
     vec![
         drain(a, sqs, "backlog", "cdc", backlog, a.destinations).await,
         drain(a, sqs, "backlog", "polling", backlog, a.destinations).await,
@@ -1897,7 +1897,7 @@ async fn backlog_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Dra
 
 /// Scaling: drains over row counts and destination counts (those the
 /// backlog drains did not already measure).
-async fn scaling_drains(a: &Args, sqs: &SqsPublisher, backlog: usize) -> Vec<Drain> {
+async fn scaling_drains(a: &Args, sqs: &AwsPublisher, backlog: usize) -> Vec<Drain> {
     let q = a.quick;
     let mut drains = Vec::new();
     let rows_curve: &[usize] = if q { &[10_000, 50_000] } else { &[10_000, 100_000, 1_000_000] };
@@ -1935,7 +1935,7 @@ async fn many_rows(a: &Args, secs: u64) -> Vec<many::Many> {
 /// Every row of the full run after the large bodies.
 async fn measure_all(
     a: &Args,
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     large: Vec<LargeBodies>,
     steady_s: u64,
     started: Instant,

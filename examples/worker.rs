@@ -16,7 +16,7 @@ use async_trait::async_trait;
 use outbox_consumer::sqs::SqsQueue;
 use outbox_consumer::worker::Worker;
 use outbox_consumer::{Consumer, ConsumerConfig, Handler, HandlerError, Job};
-use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::aws::AwsPublisher;
 use tokio_postgres::Transaction;
 
 struct Effect;
@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
     let database_url = arg("--database-url").ok_or_else(|| anyhow::anyhow!("--database-url is required"))?;
     let queue_url = arg("--queue-url").ok_or_else(|| anyhow::anyhow!("--queue-url is required"))?;
     let concurrency: usize = arg("--concurrency").map(|s| s.parse()).transpose()?.unwrap_or(16);
-    let sqs = SqsPublisher::new("us-east-1", arg("--endpoint-url").as_deref()).await;
+    let sqs = AwsPublisher::new("us-east-1", arg("--endpoint-url").as_deref()).await;
     let pool = Consumer::pool(&database_url, concurrency * 2 + 2)?;
     pool.get()
         .await?
@@ -57,11 +57,10 @@ async fn main() -> anyhow::Result<()> {
     let stop = || async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    let main =
-        Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.client().clone(), &queue_url)), concurrency);
+    let main = Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.sqs().clone(), &queue_url)), concurrency);
     let metrics = Arc::clone(&main.metrics);
     let dlq = arg("--dlq-url").map(|url| {
-        let mut w = Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.client().clone(), url)), 2);
+        let mut w = Worker::new(Arc::clone(&consumer), Arc::new(SqsQueue::new(sqs.sqs().clone(), url)), 2);
         w.dlq = true;
         tokio::spawn(w.run(stop()))
     });

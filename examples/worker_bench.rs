@@ -70,9 +70,9 @@ async fn drain(db: &testkit::TestDb, queue: Arc<dyn Queue>, n: usize, concurrenc
 }
 
 /// Send `bodies` to `url`, 10 a call.
-async fn fill(sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str, bodies: &[String]) {
+async fn fill(sqs: &outbox_relay::publish::aws::AwsPublisher, url: &str, bodies: &[String]) {
     for chunk in bodies.chunks(10) {
-        let mut req = sqs.client().send_message_batch().queue_url(url);
+        let mut req = sqs.sqs().send_message_batch().queue_url(url);
         for (i, b) in chunk.iter().enumerate() {
             req = req.entries(
                 aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
@@ -148,11 +148,11 @@ async fn main() {
     let url = testkit::create_queue(&sqs, "workerbench", false, None).await;
     let bodies = jobs(&db, "sqs", n).await;
     fill(&sqs, &url, &bodies).await;
-    let (sqs_rate, sqs_trips) = drain(&db, Arc::new(SqsQueue::new(sqs.client().clone(), &url)), n, concurrency).await;
+    let (sqs_rate, sqs_trips) = drain(&db, Arc::new(SqsQueue::new(sqs.sqs().clone(), &url)), n, concurrency).await;
     let raw_url = testkit::create_queue(&sqs, "workerbench-raw", false, None).await;
     fill(&sqs, &raw_url, &bodies).await;
     let loops = concurrency.div_ceil(10);
-    let raw_rate = raw_ceiling(sqs.client(), &raw_url, n, loops).await;
+    let raw_rate = raw_ceiling(sqs.sqs(), &raw_url, n, loops).await;
     println!("worker, in-memory queue: {mem_rate:.0} jobs/s ({mem_trips:.2} database round trips per job)");
     println!("worker, ministack:       {sqs_rate:.0} jobs/s ({sqs_trips:.2} database round trips per job)");
     println!("raw client, ministack:   {raw_rate:.0} messages/s (receive 10 + DeleteMessageBatch, {loops} loops)");

@@ -9,7 +9,7 @@ use outbox_relay::config::{Config, Mode, Overrides};
 use outbox_relay::db::{self, Db};
 use outbox_relay::metrics::Metrics;
 use outbox_relay::ops;
-use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::aws::AwsPublisher;
 
 #[derive(Parser)]
 #[command(
@@ -325,7 +325,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
                 return Ok(());
             }
             tracing::info!(?config, "starting");
-            let publisher = SqsPublisher::with_role(
+            let publisher = AwsPublisher::with_role(
                 &config.sqs_region,
                 config.sqs_endpoint_url.as_deref(),
                 config.sqs_assume_role_arn.as_deref(),

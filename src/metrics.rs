@@ -373,6 +373,8 @@ pub enum Readiness {
 pub enum Service {
     /// SendMessageBatch.
     Sqs,
+    /// PublishBatch.
+    Sns,
     /// The objects of bodies through S3.
     S3,
 }
@@ -381,6 +383,7 @@ impl Service {
     pub fn as_str(self) -> &'static str {
         match self {
             Service::Sqs => "sqs",
+            Service::Sns => "sns",
             Service::S3 => "s3",
         }
     }

@@ -96,7 +96,7 @@ pub(super) async fn hot_queues(a: &Args, n: usize, rtts: &[u64]) -> Vec<HotQueue
 
 async fn hot_queue(a: &Args, n: usize, rtt: Duration) -> HotQueue {
     let standin = ChildStandin::spawn(rtt).await;
-    let sqs = SqsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
+    let sqs = AwsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
     let url = format!("{}/000000000000/hot", standin.endpoint);
     let db = TestDb::new("bench_hot").await;
     let cap = config(&db, &[("d0", &url)]).max_in_flight_batches;
@@ -147,7 +147,7 @@ struct RelayDrain {
 
 /// The relay in process, its configuration the default but for the
 /// database and the one destination, draining `n` rows to `url`.
-async fn relay_to(db: &TestDb, url: &str, sqs: &SqsPublisher, n: usize) -> RelayDrain {
+async fn relay_to(db: &TestDb, url: &str, sqs: &AwsPublisher, n: usize) -> RelayDrain {
     let mut cfg = config(db, &[("d0", url)]);
     cfg.metrics_addr = None;
     let clocked = Clocked::new(sqs);
@@ -200,7 +200,7 @@ pub(super) struct Throttled {
 pub(super) async fn throttled(a: &Args, n: usize, rtt: Duration) -> Throttled {
     let settings = Settings { rtt, throttle_rate: 0.05, ..Settings::default() };
     let standin = Standin::start(([127, 0, 0, 1], 0).into(), settings).await.unwrap();
-    let sqs = SqsPublisher::new("us-east-1", Some(standin.endpoint())).await;
+    let sqs = AwsPublisher::new("us-east-1", Some(standin.endpoint())).await;
     let url = standin.queue_url("hot");
     let db = TestDb::new("bench_throttled").await;
     create_slot(&db, &db.slot).await;

@@ -134,7 +134,7 @@ struct RawMany {
 /// the same round trip in a child process.
 async fn raw_many(load: &Args, rate: u64, secs: u64) -> RawMany {
     let standin = ChildStandin::spawn(RTT).await;
-    let sqs = SqsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
+    let sqs = AwsPublisher::new("us-east-1", Some(&standin.endpoint)).await;
     let db = TestDb::new("bench_many_raw").await;
     let urls = (0..load.destinations).map(|d| format!("{}/000000000000/d{d}", standin.endpoint)).collect();
     let mut raw = RawSender::new(&sqs, urls, rate, load.row_size, (WARMUP.as_millis() / 10) as i32);

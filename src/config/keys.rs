@@ -177,6 +177,12 @@ pub const SQS_QUEUE_URL_TEMPLATE: Key = key(
     None,
     "a queue URL with {destination} (and {region}): a destination not in [destinations] is looked up there on first use",
 );
+pub const SNS_TOPIC_ARN_TEMPLATE: Key = key(
+    "sns.topic_arn_template",
+    Kind::Text,
+    None,
+    "a topic ARN with {destination} (and {region}): a destination not in [destinations] is looked up there on first use",
+);
 pub const SQS_ASSUME_ROLE_ARN: Key =
     key("sqs.assume_role_arn", Kind::Text, None, "an IAM role to assume (STS) on top of the credential chain");
 pub const S3_BUCKET: Key = key(
@@ -234,6 +240,7 @@ pub const KEYS: &[Key] = &[
     SQS_ENDPOINT_URL,
     SQS_ASSUME_ROLE_ARN,
     SQS_QUEUE_URL_TEMPLATE,
+    SNS_TOPIC_ARN_TEMPLATE,
     S3_BUCKET,
     S3_KEY_PREFIX,
     S3_ENDPOINT_URL,

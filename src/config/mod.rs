@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::publish::queue_url::QueueUrlTemplate;
+use crate::publish::kind::Kind as DestinationKind;
+use crate::publish::template::AddressTemplate;
 
 pub mod keys;
 pub mod outbox;
@@ -106,7 +107,9 @@ impl FileConfig {
             match (k.as_str(), v) {
                 ("destinations", toml::Value::Table(t)) => {
                     for (name, url) in t {
-                        let url = url.as_str().ok_or(format!("destinations.{name} must be a string (a queue URL)"))?;
+                        let url = url
+                            .as_str()
+                            .ok_or(format!("destinations.{name} must be a string (a queue URL or a topic ARN)"))?;
                         file.destinations.insert(name, url.to_string());
                     }
                 }
@@ -117,7 +120,7 @@ impl FileConfig {
                         file.outbox.push(outbox::Written::from_toml(t, i + 1)?);
                     }
                 }
-                ("sqs" | "s3", toml::Value::Table(t)) => {
+                ("sqs" | "sns" | "s3", toml::Value::Table(t)) => {
                     for (inner, v) in t {
                         match (k.as_str(), inner.as_str(), v) {
                             ("s3", "buckets", toml::Value::Table(b)) => {
@@ -201,8 +204,9 @@ pub struct Config {
     pub mapped: Vec<crate::mapping::Mapping>,
     /// Lane name → queue URL.
     pub destinations: BTreeMap<String, String>,
-    /// `sqs.queue_url_template`: destinations beyond `destinations`.
-    pub queue_url_template: Option<QueueUrlTemplate>,
+    /// `sqs.queue_url_template` or `sns.topic_arn_template`: destinations
+    /// beyond `destinations`.
+    pub destination_template: Option<AddressTemplate>,
     /// Bodies through S3; `None`: no bucket configured.
     pub s3: Option<S3Config>,
     /// How often a transactional logical message is written so the slot moves
@@ -271,7 +275,7 @@ impl fmt::Debug for Config {
             .field("sqs_region", &self.sqs_region)
             .field("sqs_endpoint_url", &self.sqs_endpoint_url)
             .field("destinations", &self.destinations)
-            .field("queue_url_template", &self.queue_url_template)
+            .field("destination_template", &self.destination_template)
             .finish_non_exhaustive()
     }
 }
@@ -325,7 +329,10 @@ impl Config {
         let body = self.s3.as_ref().map_or(1 << 20, |s| s.max_body_bytes);
         let bound = self.max_unsettled_bytes + 2 * body + (64 << 20);
         let metrics = self.metrics_addr.map_or_else(|| "off".to_string(), |a| a.to_string());
-        let template = if self.queue_url_template.is_some() { " (and any by the queue-URL template)" } else { "" };
+        let template = match &self.destination_template {
+            Some(t) => format!(" (and any by the {} template)", t.kind()),
+            None => String::new(),
+        };
         format!(
             "configuration accepted\n\
              mode: {}\nslot: {}\npublication: {}\n\
@@ -381,11 +388,8 @@ impl Config {
         }
         let src = Sources { cli: o.by_key(), env, file: &file };
         let mut config = Config::connections(&src)?;
-        if let Some(t) = src.get(&keys::SQS_QUEUE_URL_TEMPLATE).string()?.filter(|t| !t.is_empty()) {
-            let template = QueueUrlTemplate::new(&t, &config.sqs_region).map_err(ConfigError::Invalid)?;
-            config.queue_url_template = Some(template);
-        }
-        check_destinations(&file.destinations, config.queue_url_template.is_some())?;
+        config.destination_template = destination_template(&src, &config.sqs_region)?;
+        check_destinations(&file.destinations, config.destination_template.is_some())?;
         config.tune(&src)?;
         config.s3 = S3Config::resolve(&src, &file)?;
         config.mapped = outbox::resolve(&file.outbox, env)?;
@@ -565,6 +569,32 @@ fn metrics_addr(v: Option<String>) -> Result<Option<SocketAddr>, ConfigError> {
     }
 }
 
+/// `sqs.queue_url_template` or `sns.topic_arn_template` (one of them: a
+/// name routed to neither configured destination would be ambiguous).
+fn destination_template(src: &Sources, region: &str) -> Result<Option<AddressTemplate>, ConfigError> {
+    let mut found = Vec::new();
+    for (key, kind) in [
+        (&keys::SQS_QUEUE_URL_TEMPLATE, DestinationKind::Queue),
+        (&keys::SNS_TOPIC_ARN_TEMPLATE, DestinationKind::Topic),
+    ] {
+        if let Some(t) = src.get(key).string()?.filter(|t| !t.is_empty()) {
+            let template = AddressTemplate::new(&t, region).map_err(ConfigError::Invalid)?;
+            if template.kind() != kind {
+                return Err(ConfigError::Invalid(format!("{}: {t:?} does not make a {kind}'s address", key.name)));
+            }
+            found.push(template);
+        }
+    }
+    if found.len() > 1 {
+        return Err(ConfigError::Invalid(
+            "sqs.queue_url_template and sns.topic_arn_template are both set: a destination name not in \
+             [destinations] would go to a queue or a topic of that name; set one"
+                .into(),
+        ));
+    }
+    Ok(found.pop())
+}
+
 /// At least one destination (or a queue-URL template), each with an
 /// http(s) queue URL.
 fn check_destinations(destinations: &BTreeMap<String, String>, templated: bool) -> Result<(), ConfigError> {
@@ -580,7 +610,7 @@ fn check_destinations(destinations: &BTreeMap<String, String>, templated: bool) 
                 name.to_ascii_uppercase()
             )));
         }
-        if let Err(why) = crate::publish::kind::Kind::of_address(url) {
+        if let Err(why) = DestinationKind::of_address(url) {
             return Err(ConfigError::Invalid(format!("destination {name:?}: {why}")));
         }
     }
@@ -770,6 +800,31 @@ orders = "http://127.0.0.1:4566/000000000000/orders"
         );
         assert!(bad_mode.unwrap_err().to_string().contains("not one of cdc, polling, auto"));
         assert!(FileConfig::parse("unknown_key = 1").unwrap_err().contains("unknown key `unknown_key`"));
+    }
+
+    #[test]
+    fn topics_and_their_template() {
+        let env = BTreeMap::new();
+        let resolve = |t: &str| Config::resolve(file(t), &env, &Overrides::default());
+        let db = "database_url = \"postgres://a@b/c\"\n";
+        let c = resolve(&format!("{db}[destinations]\nevents = \"arn:aws:sns:eu-west-1:1:events.fifo\"")).unwrap();
+        assert_eq!(c.destinations["events"], "arn:aws:sns:eu-west-1:1:events.fifo");
+        let e = resolve(&format!("{db}[destinations]\nevents = \"arn:aws:sqs:eu-west-1:1:q\"")).unwrap_err();
+        assert!(e.to_string().contains("an ARN of \"sqs\""), "{e}");
+        let e = resolve(&format!("{db}[destinations]\nevents = \"events\"")).unwrap_err();
+        assert!(e.to_string().contains("a topic's ARN with arn:aws:sns:"), "{e}");
+        let t =
+            resolve(&format!("{db}[sns]\ntopic_arn_template = \"arn:aws:sns:{{region}}:1:{{destination}}\"")).unwrap();
+        let template = t.destination_template.unwrap();
+        assert_eq!(template.kind(), DestinationKind::Topic);
+        assert_eq!(template.address("orders").unwrap(), "arn:aws:sns:us-east-1:1:orders");
+        let both = format!(
+            "{db}[sns]\ntopic_arn_template = \"arn:aws:sns:r:1:{{destination}}\"\n\
+             [sqs]\nqueue_url_template = \"https://q/{{destination}}\""
+        );
+        assert!(resolve(&both).unwrap_err().to_string().contains("both set"));
+        let crossed = format!("{db}[sns]\ntopic_arn_template = \"https://q/{{destination}}\"");
+        assert!(resolve(&crossed).unwrap_err().to_string().contains("does not make a topic's address"));
     }
 
     #[test]

@@ -259,7 +259,7 @@ async fn destinations_in_table(client: &Client, config: &Config) -> Result<Vec<D
         .iter()
         .map(|r| DestinationStatus {
             destination: r.get(0),
-            configured: config.destinations.contains_key(r.get::<_, &str>(0)) || config.queue_url_template.is_some(),
+            configured: config.destinations.contains_key(r.get::<_, &str>(0)) || config.destination_template.is_some(),
             new: r.get(1),
             spooled: r.get(2),
             dead: r.get(3),

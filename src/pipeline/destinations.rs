@@ -16,7 +16,7 @@ use crate::pipeline::lane::LaneState;
 use crate::policy::dead::DeadReason;
 use crate::policy::retry::{classify_lookup, Lookup};
 use crate::publish::kind::Target;
-use crate::publish::queue_url::QueueUrlTemplate;
+use crate::publish::template::AddressTemplate;
 use crate::publish::{reread_limit, Publisher, READ_TIMEOUT};
 
 /// A destination ready to send to: its target and its lane's state.
@@ -57,7 +57,7 @@ pub struct Destinations {
     ready: RwLock<BTreeMap<String, Arc<Destination>>>,
     missing: Mutex<HashMap<String, (DeadReason, Instant)>>,
     /// `None`: only the configured destinations exist.
-    template: Option<QueueUrlTemplate>,
+    template: Option<AddressTemplate>,
     prepare: Prepare,
     publisher: Arc<dyn Publisher>,
     metrics: Arc<Metrics>,
@@ -67,7 +67,7 @@ impl Destinations {
     /// The configured destinations (already looked up, already prepared).
     pub fn new(
         configured: BTreeMap<String, Target>,
-        template: Option<QueueUrlTemplate>,
+        template: Option<AddressTemplate>,
         prepare: Prepare,
         publisher: Arc<dyn Publisher>,
         metrics: Arc<Metrics>,
@@ -112,7 +112,8 @@ impl Destinations {
     }
 
     /// `name` as a destination: ready, DEAD (no template and not configured,
-    /// a name no queue can have, no such queue), or unavailable for now.
+    /// a name no destination of the template's kind can have, no such
+    /// destination), or unavailable for now.
     pub async fn resolve(&self, name: &str) -> Resolved {
         if let Some(d) = self.get(name) {
             return Resolved::Ready(d);
@@ -123,7 +124,7 @@ impl Destinations {
         if let Some(reason) = self.still_missing(name) {
             return Resolved::Dead(reason);
         }
-        let url = match template.url(name) {
+        let url = match template.address(name) {
             Ok(url) => url,
             Err(reason) => return Resolved::Dead(reason),
         };
@@ -135,7 +136,7 @@ impl Destinations {
                 Lookup::Missing => {
                     let reason = DeadReason::new(
                         rules.missing(),
-                        format!("destination {name:?}: no queue at {url} ({}: {})", e.code, e.message),
+                        format!("destination {name:?}: no {} at {url} ({}: {})", rules.kind(), e.code, e.message),
                     );
                     self.missing.lock().unwrap().insert(name.to_string(), (reason.clone(), Instant::now()));
                     Resolved::Dead(reason)
@@ -194,7 +195,7 @@ mod tests {
     use crate::publish::memory::MemoryPublisher;
 
     fn destinations(p: &MemoryPublisher) -> Destinations {
-        let t = QueueUrlTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
+        let t = AddressTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
         Destinations::new(BTreeMap::new(), Some(t), Box::new(|_, q| q), Arc::new(p.clone()), Metrics::new())
     }
 

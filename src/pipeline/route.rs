@@ -69,11 +69,6 @@ impl Judged {
     }
 }
 
-/// The `last_error` of a row held until its `deliver_at`: on a FIFO queue,
-/// and on a standard one.
-pub const HELD_FIFO: &str = "held until deliver_at: a FIFO queue takes no per-message delay";
-pub const HELD_LATER: &str = "held until deliver_at: more than the 15 minutes SQS can delay a message";
-
 /// The one rule for an event bound for `target`, judged at `now_us`
 /// (microseconds since the Unix epoch): validated and timed, held, or DEAD.
 pub fn judge_for(target: &Target, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged {
@@ -84,7 +79,7 @@ pub fn judge_for(target: &Target, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged 
     };
     match (timing, target.prepare(Arc::clone(ev))) {
         (_, Err(reason)) => Judged::Dead(reason),
-        (Timing::Hold, Ok(_)) => Judged::Hold(if delays { HELD_LATER } else { HELD_FIFO }),
+        (Timing::Hold, Ok(_)) => Judged::Hold(target.rules().held(target)),
         (Timing::Now, Ok(entry)) => Judged::Send(entry),
         (Timing::Delay(s), Ok(entry)) => Judged::Send(Entry { delay_seconds: Some(s), ..entry }),
     }
@@ -574,7 +569,7 @@ mod tests {
     use crate::pipeline::destinations::Destinations;
     use crate::pipeline::settings::Settings;
     use crate::publish::memory::MemoryPublisher;
-    use crate::publish::queue_url::QueueUrlTemplate;
+    use crate::publish::template::AddressTemplate;
     use proptest::prelude::*;
     use std::collections::BTreeMap;
 
@@ -590,7 +585,7 @@ mod tests {
         let file = FileConfig::of(&keys, &[("orders.fifo", FIFO)]).unwrap();
         let config = Config::resolve(file, &BTreeMap::new(), &Overrides::default()).unwrap();
         let metrics = Metrics::new();
-        let template = QueueUrlTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
+        let template = AddressTemplate::new("http://memory.invalid/{region}/{destination}", "r1").unwrap();
         let configured = BTreeMap::from([("orders.fifo".to_string(), Target::queue(FIFO, true, 262_144))]);
         let publisher: Arc<dyn crate::publish::Publisher> = Arc::new(p.clone());
         let destinations = Destinations::new(

@@ -26,13 +26,18 @@ pub enum DeadCode {
     /// Routed by a queue-URL template to a queue that does not exist, or by
     /// a name no queue can have.
     QueueNotFound,
+    /// SNS refused the entry as the sender's fault.
+    SnsRejected,
+    /// Routed by a topic-ARN template to a topic that does not exist, or by
+    /// a name no topic can have.
+    TopicNotFound,
     /// A mapped table's row its mapping cannot read (no key, a column the
     /// mapping needs is gone, a value that is not text).
     UnreadableRow,
 }
 
 impl DeadCode {
-    pub const ALL: [DeadCode; 11] = [
+    pub const ALL: [DeadCode; 13] = [
         DeadCode::UnknownDestination,
         DeadCode::EmptyBody,
         DeadCode::InvalidCharacters,
@@ -43,6 +48,8 @@ impl DeadCode {
         DeadCode::SqsRejected,
         DeadCode::InvalidDeliverAt,
         DeadCode::QueueNotFound,
+        DeadCode::SnsRejected,
+        DeadCode::TopicNotFound,
         DeadCode::UnreadableRow,
     ];
 
@@ -59,6 +66,8 @@ impl DeadCode {
             DeadCode::SqsRejected => "sqs_rejected",
             DeadCode::InvalidDeliverAt => "invalid_deliver_at",
             DeadCode::QueueNotFound => "queue_not_found",
+            DeadCode::SnsRejected => "sns_rejected",
+            DeadCode::TopicNotFound => "topic_not_found",
             DeadCode::UnreadableRow => "unreadable_row",
         }
     }

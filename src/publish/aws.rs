@@ -1,46 +1,61 @@
-//! The AWS configuration the SQS and S3 clients share.
+//! The AWS services the relay sends to: [`AwsPublisher`] sends a batch to
+//! a destination of any kind through its service's client (SQS:
+//! [`super::sqs`], SNS: [`super::sns`]), all of them made from one
+//! configuration ([`super::sdk::sdk_config`], which the S3 client shares).
 
-use std::time::Duration;
+use async_trait::async_trait;
 
-/// The standard AWS configuration chain, with `region` and an optional
-/// endpoint override. The SDK's own retries are off ([`crate::policy::retry`]
-/// is the only place that retries). With `role_arn`, that role is assumed
-/// through STS with the chain's credentials (refreshed before they expire).
-/// A local endpoint without credentials in the environment gets dummy ones,
-/// which SQS- and S3-compatible servers accept.
-pub async fn sdk_config(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> aws_config::SdkConfig {
-    let region = aws_config::Region::new(region.to_string());
-    let mut loader = aws_config::defaults(aws_config::BehaviorVersion::latest())
-        .region(region.clone())
-        .retry_config(aws_config::retry::RetryConfig::disabled())
-        .timeout_config(
-            aws_config::timeout::TimeoutConfig::builder()
-                .operation_attempt_timeout(Duration::from_secs(20))
-                .connect_timeout(Duration::from_secs(5))
-                .build(),
-        );
-    if let Some(arn) = role_arn {
-        let base = aws_config::defaults(aws_config::BehaviorVersion::latest()).region(region).load().await;
-        let provider = aws_config::sts::AssumeRoleProvider::builder(arn)
-            .session_name("outbox-relay")
-            .configure(&base)
-            .build()
-            .await;
-        loader = loader.credentials_provider(provider);
+use super::entry::Entry;
+use super::kind::{Kind, Target};
+use super::{CallError, EntryResult, Publisher};
+
+/// The relay's destinations on AWS: queues and topics. The SDKs' own
+/// retries are off ([`crate::policy::retry`] is the only place that retries).
+#[derive(Clone, Debug)]
+pub struct AwsPublisher {
+    sqs: aws_sdk_sqs::Client,
+    sns: aws_sdk_sns::Client,
+}
+
+impl AwsPublisher {
+    /// Clients from the standard AWS configuration chain, with `region` and
+    /// an optional endpoint override. A local endpoint without credentials
+    /// in the environment gets dummy ones, which compatible servers accept.
+    pub async fn new(region: &str, endpoint_url: Option<&str>) -> Self {
+        Self::with_role(region, endpoint_url, None).await
     }
-    if let Some(url) = endpoint_url {
-        loader = loader.endpoint_url(url);
-        let no_credentials =
-            std::env::var_os("AWS_ACCESS_KEY_ID").is_none() && std::env::var_os("AWS_PROFILE").is_none();
-        if role_arn.is_none() && no_credentials {
-            loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                "local",
-                "local",
-                None,
-                None,
-                "outbox-relay-local-endpoint",
-            ));
+
+    /// As [`new`](Self::new); with `role_arn`, assume that role through STS
+    /// with the chain's credentials (refreshed before they expire).
+    pub async fn with_role(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> Self {
+        let config = super::sdk::sdk_config(region, endpoint_url, role_arn).await;
+        Self { sqs: aws_sdk_sqs::Client::new(&config), sns: aws_sdk_sns::Client::new(&config) }
+    }
+
+    /// The SQS client.
+    pub fn sqs(&self) -> &aws_sdk_sqs::Client {
+        &self.sqs
+    }
+
+    /// The SNS client.
+    pub fn sns(&self) -> &aws_sdk_sns::Client {
+        &self.sns
+    }
+}
+
+#[async_trait]
+impl Publisher for AwsPublisher {
+    async fn describe(&self, kind: Kind, address: &str) -> Result<Target, CallError> {
+        match kind {
+            Kind::Queue => super::sqs::describe(&self.sqs, address).await,
+            Kind::Topic => super::sns::describe(&self.sns, address).await,
         }
     }
-    loader.load().await
+
+    async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        match target.kind {
+            Kind::Queue => super::sqs::send(&self.sqs, &target.address, entries).await,
+            Kind::Topic => super::sns::send(&self.sns, &target.address, entries).await,
+        }
+    }
 }

@@ -48,6 +48,8 @@ struct Inner {
     faults: VecDeque<Fault>,
     /// Queues that fail every call with this error until fixed.
     broken: HashMap<String, CallError>,
+    /// Destinations deleted: not found until added again.
+    removed: std::collections::HashSet<String>,
     calls: usize,
     /// Calls begun, including those held at the gate.
     started: usize,
@@ -73,7 +75,26 @@ impl MemoryPublisher {
     /// A queue (or a queue's attributes changed): entries longer than
     /// `max_message_size` are refused as SQS refuses them.
     pub fn add_queue(&self, url: &str, fifo: bool, max_message_size: usize) {
-        self.inner.lock().unwrap().queues.insert(url.to_string(), Target::queue(url, fifo, max_message_size));
+        self.add(Target::queue(url, fifo, max_message_size));
+    }
+
+    fn add(&self, target: Target) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.removed.remove(&target.address);
+        inner.queues.insert(target.address.clone(), target);
+    }
+
+    /// A topic (or a topic's attributes changed), as [`add_queue`](Self::add_queue).
+    pub fn add_topic(&self, arn: &str, fifo: bool, max_message_size: usize) {
+        self.add(Target::new(Kind::Topic, arn, fifo, max_message_size));
+    }
+
+    /// A destination deleted: it answers as its service answers for one
+    /// that does not exist, to lookups and sends.
+    pub fn remove(&self, address: &str) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.queues.remove(address);
+        inner.removed.insert(address.to_string());
     }
 
     pub fn push_fault(&self, f: Fault) {
@@ -135,16 +156,14 @@ impl Publisher for MemoryPublisher {
         let queues = &self.inner.lock().unwrap().queues;
         let found = queues.get(address).filter(|t| t.kind == kind);
         let target = found.map(|t| Target::new(kind, address, t.fifo, t.max_message_size()));
-        target.ok_or(CallError {
-            code: "AWS.SimpleQueueService.NonExistentQueue".into(),
-            message: format!("no {kind} {address}"),
-            sender_fault: true,
-        })
+        target.ok_or_else(|| not_found(kind, address))
     }
 
     async fn send_batch(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
-        assert!(entries.len() <= target.batch_limits().entries, "batch over {}'s entries", target.kind);
-        let queue_url = target.address.as_str();
+        let limits = target.batch_limits();
+        assert!(entries.len() <= limits.entries, "batch over {}'s entries", target.kind);
+        let bytes = entries.iter().map(|e| e.size).sum::<usize>();
+        assert!(entries.len() == 1 || bytes <= limits.bytes, "batch of {bytes} bytes over the {}'s limit", target.kind);
         let latency = {
             let mut inner = self.inner.lock().unwrap();
             inner.in_flight += 1;
@@ -154,7 +173,7 @@ impl Publisher for MemoryPublisher {
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
         }
-        let result = self.answer(queue_url, entries).await;
+        let result = self.answer(target, entries).await;
         self.inner.lock().unwrap().in_flight -= 1;
         result
     }
@@ -162,7 +181,8 @@ impl Publisher for MemoryPublisher {
 
 impl MemoryPublisher {
     /// A call's answer, once its latency passed.
-    async fn answer(&self, queue_url: &str, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+    async fn answer(&self, target: &Target, entries: &[Entry]) -> Result<Vec<EntryResult>, CallError> {
+        let queue_url = target.address.as_str();
         self.inner.lock().unwrap().started += 1;
         let gate = self.gate.lock().unwrap().clone();
         if let Some(g) = gate {
@@ -172,6 +192,9 @@ impl MemoryPublisher {
         inner.calls += 1;
         if let Some(e) = inner.broken.get(queue_url) {
             return Err(e.clone());
+        }
+        if inner.removed.contains(queue_url) {
+            return Err(not_found(target.kind, queue_url));
         }
         inner.batch_sizes.push(entries.len());
         let fault = inner.faults.pop_front();
@@ -184,9 +207,7 @@ impl MemoryPublisher {
         let mut out = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
             if e.size > limit || (failing.contains(&i) && matches!(fault, Some(Fault::TooLong { .. }))) {
-                let message =
-                    format!("One or more parameters are invalid. Reason: Message must be shorter than {limit} bytes.");
-                out.push(EntryResult::Failed { code: "InvalidParameterValue".into(), sender_fault: true, message });
+                out.push(too_long(target.kind, limit));
                 continue;
             }
             if failing.contains(&i) {
@@ -217,4 +238,27 @@ impl MemoryPublisher {
         }
         Ok(out)
     }
+}
+
+/// How a service answers for a destination that does not exist.
+fn not_found(kind: Kind, address: &str) -> CallError {
+    let code = match kind {
+        Kind::Queue => "AWS.SimpleQueueService.NonExistentQueue",
+        Kind::Topic => "NotFound",
+    };
+    CallError { code: code.into(), message: format!("no {kind} {address}"), sender_fault: true }
+}
+
+/// How a service refuses an entry over the destination's limit.
+fn too_long(kind: Kind, limit: usize) -> EntryResult {
+    let (code, message) = match kind {
+        Kind::Queue => (
+            "InvalidParameterValue",
+            format!("One or more parameters are invalid. Reason: Message must be shorter than {limit} bytes."),
+        ),
+        Kind::Topic => {
+            ("InvalidParameter", format!("Invalid parameter: Message too long. Maximum size is {limit} bytes."))
+        }
+    };
+    EntryResult::Failed { code: code.into(), sender_fault: true, message }
 }

@@ -1,6 +1,6 @@
 //! The send stage: a destination's [`kind::Target`] (its [`kind`] and
 //! what it enforces), the [`entry::Entry`] made from a row for it, and the
-//! network call, one batch to one destination. [`sqs::SqsPublisher`] talks
+//! network call, one batch to one destination. [`sqs::AwsPublisher`] talks
 //! to AWS (its SDK retries are off: [`crate::policy::retry`] is the only
 //! place that retries); [`memory::MemoryPublisher`] keeps messages in
 //! memory and injects faults, for tests.
@@ -12,8 +12,10 @@ pub mod limit;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod memory;
 pub mod offload;
-pub mod queue_url;
+pub mod sdk;
+pub mod sns;
 pub mod sqs;
+pub mod template;
 
 use async_trait::async_trait;
 

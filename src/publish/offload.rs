@@ -199,10 +199,10 @@ pub struct S3Store {
 }
 
 impl S3Store {
-    /// A client on the relay's AWS configuration ([`super::aws::sdk_config`]);
+    /// A client on the relay's AWS configuration ([`super::sdk::sdk_config`]);
     /// `endpoint_url` (a local server) also turns on path-style addressing.
     pub async fn new(region: &str, endpoint_url: Option<&str>, role_arn: Option<&str>) -> S3Store {
-        let sdk = super::aws::sdk_config(region, endpoint_url, role_arn).await;
+        let sdk = super::sdk::sdk_config(region, endpoint_url, role_arn).await;
         let b = aws_sdk_s3::config::Builder::from(&sdk).force_path_style(endpoint_url.is_some());
         S3Store { client: aws_sdk_s3::Client::from_conf(b.build()) }
     }

@@ -99,7 +99,7 @@ pub async fn run(
     }
     let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
-    let template = config.queue_url_template.clone();
+    let template = config.destination_template.clone();
     let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));
     let parts = Arc::new(Parts::new(settings, destinations, publisher, Arc::clone(&metrics)));
     let rereads = tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop_rx.clone()));

@@ -152,7 +152,7 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
         S3Store::new(&config.sqs_region, s3.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
     let mut buckets: BTreeSet<&str> = config.destinations.keys().filter_map(|d| s3.target(d)).map(|(b, _)| b).collect();
     // Destinations looked up on first use take the default bucket.
-    if config.queue_url_template.is_some() {
+    if config.destination_template.is_some() {
         buckets.extend(s3.bucket.as_deref());
     }
     for bucket in buckets {
@@ -232,7 +232,7 @@ async fn resolve_mode(
         let shard = crate::source::cdc::publication::check_shard(sql, &config.publication, &destinations);
         sharded = db.within("checking the publication's shard", shard).await.map_err(startup)?;
     }
-    if sharded && config.queue_url_template.is_some() {
+    if sharded && config.destination_template.is_some() {
         return Err(startup(db::DbError::Check(format!(
             "publication {:?} is a shard (filtered to its destinations), and a shard sends only its [destinations]: \
              remove sqs.queue_url_template, or read an unfiltered publication",

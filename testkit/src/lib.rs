@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use outbox_relay::config::{Config, FileConfig, Overrides};
 use outbox_relay::db;
 use outbox_relay::metrics::Metrics;
-use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::aws::AwsPublisher;
 use outbox_relay::publish::Publisher;
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
@@ -191,14 +191,14 @@ impl Drop for TestDb {
 }
 
 /// An SQS client for the stack's ministack.
-pub async fn sqs() -> SqsPublisher {
-    SqsPublisher::new("us-east-1", Some(&stack().sqs_url)).await
+pub async fn sqs() -> AwsPublisher {
+    AwsPublisher::new("us-east-1", Some(&stack().sqs_url)).await
 }
 
 /// Create a queue with a unique name; returns its URL.
 /// An S3 client of the local stack (ministack serves S3 beside SQS).
 pub async fn s3_client() -> aws_sdk_s3::Client {
-    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    let sdk = outbox_relay::publish::sdk::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
     aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build())
 }
 
@@ -224,10 +224,10 @@ pub async fn resolve_body(s3: &aws_sdk_s3::Client, raw: String) -> String {
     String::from_utf8(obj.body.collect().await.unwrap().to_vec()).unwrap()
 }
 
-pub async fn create_queue(sqs: &SqsPublisher, base: &str, fifo: bool, max_size: Option<usize>) -> String {
+pub async fn create_queue(sqs: &AwsPublisher, base: &str, fifo: bool, max_size: Option<usize>) -> String {
     use aws_sdk_sqs::types::QueueAttributeName as A;
     let name = if fifo { format!("{}.fifo", unique(base)) } else { unique(base) };
-    let mut req = sqs.client().create_queue().queue_name(name);
+    let mut req = sqs.sqs().create_queue().queue_name(name);
     if fifo {
         req = req.attributes(A::FifoQueue, "true");
     }
@@ -247,10 +247,10 @@ pub struct Round {
 
 /// Receive one round from `url` and delete what came; `Err` when the receive
 /// itself failed.
-pub async fn receive_round(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Result<Round, String> {
+pub async fn receive_round(sqs: &AwsPublisher, url: &str, wait_s: i32) -> Result<Round, String> {
     use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, MessageSystemAttributeName as Attr};
     let r = sqs
-        .client()
+        .sqs()
         .receive_message()
         .queue_url(url)
         .max_number_of_messages(10)
@@ -263,7 +263,7 @@ pub async fn receive_round(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Result
     if msgs.is_empty() {
         return Ok(Round { messages: Vec::new(), delete_error: None });
     }
-    let mut del = sqs.client().delete_message_batch().queue_url(url);
+    let mut del = sqs.sqs().delete_message_batch().queue_url(url);
     let mut messages = Vec::with_capacity(msgs.len());
     for (i, m) in msgs.into_iter().enumerate() {
         let group = m.attributes.as_ref().and_then(|a| a.get(&Attr::MessageGroupId).cloned());
@@ -283,7 +283,7 @@ pub async fn receive_round(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Result
 /// Receive (and delete) until `expect` messages came or `deadline` passed:
 /// body and `MessageGroupId` of each; bodies carry the event id in tests.
 pub async fn receive_all(
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     url: &str,
     expect: usize,
     deadline: Duration,

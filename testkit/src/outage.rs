@@ -80,7 +80,7 @@ pub async fn run(p: Params) -> Report {
 
     // The outage: b's queue is deleted; the noise starts; the lag is sampled.
     let t_delete = epoch(&c).await;
-    sqs.client().delete_queue().queue_url(&qb).send().await.unwrap();
+    sqs.sqs().delete_queue().queue_url(&qb).send().await.unwrap();
     let outage_started = Instant::now();
     let stop_noise = Arc::new(AtomicBool::new(false));
     let noise_bytes = Arc::new(AtomicU64::new(0));
@@ -137,9 +137,9 @@ fn outage_config(db: &TestDb, lanes: &[(&str, &str)], p: &Params) -> Config {
 }
 
 /// Create the deleted queue `url` again; it has the same URL.
-async fn recreate_queue(sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str) {
+async fn recreate_queue(sqs: &outbox_relay::publish::aws::AwsPublisher, url: &str) {
     let name = url.rsplit('/').next().unwrap().to_string();
-    let again = sqs.client().create_queue().queue_name(&name).send().await.unwrap().queue_url.unwrap();
+    let again = sqs.sqs().create_queue().queue_name(&name).send().await.unwrap().queue_url.unwrap();
     assert_eq!(again, url, "the recreated queue has the same URL");
 }
 
@@ -239,7 +239,7 @@ async fn stuck_state(c: &Client, t_delete: f64, t_recreate: f64) -> String {
 /// the recreated queue: how many there are, and how many are not.
 async fn sick_rows_lost(
     c: &Client,
-    sqs: &outbox_relay::publish::sqs::SqsPublisher,
+    sqs: &outbox_relay::publish::aws::AwsPublisher,
     qb: &str,
     t_delete: f64,
 ) -> (usize, usize) {

@@ -334,8 +334,9 @@ mod tests {
     use super::*;
     use outbox_relay::event::OutboxEvent;
     use outbox_relay::policy::retry::{classify_call, Remedy};
-    use outbox_relay::publish::entry::{prepare, Entry, QueueInfo};
-    use outbox_relay::publish::sqs::SqsPublisher;
+    use outbox_relay::publish::aws::AwsPublisher;
+    use outbox_relay::publish::entry::Entry;
+    use outbox_relay::publish::kind::{Kind, Target};
     use outbox_relay::publish::{EntryResult, Publisher};
 
     #[test]
@@ -348,10 +349,8 @@ mod tests {
     }
 
     fn entries(n: i64) -> Vec<Entry> {
-        let queue = QueueInfo::new("q", false, 1 << 20);
-        (0..n)
-            .map(|i| prepare(Arc::new(OutboxEvent::for_test(i, "q", &format!("body {i}"))), &queue).unwrap())
-            .collect()
+        let queue = Target::queue("q", false, 1 << 20);
+        (0..n).map(|i| queue.prepare(Arc::new(OutboxEvent::for_test(i, "q", &format!("body {i}")))).unwrap()).collect()
     }
 
     /// The relay's own SQS client against the stand-in: queue attributes, a
@@ -363,11 +362,11 @@ mod tests {
         let standin = Standin::start(([127, 0, 0, 1], 0).into(), Settings { rtt, record: true, ..Settings::default() })
             .await
             .unwrap();
-        let sqs = SqsPublisher::new("us-east-1", Some(standin.endpoint())).await;
+        let sqs = AwsPublisher::new("us-east-1", Some(standin.endpoint())).await;
         let url = standin.queue_url("orders.fifo");
-        let info = sqs.queue_info(&url).await.unwrap();
+        let info = sqs.describe(Kind::Queue, &url).await.unwrap();
         assert_eq!((info.fifo, info.max_message_size()), (true, 1 << 20));
-        let url = standin.queue_url("orders");
+        let url = Target::queue(standin.queue_url("orders"), false, 1 << 20);
         let started = Instant::now();
         let sent = sqs.send_batch(&url, &entries(3)).await.unwrap();
         assert!(started.elapsed() >= rtt, "held for the round trip: {:?}", started.elapsed());
@@ -377,7 +376,7 @@ mod tests {
         standin.set(|s| s.throttle_rate = 1.0);
         let e = sqs.send_batch(&url, &entries(2)).await.unwrap_err();
         assert_eq!(e.code, "RequestThrottled");
-        assert_eq!(classify_call(&e.code, e.sender_fault, &e.message, 2), Remedy::Retry);
+        assert_eq!(classify_call(url.failure(&e.code, e.sender_fault, &e.message), 2), Remedy::Retry);
 
         standin.set(|s| (s.throttle_rate, s.failure_rate) = (0.0, 1.0));
         let failed = sqs.send_batch(&url, &entries(2)).await.unwrap();

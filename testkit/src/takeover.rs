@@ -32,7 +32,7 @@ async fn standby_reads(db: &TestDb, leader_pid: i32, end: Instant) {
 /// At-least-once: a kill -9 mid-send duplicates what was in flight, so
 /// receive until `total` distinct rows came (not until `total` messages did),
 /// 120 s at most.
-async fn receive_distinct(sqs: &SqsPublisher, q: &str, total: usize) -> HashSet<String> {
+async fn receive_distinct(sqs: &AwsPublisher, q: &str, total: usize) -> HashSet<String> {
     let mut unique: HashSet<String> = HashSet::new();
     let end = Instant::now() + Duration::from_secs(120);
     while unique.len() < total && Instant::now() < end {

@@ -20,9 +20,9 @@ fn gauge(metrics: &str, series: &str) -> Option<f64> {
     metrics.lines().find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
-async fn delayed_in_queue(sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str) -> i64 {
+async fn delayed_in_queue(sqs: &outbox_relay::publish::aws::AwsPublisher, url: &str) -> i64 {
     let a = sqs
-        .client()
+        .sqs()
         .get_queue_attributes()
         .queue_url(url)
         .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_relay::config::Mode;
-use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::aws::AwsPublisher;
 use testkit::process::RelayConfig;
 use testkit::*;
 
@@ -114,7 +114,7 @@ async fn dead_with_their_reasons(db: &TestDb) {
 
 /// Every good row is in its queue; FIFO: every message, each group in
 /// commit order.
-async fn every_good_row_in_its_queue(sqs: &SqsPublisher, orders: &str, audit: &str, billing: &str) {
+async fn every_good_row_in_its_queue(sqs: &AwsPublisher, orders: &str, audit: &str, billing: &str) {
     let got_orders = receive_all(sqs, orders, 200 + 2000 + 1, Duration::from_secs(60)).await;
     let ids: HashSet<&str> = got_orders.iter().map(|(b, _)| b.as_str()).collect();
     assert_eq!(ids.len(), 200 + 2000 + 1);

@@ -138,8 +138,8 @@ async fn the_relay_follows_a_promoted_standby_and_delivers_every_row_it_holds() 
     let mut cfg = relay_config(&pair, queue);
     // Destinations beside `d` are looked up by the template on first use,
     // before the failover and after it.
-    cfg.queue_url_template =
-        Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(&tenant("{destination}"), "r").unwrap());
+    cfg.destination_template =
+        Some(outbox_relay::publish::template::AddressTemplate::new(&tenant("{destination}"), "r").unwrap());
     let max_in_flight = cfg.max_unsettled_events;
     let relay = start(cfg, Arc::new(publisher.clone()));
 

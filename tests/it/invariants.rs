@@ -846,8 +846,8 @@ mod workload {
             let mut cfg = config(db, g);
             if !sharded {
                 cfg.destinations.retain(|d, _| !d.starts_with('t'));
-                cfg.queue_url_template =
-                    Some(outbox_relay::publish::queue_url::QueueUrlTemplate::new(TEMPLATE, "r").unwrap());
+                cfg.destination_template =
+                    Some(outbox_relay::publish::template::AddressTemplate::new(TEMPLATE, "r").unwrap());
             }
             cfg.lane_stall_timeout = Duration::from_secs(1);
             cfg.retry_base = Duration::from_millis(200);
@@ -1445,7 +1445,7 @@ mod workload {
     /// whose object is not there. Returns the messages that came through S3,
     /// and the bodies received.
     async fn all_received(
-        sqs: &outbox_relay::publish::sqs::SqsPublisher,
+        sqs: &outbox_relay::publish::aws::AwsPublisher,
         urls: &[&str],
         relay: &mut Supervised,
         expect: &HashSet<&str>,

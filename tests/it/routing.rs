@@ -10,7 +10,7 @@ use std::time::Duration;
 use outbox_relay::config::Mode;
 use outbox_relay::mapping::{Mapping, Preset};
 use outbox_relay::publish::memory::MemoryPublisher;
-use outbox_relay::publish::queue_url::QueueUrlTemplate;
+use outbox_relay::publish::template::AddressTemplate;
 use outbox_relay::publish::CallError;
 use testkit::*;
 
@@ -25,7 +25,7 @@ fn templated(db: &TestDb, mode: Mode) -> outbox_relay::config::Config {
     // testkit's config wants a destination: none is kept.
     let mut cfg = config(db, &[("none", &url("none"))]);
     cfg.destinations.clear();
-    cfg.queue_url_template = Some(QueueUrlTemplate::new(&format!("{BASE}{{destination}}"), "r").unwrap());
+    cfg.destination_template = Some(AddressTemplate::new(&format!("{BASE}{{destination}}"), "r").unwrap());
     cfg.mode = mode;
     cfg.lane_stall_timeout = Duration::from_secs(1);
     cfg.retry_base = Duration::from_millis(100);

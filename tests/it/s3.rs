@@ -116,7 +116,7 @@ async fn bodies_over_the_limit_arrive_through_s3_for_the_extended_client_in_orde
 
 /// Every message of `queue` (raw, as SQS holds it); a pointer's object must
 /// exist and hold the body the row had. Returns the bodies, resolved.
-async fn receive_resolved(sqs: &outbox_relay::publish::sqs::SqsPublisher, queue: &str, n: usize) -> Vec<String> {
+async fn receive_resolved(sqs: &outbox_relay::publish::aws::AwsPublisher, queue: &str, n: usize) -> Vec<String> {
     let s3 = s3_client().await;
     let mut out = Vec::new();
     for (raw, _) in receive_all(sqs, queue, n, Duration::from_secs(60)).await {

@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_relay::publish::sqs::SqsPublisher;
+use outbox_relay::publish::aws::AwsPublisher;
 use testkit::standin::{Settings, Standin};
 use testkit::*;
 
@@ -23,7 +23,7 @@ async fn throttled_calls_lose_nothing_and_the_limit_comes_back() {
     let url = standin.queue_url("hot");
     let mut cfg = config(&db, &[("hot", &url)]);
     cfg.metrics_addr = None;
-    let relay = start(cfg, Arc::new(SqsPublisher::new("us-east-1", Some(standin.endpoint())).await));
+    let relay = start(cfg, Arc::new(AwsPublisher::new("us-east-1", Some(standin.endpoint())).await));
     wait_for("the slot exists", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
     let c = db.client().await;
     for t in 0..N / 1000 {

@@ -159,7 +159,7 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
     let db = setup("dup").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "dup", false, None).await;
-    let queue = SqsQueue::new(sqs.client().clone(), &q);
+    let queue = SqsQueue::new(sqs.sqs().clone(), &q);
     let c = db.client().await;
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(30)).handle("effect", Effect));
 
@@ -173,7 +173,7 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
     .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..2 {
-        sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
+        sqs.sqs().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
     }
     let msgs = queue.receive(10, Duration::from_secs(2)).await.unwrap();
     assert_eq!(msgs.len(), 2);
@@ -191,7 +191,7 @@ async fn the_same_message_twice_sequentially_and_from_8_tasks_runs_the_handler_o
     .unwrap();
     let b = body(&db, &id, 0).await;
     for _ in 0..8 {
-        sqs.client().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
+        sqs.sqs().send_message().queue_url(&q).message_body(&b).send().await.unwrap();
     }
     let mut msgs = Vec::new();
     while msgs.len() < 8 {
@@ -253,11 +253,11 @@ async fn hundred_jobs_each_delivered_twice_through_the_relay_and_a_worker() {
     wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     for id in &ids {
         let b = body(&db, id, 0).await;
-        sqs.client().send_message().queue_url(&q).message_body(b).send().await.unwrap();
+        sqs.sqs().send_message().queue_url(&q).message_body(b).send().await.unwrap();
     }
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(2)).handle("effect", Effect));
     let worker = RunningWorker::start(
-        Worker::new(cons, Arc::new(SqsQueue::new(sqs.client().clone(), &q)), 8),
+        Worker::new(cons, Arc::new(SqsQueue::new(sqs.sqs().clone(), &q)), 8),
         Duration::from_secs(1),
     );
     let metrics = Arc::clone(&worker.metrics);
@@ -382,7 +382,7 @@ async fn a_poison_message_ends_in_the_dlq_and_its_job_dead() {
     let sqs = sqs().await;
     let dlq = create_queue(&sqs, "poison_dlq", false, None).await;
     let dlq_arn = sqs
-        .client()
+        .sqs()
         .get_queue_attributes()
         .queue_url(&dlq)
         .attribute_names(A::QueueArn)
@@ -393,7 +393,7 @@ async fn a_poison_message_ends_in_the_dlq_and_its_job_dead() {
         .unwrap()[&A::QueueArn]
         .clone();
     let q = create_queue(&sqs, "poison", false, None).await;
-    sqs.client()
+    sqs.sqs()
         .set_queue_attributes()
         .queue_url(&q)
         .attributes(A::RedrivePolicy, format!("{{\"deadLetterTargetArn\":\"{dlq_arn}\",\"maxReceiveCount\":\"2\"}}"))
@@ -409,15 +409,15 @@ async fn a_poison_message_ends_in_the_dlq_and_its_job_dead() {
     )
     .await
     .unwrap();
-    sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
-    sqs.client().send_message().queue_url(&q).message_body("not a job message").send().await.unwrap();
+    sqs.sqs().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
+    sqs.sqs().send_message().queue_url(&q).message_body("not a job message").send().await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let cons = Arc::new(
         consumer(&db, "w", Duration::from_secs(1))
             .handle("effect", Flaky { fails: usize::MAX, runs: Arc::clone(&runs) }),
     );
-    let main = SqsQueue::new(sqs.client().clone(), &q);
-    let dead_letters = SqsQueue::new(sqs.client().clone(), &dlq);
+    let main = SqsQueue::new(sqs.sqs().clone(), &q);
+    let dead_letters = SqsQueue::new(sqs.sqs().clone(), &dlq);
     let mut in_dlq = Vec::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while in_dlq.len() < 2 {
@@ -449,7 +449,7 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     let db = setup("rescue").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "rescue", false, None).await;
-    sqs.client().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "2").send().await.unwrap();
+    sqs.sqs().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "2").send().await.unwrap();
     let c = db.client().await;
     let p = serde_json::json!({"n": 1});
     let id = enqueue(
@@ -458,12 +458,12 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
     )
     .await
     .unwrap();
-    sqs.client().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
+    sqs.sqs().send_message().queue_url(&q).message_body(body(&db, &id, 0).await).send().await.unwrap();
 
     // Worker 1 claims and hangs; then it is killed (its task and connections go).
     let w1 = Worker::new(
         Arc::new(consumer(&db, "w1", Duration::from_secs(1)).handle("effect", HangFirst)),
-        Arc::new(SqsQueue::new(sqs.client().clone(), &q)),
+        Arc::new(SqsQueue::new(sqs.sqs().clone(), &q)),
         4,
     );
     let killed = tokio::spawn(w1.run(std::future::pending()));
@@ -473,7 +473,7 @@ async fn a_worker_killed_mid_handler_has_its_job_rescued_and_completed_once() {
 
     let w2 = Worker::new(
         Arc::new(consumer(&db, "w2", Duration::from_secs(1)).handle("effect", HangFirst)),
-        Arc::new(SqsQueue::new(sqs.client().clone(), &q)),
+        Arc::new(SqsQueue::new(sqs.sqs().clone(), &q)),
         4,
     );
     let w2 = RunningWorker::start(w2, Duration::from_secs(1));
@@ -540,7 +540,7 @@ async fn a_job_over_the_queues_limit_goes_through_s3_and_the_worker_reads_it_bac
     let db = setup("s3_job").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "s3jobs", false, Some(1024)).await;
-    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    let sdk = outbox_relay::publish::sdk::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
     let s3 = aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build());
     let bucket = unique("jobbodies").replace('_', "-").to_ascii_lowercase();
     s3.create_bucket().bucket(&bucket).send().await.unwrap();
@@ -575,7 +575,7 @@ async fn a_job_over_the_queues_limit_goes_through_s3_and_the_worker_reads_it_bac
     wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(5)).handle("effect", BlobSize(Arc::clone(&sizes))));
-    let queue = SqsQueue::new(sqs.client().clone(), &q).with_s3(s3);
+    let queue = SqsQueue::new(sqs.sqs().clone(), &q).with_s3(s3);
     let worker = RunningWorker::start(Worker::new(cons, Arc::new(queue), 4), Duration::from_secs(1));
     let metrics = Arc::clone(&worker.metrics);
     wait_for("both jobs run", Duration::from_secs(60), || async { metrics.count("succeeded") >= 2 }).await;
@@ -623,7 +623,7 @@ async fn the_producers_trace_context_reaches_the_handler() {
     wait_for("events published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let cons = Arc::new(consumer(&db, "w1", Duration::from_secs(5)).handle("effect", Traced(Arc::clone(&seen))));
-    let queue = SqsQueue::new(sqs.client().clone(), &q);
+    let queue = SqsQueue::new(sqs.sqs().clone(), &q);
     let worker = RunningWorker::start(Worker::new(cons, Arc::new(queue), 4), Duration::from_secs(1));
     let metrics = Arc::clone(&worker.metrics);
     wait_for("both jobs run", Duration::from_secs(60), || async { metrics.count("succeeded") >= 2 }).await;

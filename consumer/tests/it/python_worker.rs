@@ -39,9 +39,9 @@ fn python_worker(db: &TestDb, queue: &str, id: &str, handler_sleep: &str) -> Wor
     Worker(child)
 }
 
-async fn queue_empty(sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str) -> bool {
+async fn queue_empty(sqs: &outbox_relay::publish::aws::AwsPublisher, url: &str) -> bool {
     let a = sqs
-        .client()
+        .sqs()
         .get_queue_attributes()
         .queue_url(url)
         .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
@@ -56,7 +56,7 @@ async fn queue_empty(sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str) 
 }
 
 /// Send each body of the outbox audit copy matching `like` to the queue again.
-async fn send_again(db: &TestDb, sqs: &outbox_relay::publish::sqs::SqsPublisher, url: &str, like: &str) -> usize {
+async fn send_again(db: &TestDb, sqs: &outbox_relay::publish::aws::AwsPublisher, url: &str, like: &str) -> usize {
     let c = db.client().await;
     let bodies: Vec<String> = c
         .query("SELECT body FROM outbox_audit WHERE event_id LIKE $1", &[&like])
@@ -66,7 +66,7 @@ async fn send_again(db: &TestDb, sqs: &outbox_relay::publish::sqs::SqsPublisher,
         .map(|r| r.get(0))
         .collect();
     for b in &bodies {
-        sqs.client().send_message().queue_url(url).message_body(b).send().await.unwrap();
+        sqs.sqs().send_message().queue_url(url).message_body(b).send().await.unwrap();
     }
     bodies.len()
 }
@@ -76,7 +76,7 @@ async fn a_python_worker_gets_the_same_guarantees_through_the_sql_protocol() {
     let db = effects_db("py_worker").await;
     let sqs = sqs().await;
     let q = sqs
-        .client()
+        .sqs()
         .create_queue()
         .queue_name(unique("py-jobs"))
         .attributes(QueueAttributeName::VisibilityTimeout, "3")
@@ -152,7 +152,7 @@ async fn the_python_worker_reads_a_job_whose_body_went_through_s3() {
     let db = effects_db("py_s3").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "py-s3", false, Some(1024)).await;
-    let sdk = outbox_relay::publish::aws::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
+    let sdk = outbox_relay::publish::sdk::sdk_config("us-east-1", Some(&stack().sqs_url), None).await;
     let s3 = aws_sdk_s3::Client::from_conf(aws_sdk_s3::config::Builder::from(&sdk).force_path_style(true).build());
     let bucket = unique("pybodies").replace('_', "-").to_ascii_lowercase();
     s3.create_bucket().bucket(&bucket).send().await.unwrap();

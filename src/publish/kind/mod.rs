@@ -1,5 +1,6 @@
 //! A kind of destination: what its service enforces and how it answers.
-//! Each kind implements [`Rules`] once (SQS queues: [`queue::SqsQueue`]);
+//! Each kind implements [`Rules`] once (SQS queues: [`queue::SqsQueue`],
+//! SNS topics: [`topic::SnsTopic`]);
 //! the lanes, settlement, routing and spooling ask the destination's
 //! [`Target`] (a destination as its service describes it) and never name a
 //! service.
@@ -16,6 +17,7 @@
 //! The network call itself is the [`Publisher`](crate::publish::Publisher)'s.
 
 pub mod queue;
+pub mod topic;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,34 +35,71 @@ use crate::publish::offload::OffloadTarget;
 pub enum Kind {
     /// An Amazon SQS queue, by its URL.
     Queue,
+    /// An Amazon SNS topic, by its ARN.
+    Topic,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 1] = [Kind::Queue];
+    pub const ALL: [Kind; 2] = [Kind::Queue, Kind::Topic];
 
-    /// The kind a configured address names: a queue's URL.
+    /// The kind a configured address names: a queue's URL, a topic's ARN.
     pub fn of_address(address: &str) -> Result<Kind, String> {
         if address.starts_with("https://") || address.starts_with("http://") {
-            Ok(Kind::Queue)
-        } else {
-            Err(format!(
-                "{address:?} is not a destination's address: a queue URL must start with https:// \
-                 (or http:// for a local endpoint)"
-            ))
+            return Ok(Kind::Queue);
         }
+        if let Some(arn) = Arn::parse(address) {
+            return match arn.service {
+                "sns" => topic::check_name(arn.resource).map(|()| Kind::Topic),
+                other => Err(format!("{address:?}: an ARN of {other:?}; a destination is an SQS queue's URL or an SNS topic's ARN (arn:aws:sns:<region>:<account>:<topic>)")),
+            };
+        }
+        Err(format!(
+            "{address:?} is not a destination's address: a queue URL must start with https:// \
+             (or http:// for a local endpoint), a topic's ARN with arn:aws:sns:"
+        ))
     }
 
     /// Its rules.
     pub fn rules(self) -> &'static dyn Rules {
         match self {
             Kind::Queue => &queue::SqsQueue,
+            Kind::Topic => &topic::SnsTopic,
         }
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Queue => "queue",
+            Kind::Topic => "topic",
         }
+    }
+}
+
+/// The parts of an ARN (`arn:<partition>:<service>:<region>:<account>:<resource>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Arn<'a> {
+    pub partition: &'a str,
+    pub service: &'a str,
+    pub region: &'a str,
+    pub account: &'a str,
+    pub resource: &'a str,
+}
+
+impl<'a> Arn<'a> {
+    /// `text` as an ARN, if it is one.
+    pub fn parse(text: &'a str) -> Option<Arn<'a>> {
+        let mut parts = text.splitn(6, ':');
+        if parts.next()? != "arn" {
+            return None;
+        }
+        let arn = Arn {
+            partition: parts.next()?,
+            service: parts.next()?,
+            region: parts.next()?,
+            account: parts.next()?,
+            resource: parts.next()?,
+        };
+        (!arn.partition.is_empty() && !arn.service.is_empty()).then_some(arn)
     }
 }
 
@@ -99,6 +138,9 @@ pub trait Rules: Send + Sync + 'static {
     /// it is held in the table until due.
     fn delays(&self, target: &Target) -> bool;
 
+    /// The `last_error` of a row held in the table until its `deliver_at`.
+    fn held(&self, target: &Target) -> &'static str;
+
     /// The DEAD code of an entry the service refused for good.
     fn rejected(&self) -> DeadCode;
 
@@ -120,9 +162,9 @@ pub trait Rules: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct Target {
     pub kind: Kind,
-    /// A queue's URL.
+    /// A queue's URL, a topic's ARN.
     pub address: String,
-    /// Order per group: a FIFO queue.
+    /// Order per group: a FIFO queue or topic.
     pub fifo: bool,
     /// `MaximumMessageSize`, bytes (body plus attributes), shared by every
     /// copy of this description: read again ([`Target::resize`]), the

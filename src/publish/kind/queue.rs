@@ -48,6 +48,14 @@ impl Rules for SqsQueue {
         !target.fifo
     }
 
+    fn held(&self, target: &Target) -> &'static str {
+        if target.fifo {
+            "held until deliver_at: a FIFO queue takes no per-message delay"
+        } else {
+            "held until deliver_at: more than the 15 minutes SQS can delay a message"
+        }
+    }
+
     fn rejected(&self) -> DeadCode {
         DeadCode::SqsRejected
     }

@@ -43,7 +43,7 @@ pub(super) async fn app_child_scenario(p: &Params, mode: &str, point: &str) -> C
 }
 
 /// No outbox: a job whose message is not in the queue is lost.
-async fn dual_write_deliveries(db: &TestDb, sqs: &SqsPublisher, q: &str, c: &mut Counters) {
+async fn dual_write_deliveries(db: &TestDb, sqs: &AwsPublisher, q: &str, c: &mut Counters) {
     let expected: HashSet<String> =
         db.client().await.query("SELECT job_id FROM jobs", &[]).await.unwrap().into_iter().map(|r| r.get(0)).collect();
     let got = collect(sqs, &[q.to_string()], &expected, Duration::from_secs(3)).await;
@@ -51,7 +51,7 @@ async fn dual_write_deliveries(db: &TestDb, sqs: &SqsPublisher, q: &str, c: &mut
 }
 
 /// The relay runs after the application died: it publishes every row.
-async fn relay_afterwards(db: &TestDb, sqs: &SqsPublisher, q: &str, relay_cfg: &RelayConfig, c: &mut Counters) {
+async fn relay_afterwards(db: &TestDb, sqs: &AwsPublisher, q: &str, relay_cfg: &RelayConfig, c: &mut Counters) {
     let lsn = db.current_lsn().await;
     let relay = relay_cfg.spawn();
     settled(db, "true", lsn, Duration::from_secs(120)).await;

@@ -19,7 +19,7 @@ pub async fn child(args: &[String]) -> anyhow::Result<()> {
 /// What the outbox replaces: commit the job, then send the message.
 async fn child_dual_write(url: &str, endpoint: &str, queue: &str, tag: &str) -> anyhow::Result<()> {
     let c = outbox_relay::db::connect(url).await?;
-    let sqs = SqsPublisher::new("us-east-1", Some(endpoint)).await;
+    let sqs = AwsPublisher::new("us-east-1", Some(endpoint)).await;
     let job_id = format!("dw-{tag}");
     c.execute(
         "INSERT INTO jobs (job_id, kind, payload, destination) VALUES ($1, 'effect', jsonb_build_object('tag', $2::text), 'jobs')",
@@ -27,7 +27,7 @@ async fn child_dual_write(url: &str, endpoint: &str, queue: &str, tag: &str) -> 
     )
     .await?;
     crash_point("dual_write::before_send");
-    sqs.client().send_message().queue_url(queue).message_body(&job_id).send().await?;
+    sqs.sqs().send_message().queue_url(queue).message_body(&job_id).send().await?;
     Ok(())
 }
 
@@ -79,9 +79,9 @@ async fn child_after_commit(url: &str, tag: &str) -> anyhow::Result<()> {
 async fn child_worker(url: &str, endpoint: &str, queue: &str) -> anyhow::Result<()> {
     // The connection the other modes use, made first here too.
     let _c = outbox_relay::db::connect(url).await?;
-    let sqs = SqsPublisher::new("us-east-1", Some(endpoint)).await;
+    let sqs = AwsPublisher::new("us-east-1", Some(endpoint)).await;
     let cons = Arc::new(consumer(url, "doomed", Duration::from_secs(1)).handle("effect", Effect));
-    let q = SqsQueue::new(sqs.client().clone(), queue.to_string());
+    let q = SqsQueue::new(sqs.sqs().clone(), queue.to_string());
     let end = Instant::now() + Duration::from_secs(20);
     while Instant::now() < end {
         for m in q.receive(1, Duration::from_secs(1)).await? {

@@ -57,7 +57,7 @@ pub(super) async fn consumer_duplicate_delivery(p: &Params) -> Counters {
     settled(&db, "true", lsn, Duration::from_secs(120)).await;
     relay.terminate(Duration::from_secs(15)).await;
     send_every_message_again(&db, &sqs, &q).await;
-    let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.client().clone(), &q), deletes: AtomicU64::new(0) });
+    let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.sqs().clone(), &q), deletes: AtomicU64::new(0) });
     let worker = Worker::new(
         Arc::new(consumer(&db.url, "w", Duration::from_secs(5)).handle("effect", Effect)),
         queue.clone(),
@@ -94,8 +94,8 @@ pub(super) async fn consumer_killed_mid_handler(p: &Params) -> Counters {
     let db = effects_db("killedworker").await;
     let sqs = sqs().await;
     let q = create_queue(&sqs, "killed", false, None).await;
-    sqs.client().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "1").send().await.unwrap();
-    let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.client().clone(), &q), deletes: AtomicU64::new(0) });
+    sqs.sqs().set_queue_attributes().queue_url(&q).attributes(A::VisibilityTimeout, "1").send().await.unwrap();
+    let queue = Arc::new(Counting { inner: SqsQueue::new(sqs.sqs().clone(), &q), deletes: AtomicU64::new(0) });
     let rescuer = Arc::new(consumer(&db.url, "rescuer", Duration::from_secs(5)).handle("effect", Effect));
     let mut c = Counters { repetitions: p.repetitions as u64, ..Default::default() };
     let mut once = 0u64;
@@ -118,7 +118,7 @@ pub(super) async fn consumer_killed_mid_handler(p: &Params) -> Counters {
         .unwrap();
         c.committed += 1;
         let body: String = w.query_one("SELECT outbox_job_message($1, 'effect', 0)", &[&id]).await.unwrap().get(0);
-        sqs.client().send_message().queue_url(&q).message_body(body).send().await.unwrap();
+        sqs.sqs().send_message().queue_url(&q).message_body(body).send().await.unwrap();
         // A worker process claims it and dies inside the handler.
         if spawn_child(p, &["worker", &db.url, &stack().sqs_url, &q], "consumer::in_handler=return").await {
             c.killed += 1;
@@ -168,10 +168,10 @@ async fn job_state_within(w: &Client, id: &str, want: &str, within: Duration) ->
 }
 
 /// Every message a second time, as a relay crash or SQS itself may do.
-async fn send_every_message_again(db: &TestDb, sqs: &SqsPublisher, q: &str) {
+async fn send_every_message_again(db: &TestDb, sqs: &AwsPublisher, q: &str) {
     let all: Vec<String> = bodies(db, "true").await.into_iter().collect();
     for chunk in all.chunks(10) {
-        let mut req = sqs.client().send_message_batch().queue_url(q);
+        let mut req = sqs.sqs().send_message_batch().queue_url(q);
         for (i, b) in chunk.iter().enumerate() {
             req = req.entries(
                 aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()

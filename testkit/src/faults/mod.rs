@@ -235,7 +235,7 @@ pub async fn run(s: Scenario, p: &Params) -> Counters {
 /// Receive from `urls` until every body in `expected` arrived (or the
 /// deadline), then until a round comes back empty. All bodies received.
 pub async fn collect(
-    sqs: &SqsPublisher,
+    sqs: &AwsPublisher,
     urls: &[String],
     expected: &HashSet<String>,
     deadline: Duration,
@@ -265,7 +265,7 @@ pub async fn collect(
 
 /// Bodies of one receive round; a failed receive (a deleted queue) is an
 /// empty round after a pause, and bodies count even if their delete failed.
-async fn receive_batch(sqs: &SqsPublisher, url: &str, wait_s: i32) -> Vec<String> {
+async fn receive_batch(sqs: &AwsPublisher, url: &str, wait_s: i32) -> Vec<String> {
     match receive_round(sqs, url, wait_s).await {
         Ok(round) => round.messages.into_iter().map(|(body, _)| body).collect(),
         Err(_) => {

@@ -64,7 +64,7 @@ struct Lanes {
 }
 
 impl Lanes {
-    async fn start(db: &TestDb, sqs: &SqsPublisher, healthy: String, sick: Vec<(String, String)>) -> Lanes {
+    async fn start(db: &TestDb, sqs: &AwsPublisher, healthy: String, sick: Vec<(String, String)>) -> Lanes {
         let received: Arc<Mutex<HashMap<String, Vec<String>>>> = Arc::default();
         let stop_receivers = Arc::new(AtomicBool::new(false));
         let mut receivers = Vec::new();
@@ -90,7 +90,7 @@ impl Lanes {
     async fn outages(
         &self,
         db: &TestDb,
-        sqs: &SqsPublisher,
+        sqs: &AwsPublisher,
         p: &Params,
         parallel: usize,
         c: &mut Counters,
@@ -101,14 +101,14 @@ impl Lanes {
             let k = parallel.min(p.repetitions - done);
             self.drain_sick(db).await;
             for (_, url) in self.sick.iter().take(k) {
-                sqs.client().delete_queue().queue_url(url).send().await.unwrap();
+                sqs.sqs().delete_queue().queue_url(url).send().await.unwrap();
             }
             let from = db_epoch(db).await;
             self.hold_sick.store(false, Ordering::Relaxed);
             tokio::time::sleep(p.sqs_outage).await;
             for (_, url) in self.sick.iter().take(k) {
                 let name = url.rsplit('/').next().unwrap();
-                let again = sqs.client().create_queue().queue_name(name).send().await.unwrap().queue_url.unwrap();
+                let again = sqs.sqs().create_queue().queue_name(name).send().await.unwrap().queue_url.unwrap();
                 assert_eq!(&again, url, "ministack gives a recreated queue its old URL");
             }
             windows.push((from, db_epoch(db).await));
