@@ -37,6 +37,7 @@ pub const SLOT_RECREATED_TOTAL: &str = "outbox_relay_slot_recreated_total";
 pub const STREAM_HELD: &str = "outbox_relay_stream_held";
 pub const TABLE_LANES: &str = "outbox_relay_table_lanes";
 pub const STREAM_LANES: &str = "outbox_relay_stream_lanes";
+pub const DESTINATION_INFO: &str = "outbox_relay_destination_info";
 pub const TABLE_CONNECTIONS: &str = "outbox_relay_table_connections";
 pub const STREAM_HOLDS_TOTAL: &str = "outbox_relay_stream_holds_total";
 pub const DESTINATION_FAILING_SINCE_SECONDS: &str = "outbox_relay_destination_failing_since_seconds";
@@ -99,6 +100,8 @@ pub struct Metrics {
     pub stream_held: IntGauge,
     pub table_lanes: IntGauge,
     pub stream_lanes: IntGauge,
+    /// 1 per destination known, with its kind and whether it is FIFO.
+    pub destination_info: IntGaugeVec,
     pub table_connections: IntGauge,
     /// Holds named (each spooled every lane to the table).
     pub stream_holds: IntCounter,
@@ -157,11 +160,12 @@ impl Metrics {
             mapped_table_trouble: IntGaugeVec::new(Opts::new(MAPPED_TABLE_TROUBLE, "1 while something an operator did stands in a mapped table's way (dropped, a column the mapping needs gone, a key that may be NULL, a grant missing, out of the publication: the log and `status` say what), 0 otherwise; every 15 s"), &["table"]).unwrap(),
             held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
             table_connections: IntGauge::new(TABLE_CONNECTIONS, "Connections the table path's lanes share, open now (at most max_table_connections; one unused for 30 s is closed)").unwrap(),
+            destination_info: IntGaugeVec::new(Opts::new(DESTINATION_INFO, "1 per destination the relay knows (configured, or looked up on first use): its kind (queue, topic) and whether it is FIFO"), &["destination", "kind", "fifo"]).unwrap(),
             stream_lanes: IntGauge::new(STREAM_LANES, "Stream lanes open in this replication session (and destinations being looked up): one per destination with events within lane_idle_timeout or work not finished").unwrap(),
             table_lanes: IntGauge::new(TABLE_LANES, "Table-path lanes running (polling, or draining a spool beside the stream), sharing max_table_connections: one per destination with rows due in the table or a lane spooling").unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             stream_holds: IntCounter::new(STREAM_HOLDS_TOTAL, "Times a hold of the stream was named (the server sending nothing though rows are committed behind the slot, or no session streaming): each spooled every lane to the outbox table").unwrap(),
-            destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3 or sqs); absent while they succeed"), &["destination", "service"]).unwrap(),
+            destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3, sqs or sns); absent while they succeed"), &["destination", "service"]).unwrap(),
             health: Default::default(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
@@ -219,6 +223,7 @@ impl Metrics {
             Box::new(self.stream_held.clone()),
             Box::new(self.table_lanes.clone()),
             Box::new(self.stream_lanes.clone()),
+            Box::new(self.destination_info.clone()),
             Box::new(self.table_connections.clone()),
             Box::new(self.stream_holds.clone()),
             Box::new(self.destination_failing_since.clone()),

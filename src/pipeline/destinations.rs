@@ -75,6 +75,7 @@ impl Destinations {
         let ready = configured
             .into_iter()
             .map(|(name, target)| {
+                known(&metrics, &name, &target);
                 let state = LaneState::new(&name, target.fifo, Arc::clone(&metrics));
                 let d = Destination { name: Arc::from(name.as_str()), target, state };
                 (name, Arc::new(d))
@@ -182,11 +183,18 @@ impl Destinations {
             return Arc::clone(d);
         }
         tracing::info!(destination = %name, kind = %target.kind, address = %target.address, fifo = target.fifo, "destination looked up on first use");
+        known(&self.metrics, name, &target);
         let state = LaneState::new(name, target.fifo, Arc::clone(&self.metrics));
         let d = Arc::new(Destination { name: Arc::from(name), target, state });
         ready.insert(name.to_string(), Arc::clone(&d));
         d
     }
+}
+
+/// A destination known from now on, in the metrics.
+fn known(metrics: &Metrics, name: &str, target: &Target) {
+    let fifo = if target.fifo { "true" } else { "false" };
+    metrics.destination_info.with_label_values(&[name, target.kind.as_str(), fifo]).set(1);
 }
 
 #[cfg(test)]

@@ -237,6 +237,32 @@ pub async fn create_queue(sqs: &AwsPublisher, base: &str, fifo: bool, max_size: 
     req.send().await.unwrap().queue_url.unwrap()
 }
 
+/// A topic of its own (`base` and a unique suffix); its ARN.
+pub async fn create_topic(sqs: &AwsPublisher, base: &str, fifo: bool) -> String {
+    let name = if fifo { format!("{}.fifo", unique(base)) } else { unique(base) };
+    let mut req = sqs.sns().create_topic().name(name);
+    if fifo {
+        req = req.attributes("FifoTopic", "true");
+    }
+    req.send().await.unwrap().topic_arn.unwrap()
+}
+
+/// A queue of its own subscribed to `topic_arn`, with raw message delivery
+/// (the message as published) or not (SNS's JSON envelope); its URL.
+pub async fn subscribed_queue(sqs: &AwsPublisher, topic_arn: &str, base: &str, raw: bool) -> String {
+    use aws_sdk_sqs::types::QueueAttributeName as A;
+    let fifo = topic_arn.ends_with(".fifo");
+    let url = create_queue(sqs, base, fifo, None).await;
+    let attrs = sqs.sqs().get_queue_attributes().queue_url(&url).attribute_names(A::QueueArn).send().await.unwrap();
+    let queue_arn = attrs.attributes.unwrap()[&A::QueueArn].clone();
+    let mut req = sqs.sns().subscribe().topic_arn(topic_arn).protocol("sqs").endpoint(queue_arn);
+    if raw {
+        req = req.attributes("RawMessageDelivery", "true");
+    }
+    req.send().await.unwrap();
+    url
+}
+
 /// One `ReceiveMessage` round (up to 10 messages, waiting up to `wait_s`).
 pub struct Round {
     /// Body and `MessageGroupId` of each message received.

@@ -22,6 +22,7 @@ mod table_path;
 mod telemetry;
 mod tls;
 mod topic_payload;
+mod topics;
 // Fail points in the relay: `--features outbox-relay/failpoints`.
 #[cfg(feature = "failpoints")]
 mod transient;
