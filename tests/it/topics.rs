@@ -241,8 +241,7 @@ async fn a_body_over_the_topics_limit_goes_through_s3_as_the_extended_clients_ha
     // Ours and theirs, as the queue holds them: the same pointer and the
     // same size attribute.
     let raw = receive_raw(&sqs, &compared, 3).await;
-    let pointers: Vec<&(String, BTreeMap<String, (String, String)>)> =
-        raw.iter().filter(|(b, _)| b.starts_with('[')).collect();
+    let pointers: Vec<&RawMessage> = raw.iter().filter(|(b, _)| b.starts_with('[')).collect();
     assert_eq!(pointers.len(), 2, "{raw:?}");
     for (body, attrs) in pointers {
         let p: serde_json::Value = serde_json::from_str(body).unwrap();
@@ -279,9 +278,12 @@ fn python(args: &[&str]) -> String {
     stdout
 }
 
-/// Up to `n` messages of `url` within 60 s, as SQS holds them: the body
-/// and every attribute (its type and value).
-async fn receive_raw(sqs: &AwsPublisher, url: &str, n: usize) -> Vec<(String, BTreeMap<String, (String, String)>)> {
+/// A message as SQS holds it: its body and every attribute (its type and
+/// value).
+type RawMessage = (String, BTreeMap<String, (String, String)>);
+
+/// Up to `n` messages of `url` within 60 s, as SQS holds them.
+async fn receive_raw(sqs: &AwsPublisher, url: &str, n: usize) -> Vec<RawMessage> {
     let end = std::time::Instant::now() + Duration::from_secs(60);
     let mut out = Vec::new();
     while out.len() < n && std::time::Instant::now() < end {
