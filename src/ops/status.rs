@@ -5,6 +5,8 @@ use tokio_postgres::Client;
 
 use super::OpsError;
 use crate::config::{Config, Mode};
+use crate::publish::kind::Kind;
+use crate::publish::template::AddressTemplate;
 use crate::db;
 
 /// Format version of `status --json`; bumped only when a field changes meaning
@@ -92,6 +94,10 @@ pub struct SlotStatus {
 pub struct DestinationStatus {
     pub destination: String,
     pub configured: bool,
+    /// What it is: a configured address's kind, or the template's (`None`:
+    /// neither configured nor templated).
+    #[serde(default)]
+    pub kind: Option<Kind>,
     /// NEW rows for the stream or the poller (`next_attempt_at` unset).
     pub new: i64,
     /// NEW rows handed to the table path (spooled, retried later, redriven).
@@ -123,6 +129,7 @@ impl DestinationStatus {
         DestinationStatus {
             destination: destination.to_string(),
             configured,
+            kind: None,
             new: 0,
             spooled: 0,
             dead: 0,
@@ -185,6 +192,9 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
         None => None,
     };
     destinations.sort_by(|a, b| a.destination.cmp(&b.destination));
+    for d in &mut destinations {
+        d.kind = kind_of(config, &d.destination);
+    }
     let mut tables = Vec::with_capacity(config.mapped.len());
     let publication = (effective != Mode::Polling).then_some(config.publication.as_str());
     for m in &config.mapped {
@@ -275,6 +285,15 @@ async fn destinations_in_table(client: &Client, config: &Config) -> Result<Vec<D
         }
     }
     Ok(destinations)
+}
+
+/// What `destination` is: its configured address's kind, else the
+/// template's.
+fn kind_of(config: &Config, destination: &str) -> Option<Kind> {
+    match config.destinations.get(destination) {
+        Some(address) => Kind::of_address(address).ok(),
+        None => config.destination_template.as_ref().map(AddressTemplate::kind),
+    }
 }
 
 /// Ask the running relay on `addr` (its `/status`) for each destination's
@@ -373,14 +392,15 @@ pub fn format_status(s: &Status) -> String {
     }
     out += &format_slot(&s.slot);
     out += &format!(
-        "{:<24} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}\n",
-        "destination", "NEW", "spooled", "DEAD", "oldest NEW (s)", "held", "next due (s)"
+        "{:<24} {:<6} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}\n",
+        "destination", "kind", "NEW", "spooled", "DEAD", "oldest NEW (s)", "held", "next due (s)"
     );
     let secs = |v: Option<f64>| v.map(|a| format!("{a:.1}")).unwrap_or_else(|| "-".into());
     for d in &s.destinations {
         out += &format!(
-            "{:<24} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}{}\n",
+            "{:<24} {:<6} {:>10} {:>10} {:>10} {:>14} {:>10} {:>14}{}\n",
             d.destination,
+            d.kind.map_or("-", Kind::as_str),
             d.new,
             d.spooled,
             d.dead,
