@@ -5,9 +5,9 @@ use tokio_postgres::Client;
 
 use super::OpsError;
 use crate::config::{Config, Mode};
+use crate::db;
 use crate::publish::kind::Kind;
 use crate::publish::template::AddressTemplate;
-use crate::db;
 
 /// Format version of `status --json`; bumped only when a field changes meaning
 /// or disappears (new fields may be added).

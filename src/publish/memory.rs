@@ -50,6 +50,9 @@ struct Inner {
     broken: HashMap<String, CallError>,
     /// Destinations deleted: not found until added again.
     removed: std::collections::HashSet<String>,
+    /// The queues subscribed to a topic: each gets a copy of every message
+    /// the topic takes.
+    subscriptions: HashMap<String, Vec<String>>,
     calls: usize,
     /// Calls begun, including those held at the gate.
     started: usize,
@@ -87,6 +90,11 @@ impl MemoryPublisher {
     /// A topic (or a topic's attributes changed), as [`add_queue`](Self::add_queue).
     pub fn add_topic(&self, arn: &str, fifo: bool, max_message_size: usize) {
         self.add(Target::new(Kind::Topic, arn, fifo, max_message_size));
+    }
+
+    /// `queue` gets a copy of every message `topic` takes from now on.
+    pub fn subscribe(&self, topic: &str, queue: &str) {
+        self.inner.lock().unwrap().subscriptions.entry(topic.to_string()).or_default().push(queue.to_string());
     }
 
     /// A destination deleted: it answers as its service answers for one
@@ -199,7 +207,7 @@ impl MemoryPublisher {
         inner.batch_sizes.push(entries.len());
         let fault = inner.faults.pop_front();
         let failing: Vec<usize> = match &fault {
-            Some(Fault::FailCall(e)) => return Err(e.clone()),
+            Some(Fault::FailCall(e)) => return Err(CallError { code: dialect(target.kind, &e.code), ..e.clone() }),
             Some(Fault::FailEntries { positions, .. } | Fault::TooLong { positions }) => positions.clone(),
             None => vec![],
         };
@@ -213,13 +221,13 @@ impl MemoryPublisher {
             if failing.contains(&i) {
                 let Some(Fault::FailEntries { code, sender_fault, .. }) = &fault else { unreachable!() };
                 out.push(EntryResult::Failed {
-                    code: code.clone(),
+                    code: dialect(target.kind, code),
                     sender_fault: *sender_fault,
                     message: "injected".into(),
                 });
                 continue;
             }
-            inner.sent.entry(queue_url.to_string()).or_default().push(Sent {
+            let sent = Sent {
                 outbox_id: e.event.id,
                 event_id: e.event.event_id.clone(),
                 body: e.message_body().to_string(),
@@ -233,10 +241,25 @@ impl MemoryPublisher {
                     .iter()
                     .map(|a| (a.name.clone(), a.data_type.clone(), a.value.clone()))
                     .collect(),
-            });
+            };
+            let subscribers = inner.subscriptions.get(queue_url).cloned().unwrap_or_default();
+            for queue in subscribers {
+                inner.sent.entry(queue).or_default().push(sent.clone());
+            }
+            inner.sent.entry(queue_url.to_string()).or_default().push(sent);
             out.push(EntryResult::Sent);
         }
         Ok(out)
+    }
+}
+
+/// An injected code in the destination's service's words: SQS's
+/// `RequestThrottled` is SNS's `Throttled` (the faults are queued for
+/// whichever call comes next, of any kind).
+fn dialect(kind: Kind, code: &str) -> String {
+    match (kind, code) {
+        (Kind::Topic, "RequestThrottled") => "Throttled".into(),
+        _ => code.into(),
     }
 }
 

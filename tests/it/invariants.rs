@@ -653,16 +653,33 @@ mod workload {
     use testkit::process::{RelayConfig, RelayProcess};
     use testkit::proxy::Proxy;
 
-    /// The in-process workload's queues. The unsharded relay is configured
-    /// with the first three and finds `t1` and `t2` by its queue-URL template
-    /// ([`TEMPLATE`]), on first use; the shards are configured with all.
-    const QUEUES: [(&str, &str, bool); 5] = [
+    /// The in-process workload's destinations: queues, and SNS topics (a
+    /// standard one and a FIFO one, [`SUBSCRIBERS`] subscribed). The
+    /// unsharded relay is configured with all but `t1` and `t2`, which it
+    /// finds by its queue-URL template ([`TEMPLATE`]), on first use; the
+    /// shards are configured with all.
+    const QUEUES: [(&str, &str, bool); 7] = [
         ("a", "http://memory.invalid/a", false),
         ("b", "http://memory.invalid/b", false),
         ("f", "http://memory.invalid/f.fifo", true),
         ("t1", "http://memory.invalid/t1", false),
         ("t2", "http://memory.invalid/t2", false),
+        ("s", "arn:aws:sns:r:1:s", false),
+        ("sf", "arn:aws:sns:r:1:sf.fifo", true),
     ];
+
+    /// The queues subscribed to each topic of [`QUEUES`]: every event the
+    /// topic takes reaches each of them.
+    const SUBSCRIBERS: [(&str, &str); 3] = [
+        ("arn:aws:sns:r:1:s", "http://memory.invalid/s-sub1"),
+        ("arn:aws:sns:r:1:s", "http://memory.invalid/s-sub2"),
+        ("arn:aws:sns:r:1:sf.fifo", "http://memory.invalid/sf-sub.fifo"),
+    ];
+
+    /// Whether destination `d` keeps order per group (and needs group keys).
+    fn ordered(d: &str) -> bool {
+        QUEUES.iter().any(|(name, _, fifo)| *name == d && *fifo)
+    }
     const TEMPLATE: &str = "http://memory.invalid/{destination}";
 
     /// The end of a big row's event id: its body is 100 kB.
@@ -697,6 +714,9 @@ mod workload {
         throttles: usize,
         /// Rows of the mapped (Debezium) table.
         mapped: usize,
+        /// Events the topics took (the in-process variant), each on every
+        /// queue subscribed.
+        topics: usize,
         /// Big rows DEAD `too_large` once queue `b`'s size limit was
         /// lowered under the relays (the in-process variant).
         too_large: usize,
@@ -710,8 +730,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} to topics, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.topics, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
             )
         }
     }
@@ -744,16 +764,31 @@ mod workload {
         }
     }
 
-    /// FIFO order per group: on the FIFO queue, the first send of each row
+    /// FIFO order per group: on each FIFO destination (the queue, the
+    /// topic and the queue subscribed to it), the first send of each row
     /// of a group comes after the first send of every row committed before
     /// it in that group (rows with a `deliver_at` keep no order, by design;
     /// nor do transient rows committed while a relay polled, `unseen`:
     /// polling cannot see them, and they are sent once streaming resumes).
     fn fifo_order_kept(p: &MemoryPublisher, committed: &[Row], unseen: &HashSet<String>, seed: u64) {
-        let (_, f, _) = QUEUES.iter().find(|q| q.2).expect("a FIFO queue");
+        let fifo = QUEUES.iter().filter(|q| q.2).map(|(d, url, _)| (*d, *url));
+        let subscribed = SUBSCRIBERS.iter().filter(|(_, q)| q.ends_with(".fifo")).map(|(_, q)| ("sf", *q));
+        for (d, f) in fifo.chain(subscribed) {
+            order_kept_on(p, committed, unseen, (d, f), seed);
+        }
+    }
+
+    /// [`fifo_order_kept`] for destination `d`'s rows, as `f` received them.
+    fn order_kept_on(
+        p: &MemoryPublisher,
+        committed: &[Row],
+        unseen: &HashSet<String>,
+        (d, f): (&str, &str),
+        seed: u64,
+    ) {
         let order: HashMap<&str, usize> = committed
             .iter()
-            .filter(|r| r.3.is_none() && r.1 == "f" && !unseen.contains(&r.0))
+            .filter(|r| r.3.is_none() && r.1 == d && !unseen.contains(&r.0))
             .enumerate()
             .map(|(i, r)| (r.0.as_str(), i))
             .collect();
@@ -782,6 +817,20 @@ mod workload {
             }
             last_in_group.insert(group, (i, s.event_id));
         }
+    }
+
+    /// Every event a topic took reached each queue subscribed to it, and
+    /// nothing else did; how many events the topics took.
+    fn every_subscriber_has_every_event(p: &MemoryPublisher, seed: u64) -> usize {
+        let took = |address: &str| -> HashSet<String> { p.sent(address).into_iter().map(|s| s.event_id).collect() };
+        for (topic, queue) in SUBSCRIBERS {
+            assert_eq!(
+                took(queue),
+                took(topic),
+                "seed {seed}: {queue} subscribed to {topic}: every event the topic took, no other"
+            );
+        }
+        QUEUES.iter().filter(|(_, a, _)| a.starts_with("arn:")).map(|(_, a, _)| took(a).len()).sum()
     }
 
     /// The relays of one run: one for every destination, or two shards.
@@ -946,7 +995,7 @@ mod workload {
         let tx = c.transaction().await.ok()?;
         tx.execute(
             "INSERT INTO outbox (event_id, destination, body, group_key, deliver_at)
-             SELECT e, d, e || repeat('.', $3), CASE WHEN d = 'f' THEN 'g' || (length(e) % 3) END, $4
+             SELECT e, d, e || repeat('.', $3), CASE WHEN d IN ('f', 'sf') THEN 'g' || (length(e) % 3) END, $4
                FROM unnest($1::text[], $2::text[]) AS u(e, d)",
             &[&ids, &ds, &pad, &due],
         )
@@ -1526,7 +1575,14 @@ mod workload {
         let db = TestDb::on(&node.url("postgres"), &format!("random{seed}")).await;
         let p = MemoryPublisher::new();
         for (_, q, fifo) in QUEUES {
-            p.add_queue(q, fifo, 262_144);
+            if q.starts_with("arn:") {
+                p.add_topic(q, fifo, 262_144);
+            } else {
+                p.add_queue(q, fifo, 262_144);
+            }
+        }
+        for (topic, queue) in SUBSCRIBERS {
+            p.subscribe(topic, queue);
         }
         // A round trip, so lanes keep calls in flight and their limits grow.
         p.set_latency(Duration::from_millis(rng.random_range(0..8)));
@@ -1546,7 +1602,7 @@ mod workload {
         let mut relays = started_relays(&db, sharded, &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
-        let mut dests = vec!["a", "b", "f"];
+        let mut dests = vec!["a", "b", "f", "s", "sf"];
         if !sharded {
             // Looked up by the template: two queues, and one that is not.
             dests.extend(["t1", "t2", "nowhere"]);
@@ -1565,7 +1621,8 @@ mod workload {
             if relays.polling.iter().zip(&polled).any(|(now, before)| *now && !before) {
                 // A relay polls from now on: transient rows it had not sent
                 // are unseen until it streams again.
-                let sent: HashSet<String> = p.sent(QUEUES[2].1).into_iter().map(|s| s.event_id).collect();
+                let fifo = QUEUES.iter().filter(|q| q.2).flat_map(|(_, q, _)| p.sent(q));
+                let sent: HashSet<String> = fifo.map(|s| s.event_id).collect();
                 unseen.extend(committed.iter().filter(|r| r.2 && !sent.contains(&r.0)).map(|r| r.0.clone()));
             } else if relays.polling.iter().any(|p| *p) {
                 unseen.extend(committed[before..].iter().filter(|r| r.2).map(|r| r.0.clone()));
@@ -1602,6 +1659,7 @@ mod workload {
         let moved = env.moved.lock().unwrap().clone();
         none_early(&p, &committed, &moved, seed);
         fifo_order_kept(&p, &committed, &unseen, seed);
+        tally.topics = every_subscriber_has_every_event(&p, seed);
         tally.moved = moved.len();
         tally.delayed = committed.iter().filter(|r| r.3.is_some()).count();
         slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
@@ -1723,7 +1781,7 @@ mod workload {
                     }
                 }
                 7 if !relays.configs[0].mapped.is_empty() => {
-                    let standard: Vec<&str> = dests.iter().copied().filter(|d| *d != "f").collect();
+                    let standard: Vec<&str> = dests.iter().copied().filter(|d| !ordered(d)).collect();
                     match produce_topic_payload(c, rng, tag, &standard, false).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
