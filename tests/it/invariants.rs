@@ -1415,11 +1415,17 @@ mod workload {
             "lane_stall_timeout = \"2s\"\nlane_idle_timeout = \"500ms\"\nretry_base = \"200ms\"\nretry_max = \"1s\"\n[s3]\nbucket = \"{bucket}\"\nendpoint_url = \"{}\"\n[[outbox]]\ntable = \"app.outboxevent\"\npreset = \"debezium\"\n[[outbox]]\ntable = \"outbox_messages\"\npreset = \"topic-payload\"",
             s3_proxy.url
         );
-        let config = RelayConfig::through(&db, "cdc", &[("a", &a), ("f", &f)], &extra, &sqs_proxy.url);
+        // SNS topics too: a standard one with two raw subscriptions, a
+        // FIFO one with a FIFO queue subscribed (its order is checked).
+        let (s, sf) = (create_topic(&sqs, "sk_s", false).await, create_topic(&sqs, "sk_sf", true).await);
+        let s_subs = [subscribed_queue(&sqs, &s, "sk_s1", true).await, subscribed_queue(&sqs, &s, "sk_s2", true).await];
+        let sf_sub = subscribed_queue(&sqs, &sf, "sk_sf1", true).await;
+        let dests = [("a", a.as_str()), ("f", f.as_str()), ("s", s.as_str()), ("sf", sf.as_str())];
+        let config = RelayConfig::through(&db, "cdc", &dests, &extra, &sqs_proxy.url);
         let mut relay = Supervised { config, process: None, exits: 0 };
         relay.keep_running();
         wait_for("the slot exists", Duration::from_secs(60), || async { confirmed(&db, &db.slot).await > 0 }).await;
-        let dests = ["a", "f", "nowhere"];
+        let dests = ["a", "f", "s", "sf", "nowhere"];
         let mut tally = Tally::default();
         let mut committed = before_slot;
         for step in 0..steps {
@@ -1465,9 +1471,19 @@ mod workload {
             }
             relay.keep_running();
         }
+        let to = |d: &[&str]| -> HashSet<&str> {
+            committed.iter().filter(|r| d.contains(&r.1.as_str())).map(|r| r.0.as_str()).collect()
+        };
         let expect: HashSet<&str> = committed.iter().filter(|r| r.1 != "nowhere").map(|r| r.0.as_str()).collect();
+        let queued: HashSet<&str> = expect.difference(&to(&["s", "sf"])).copied().collect();
         let got;
-        (tally.offloaded, got) = all_received(&sqs, &[&a, &f], &mut relay, &expect, seed).await;
+        (tally.offloaded, got) = all_received(&sqs, &[&a, &f], &mut relay, &queued, seed).await;
+        for sub in &s_subs {
+            all_received(&sqs, &[sub], &mut relay, &to(&["s"]), seed).await;
+        }
+        let arrived = all_received_in_order(&sqs, &sf_sub, &mut relay, &to(&["sf"]), seed).await;
+        order_per_group_kept(&committed, "sf", &arrived, seed);
+        tally.topics = to(&["s", "sf"]).len();
         topic_payload_settled(&db, &got, seed).await;
         wait_for(&format!("seed {seed}: no row left NEW"), Duration::from_secs(60), || async {
             db.count("status = 'NEW'").await == 0
@@ -1518,6 +1534,56 @@ mod workload {
         let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
         assert!(missing.is_empty(), "seed {seed}: committed rows never delivered, e.g. {missing:?}");
         (through_s3, got)
+    }
+
+    /// Receive from `url` (keeping the relay running, 180 s at most) until
+    /// every row of `expect` came; the event ids and groups in the order
+    /// they came.
+    async fn all_received_in_order(
+        sqs: &outbox_relay::publish::aws::AwsPublisher,
+        url: &str,
+        relay: &mut Supervised,
+        expect: &HashSet<&str>,
+        seed: u64,
+    ) -> Vec<(String, Option<String>)> {
+        let mut arrived = Vec::new();
+        let mut got: HashSet<String> = HashSet::new();
+        let end = Instant::now() + Duration::from_secs(180);
+        while Instant::now() < end && !expect.iter().all(|e| got.contains(*e)) {
+            relay.keep_running();
+            for (body, group) in receive_round(sqs, url, 0).await.unwrap().messages {
+                let id = body.trim_end_matches('.').to_string();
+                got.insert(id.clone());
+                arrived.push((id, group));
+            }
+        }
+        let missing: Vec<&&str> = expect.iter().filter(|e| !got.contains(**e)).take(10).collect();
+        assert!(missing.is_empty(), "seed {seed}: committed rows never delivered to {url}, e.g. {missing:?}");
+        arrived
+    }
+
+    /// Each group of destination `d`'s rows arrived in commit order: the
+    /// first arrival of each row after the first arrival of every row
+    /// committed before it in its group (a later copy is at least once).
+    fn order_per_group_kept(committed: &[Row], d: &str, arrived: &[(String, Option<String>)], seed: u64) {
+        let order: HashMap<&str, usize> = committed
+            .iter()
+            .filter(|r| r.1 == d && r.3.is_none())
+            .enumerate()
+            .map(|(i, r)| (r.0.as_str(), i))
+            .collect();
+        let mut first: HashSet<&str> = HashSet::new();
+        let mut last: HashMap<&str, (usize, &str)> = HashMap::new();
+        for (id, group) in arrived {
+            let (Some(&i), Some(g)) = (order.get(id.as_str()), group.as_deref()) else { continue };
+            if !first.insert(id) {
+                continue;
+            }
+            if let Some((before, other)) = last.get(g) {
+                assert!(*before < i, "seed {seed}: group {g} of {d}: {other} arrived before {id}, committed earlier");
+            }
+            last.insert(g, (i, id));
+        }
     }
 
     /// Every row of `nowhere` (counted once) is DEAD with the unknown
