@@ -97,6 +97,10 @@ struct Args {
     /// trip (this many messages), and 5% of its calls throttled.
     #[arg(long)]
     hot_queue_only: Option<usize>,
+    /// Run only one SNS topic (ministack) drained by the relay beside a raw
+    /// `PublishBatch` client, with this many messages at each body size.
+    #[arg(long)]
+    topic_only: Option<usize>,
     /// Run only `--many-destinations` (a queue-URL template) through the SQS
     /// stand-in, at 2 and 20 rows/s each, for this many seconds each.
     #[arg(long)]
@@ -114,6 +118,8 @@ struct Args {
 mod hot_queue;
 #[path = "bench/many.rs"]
 mod many;
+#[path = "bench/topic.rs"]
+mod topic;
 
 fn now_us() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as i64
@@ -2170,6 +2176,13 @@ async fn main() {
         let (hot, throttled) = hot_queue_rows(&a, n).await;
         hot_queue::print_hot(&hot, &throttled);
         println!("{}", serde_json::to_string_pretty(&json!({ "hot_queue": hot, "throttled": throttled })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.topic_only {
+        let rows = topic::topic_drains(&a, &sqs, n, &[200, 4096]).await;
+        topic::print_topics(&rows);
+        println!("{}", serde_json::to_string_pretty(&json!({ "topic": rows })).unwrap());
         drop(stack_guard);
         return;
     }
