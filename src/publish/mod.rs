@@ -1,6 +1,6 @@
 //! The send stage: a destination's [`kind::Target`] (its [`kind`] and
 //! what it enforces), the [`entry::Entry`] made from a row for it, and the
-//! network call, one batch to one destination. [`sqs::AwsPublisher`] talks
+//! network call, one batch to one destination. [`aws::AwsPublisher`] talks
 //! to AWS (its SDK retries are off: [`crate::policy::retry`] is the only
 //! place that retries); [`memory::MemoryPublisher`] keeps messages in
 //! memory and injects faults, for tests.
