@@ -160,12 +160,12 @@ impl Metrics {
             mapped_table_trouble: IntGaugeVec::new(Opts::new(MAPPED_TABLE_TROUBLE, "1 while something an operator did stands in a mapped table's way (dropped, a column the mapping needs gone, a key that may be NULL, a grant missing, out of the publication: the log and `status` say what), 0 otherwise; every 15 s"), &["table"]).unwrap(),
             held_next_due_seconds: prometheus::GaugeVec::new(Opts::new(HELD_NEXT_DUE_SECONDS, "Seconds until the earliest held row of the destination is due (0 when none)"), &["destination"]).unwrap(),
             table_connections: IntGauge::new(TABLE_CONNECTIONS, "Connections the table path's lanes share, open now (at most max_table_connections; one unused for 30 s is closed)").unwrap(),
-            destination_info: IntGaugeVec::new(Opts::new(DESTINATION_INFO, "1 per destination the relay knows (configured, or looked up on first use): its kind (queue, topic) and whether it is FIFO"), &["destination", "kind", "fifo"]).unwrap(),
+            destination_info: IntGaugeVec::new(Opts::new(DESTINATION_INFO, "1 per destination the relay knows (configured, or looked up on first use): its kind (queue, topic, bus) and whether it is FIFO"), &["destination", "kind", "fifo"]).unwrap(),
             stream_lanes: IntGauge::new(STREAM_LANES, "Stream lanes open in this replication session (and destinations being looked up): one per destination with events within lane_idle_timeout or work not finished").unwrap(),
             table_lanes: IntGauge::new(TABLE_LANES, "Table-path lanes running (polling, or draining a spool beside the stream), sharing max_table_connections: one per destination with rows due in the table or a lane spooling").unwrap(),
             stream_held: IntGauge::new(STREAM_HELD, "1 while the server sends nothing of the slot's stream though this relay waits for it (the log names the cause): rows go to the outbox table meanwhile").unwrap(),
             stream_holds: IntCounter::new(STREAM_HOLDS_TOTAL, "Times a hold of the stream was named (the server sending nothing though rows are committed behind the slot, or no session streaming): each spooled every lane to the outbox table").unwrap(),
-            destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3, sqs or sns); absent while they succeed"), &["destination", "service"]).unwrap(),
+            destination_failing_since: prometheus::GaugeVec::new(Opts::new(DESTINATION_FAILING_SINCE_SECONDS, "Unix time since which the destination's sends fail and are retried, by service (s3, sqs, sns or events); absent while they succeed"), &["destination", "service"]).unwrap(),
             health: Default::default(),
             held_cause: std::sync::Mutex::new(None),
             ready: AtomicBool::new(false),
@@ -380,6 +380,8 @@ pub enum Service {
     Sqs,
     /// PublishBatch.
     Sns,
+    /// PutEvents.
+    Events,
     /// The objects of bodies through S3.
     S3,
 }
@@ -389,6 +391,7 @@ impl Service {
         match self {
             Service::Sqs => "sqs",
             Service::Sns => "sns",
+            Service::Events => "events",
             Service::S3 => "s3",
         }
     }

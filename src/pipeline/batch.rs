@@ -97,6 +97,7 @@ mod tests {
             dedup_id: None,
             offload: None,
             delay_seconds: None,
+            bus: None,
         }
     }
 

@@ -31,13 +31,19 @@ pub enum DeadCode {
     /// Routed by a topic-ARN template to a topic that does not exist, or by
     /// a name no topic can have.
     TopicNotFound,
+    /// EventBridge refused the entry for good.
+    BusRejected,
+    /// An event bus that does not exist.
+    BusNotFound,
+    /// A body an event bus cannot take as its `Detail` (not a JSON object).
+    InvalidDetail,
     /// A mapped table's row its mapping cannot read (no key, a column the
     /// mapping needs is gone, a value that is not text).
     UnreadableRow,
 }
 
 impl DeadCode {
-    pub const ALL: [DeadCode; 13] = [
+    pub const ALL: [DeadCode; 16] = [
         DeadCode::UnknownDestination,
         DeadCode::EmptyBody,
         DeadCode::InvalidCharacters,
@@ -50,6 +56,9 @@ impl DeadCode {
         DeadCode::QueueNotFound,
         DeadCode::SnsRejected,
         DeadCode::TopicNotFound,
+        DeadCode::BusRejected,
+        DeadCode::BusNotFound,
+        DeadCode::InvalidDetail,
         DeadCode::UnreadableRow,
     ];
 
@@ -68,6 +77,9 @@ impl DeadCode {
             DeadCode::QueueNotFound => "queue_not_found",
             DeadCode::SnsRejected => "sns_rejected",
             DeadCode::TopicNotFound => "topic_not_found",
+            DeadCode::BusRejected => "bus_rejected",
+            DeadCode::BusNotFound => "bus_not_found",
+            DeadCode::InvalidDetail => "invalid_detail",
             DeadCode::UnreadableRow => "unreadable_row",
         }
     }

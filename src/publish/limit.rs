@@ -129,6 +129,7 @@ mod tests {
             dedup_id: None,
             offload: None,
             delay_seconds: None,
+            bus: None,
         };
         let calls: Vec<_> = (0..3)
             .map(|i| {

@@ -87,6 +87,11 @@ impl MemoryPublisher {
         inner.queues.insert(target.address.clone(), target);
     }
 
+    /// An event bus, as [`add_queue`](Self::add_queue).
+    pub fn add_bus(&self, arn: &str) {
+        self.add(Target::new(Kind::Bus, arn, false, crate::publish::kind::bus::MAX_ENTRY_BYTES));
+    }
+
     /// A topic (or a topic's attributes changed), as [`add_queue`](Self::add_queue).
     pub fn add_topic(&self, arn: &str, fifo: bool, max_message_size: usize) {
         self.add(Target::new(Kind::Topic, arn, fifo, max_message_size));
@@ -268,6 +273,7 @@ fn not_found(kind: Kind, address: &str) -> CallError {
     let code = match kind {
         Kind::Queue => "AWS.SimpleQueueService.NonExistentQueue",
         Kind::Topic => "NotFound",
+        Kind::Bus => "ResourceNotFoundException",
     };
     CallError { code: code.into(), message: format!("no {kind} {address}"), sender_fault: true }
 }
@@ -282,6 +288,7 @@ fn too_long(kind: Kind, limit: usize) -> EntryResult {
         Kind::Topic => {
             ("InvalidParameter", format!("Invalid parameter: Message too long. Maximum size is {limit} bytes."))
         }
+        Kind::Bus => ("ValidationException", format!("Total size of the entries exceeds the limit of {limit} bytes.")),
     };
     EntryResult::Failed { code: code.into(), sender_fault: true, message }
 }

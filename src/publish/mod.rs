@@ -7,6 +7,7 @@
 
 pub mod aws;
 pub mod entry;
+pub mod events;
 pub mod kind;
 pub mod limit;
 #[cfg(any(test, feature = "test-utils"))]

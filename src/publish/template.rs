@@ -3,7 +3,7 @@
 //! topic-ARN template) of that name.
 
 use crate::policy::dead::DeadReason;
-use crate::publish::kind::{topic, Kind};
+use crate::publish::kind::{bus, topic, Kind};
 
 /// A queue URL or a topic ARN with `{destination}` (and optionally
 /// `{region}`) in it.
@@ -43,6 +43,7 @@ impl AddressTemplate {
         let checked = match self.kind {
             Kind::Queue => check_queue_name(destination),
             Kind::Topic => topic::check_name(destination),
+            Kind::Bus => bus::check_resource(&format!("event-bus/{destination}")),
         };
         if let Err(why) = checked {
             return Err(DeadReason::new(self.kind.rules().missing(), format!("destination {destination:?}: {why}")));

@@ -44,6 +44,15 @@ pub struct Entry {
     pub offload: Option<Arc<Offload>>,
     /// `DelaySeconds` (standard queues: [`crate::policy::delay`]).
     pub delay_seconds: Option<u32>,
+    /// An event bus's `Source` and `DetailType` (its `Detail` is the body).
+    pub bus: Option<Box<BusHeaders>>,
+}
+
+/// What an EventBridge entry carries beside its `Detail`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BusHeaders {
+    pub source: String,
+    pub detail_type: String,
 }
 
 impl Entry {
@@ -99,6 +108,7 @@ pub fn prepare_message(event: Arc<OutboxEvent>, queue: &MessageRules) -> Result<
         dedup_id: dedup,
         offload,
         delay_seconds: None,
+        bus: None,
     })
 }
 

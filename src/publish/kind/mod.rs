@@ -1,6 +1,6 @@
 //! A kind of destination: what its service enforces and how it answers.
 //! Each kind implements [`Rules`] once (SQS queues: [`queue::SqsQueue`],
-//! SNS topics: [`topic::SnsTopic`]);
+//! SNS topics: [`topic::SnsTopic`], EventBridge buses: [`bus::EventBus`]);
 //! the lanes, settlement, routing and spooling ask the destination's
 //! [`Target`] (a destination as its service describes it) and never name a
 //! service.
@@ -16,6 +16,7 @@
 //!
 //! The network call itself is the [`Publisher`](crate::publish::Publisher)'s.
 
+pub mod bus;
 pub mod queue;
 pub mod topic;
 
@@ -37,10 +38,12 @@ pub enum Kind {
     Queue,
     /// An Amazon SNS topic, by its ARN.
     Topic,
+    /// An Amazon EventBridge event bus, by its ARN.
+    Bus,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::Queue, Kind::Topic];
+    pub const ALL: [Kind; 3] = [Kind::Queue, Kind::Topic, Kind::Bus];
 
     /// The kind a configured address names: a queue's URL, a topic's ARN.
     pub fn of_address(address: &str) -> Result<Kind, String> {
@@ -50,12 +53,13 @@ impl Kind {
         if let Some(arn) = Arn::parse(address) {
             return match arn.service {
                 "sns" => topic::check_name(arn.resource).map(|()| Kind::Topic),
-                other => Err(format!("{address:?}: an ARN of {other:?}; a destination is an SQS queue's URL or an SNS topic's ARN (arn:aws:sns:<region>:<account>:<topic>)")),
+                "events" => bus::check_resource(arn.resource).map(|()| Kind::Bus),
+                other => Err(format!("{address:?}: an ARN of {other:?}; a destination is an SQS queue's URL, an SNS topic's ARN (arn:aws:sns:<region>:<account>:<topic>) or an event bus's (arn:aws:events:<region>:<account>:event-bus/<name>)")),
             };
         }
         Err(format!(
             "{address:?} is not a destination's address: a queue URL must start with https:// \
-             (or http:// for a local endpoint), a topic's ARN with arn:aws:sns:"
+             (or http:// for a local endpoint), a topic's ARN with arn:aws:sns:, an event bus's with arn:aws:events:"
         ))
     }
 
@@ -64,6 +68,7 @@ impl Kind {
         match self {
             Kind::Queue => &queue::SqsQueue,
             Kind::Topic => &topic::SnsTopic,
+            Kind::Bus => &bus::EventBus,
         }
     }
 
@@ -71,6 +76,7 @@ impl Kind {
         match self {
             Kind::Queue => "queue",
             Kind::Topic => "topic",
+            Kind::Bus => "bus",
         }
     }
 }
@@ -162,7 +168,7 @@ pub trait Rules: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct Target {
     pub kind: Kind,
-    /// A queue's URL, a topic's ARN.
+    /// A queue's URL, a topic's or a bus's ARN.
     pub address: String,
     /// Order per group: a FIFO queue or topic.
     pub fifo: bool,
