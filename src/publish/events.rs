@@ -10,8 +10,19 @@ use super::sdk::call_error;
 use super::{CallError, EntryResult};
 
 /// A bus, if it exists (a bus keeps no order; its limit is EventBridge's).
+/// Asked by its ARN (a bus of another account), then by its name: some
+/// compatible servers know a bus by its name only.
 pub(super) async fn describe(client: &aws_sdk_eventbridge::Client, bus_arn: &str) -> Result<Target, CallError> {
-    client.describe_event_bus().name(bus_arn).send().await.map_err(call_error)?;
+    let by_arn = client.describe_event_bus().name(bus_arn).send().await.map_err(call_error);
+    if let Err(e) = by_arn {
+        let name = bus_arn.split_once(":event-bus/").map(|(_, name)| name);
+        match name {
+            Some(name) if e.code == "ResourceNotFoundException" => {
+                client.describe_event_bus().name(name).send().await.map_err(call_error)?;
+            }
+            _ => return Err(e),
+        }
+    }
     Ok(Target::new(Kind::Bus, bus_arn, false, MAX_ENTRY_BYTES))
 }
 

@@ -4,6 +4,7 @@
 //! (testkit/). Filters are substrings of the path:
 //! `cargo test --release --test it -- end_to_end:: tls::`.
 
+mod buses;
 mod degraded;
 mod delay;
 mod end_to_end;
