@@ -259,11 +259,15 @@ impl MemoryPublisher {
 }
 
 /// An injected code in the destination's service's words: SQS's
-/// `RequestThrottled` is SNS's `Throttled` (the faults are queued for
-/// whichever call comes next, of any kind).
+/// `RequestThrottled` is SNS's `Throttled` and EventBridge's
+/// `ThrottlingException`, its `InternalError` EventBridge's
+/// `InternalFailure` (the faults are queued for whichever call comes next,
+/// of any kind).
 fn dialect(kind: Kind, code: &str) -> String {
     match (kind, code) {
         (Kind::Topic, "RequestThrottled") => "Throttled".into(),
+        (Kind::Bus, "RequestThrottled") => "ThrottlingException".into(),
+        (Kind::Bus, "InternalError") => "InternalFailure".into(),
         _ => code.into(),
     }
 }

@@ -653,12 +653,13 @@ mod workload {
     use testkit::process::{RelayConfig, RelayProcess};
     use testkit::proxy::Proxy;
 
-    /// The in-process workload's destinations: queues, and SNS topics (a
-    /// standard one and a FIFO one, [`SUBSCRIBERS`] subscribed). The
+    /// The in-process workload's destinations: queues, SNS topics (a
+    /// standard one and a FIFO one, [`SUBSCRIBERS`] subscribed) and an
+    /// EventBridge bus. The
     /// unsharded relay is configured with all but `t1` and `t2`, which it
     /// finds by its queue-URL template ([`TEMPLATE`]), on first use; the
     /// shards are configured with all.
-    const QUEUES: [(&str, &str, bool); 7] = [
+    const QUEUES: [(&str, &str, bool); 8] = [
         ("a", "http://memory.invalid/a", false),
         ("b", "http://memory.invalid/b", false),
         ("f", "http://memory.invalid/f.fifo", true),
@@ -666,7 +667,15 @@ mod workload {
         ("t2", "http://memory.invalid/t2", false),
         ("s", "arn:aws:sns:r:1:s", false),
         ("sf", "arn:aws:sns:r:1:sf.fifo", true),
+        ("e", "arn:aws:events:r:1:event-bus/e", false),
     ];
+
+    /// Whether destination `d` is an event bus: its rows' bodies are JSON
+    /// objects (the relay's table only: the mapped tables' producers write
+    /// JSON strings, which a bus refuses).
+    fn bus(d: &str) -> bool {
+        QUEUES.iter().any(|(name, address, _)| *name == d && address.contains(":event-bus/"))
+    }
 
     /// The queues subscribed to each topic of [`QUEUES`]: every event the
     /// topic takes reaches each of them.
@@ -717,6 +726,8 @@ mod workload {
         /// Events the topics took (the in-process variant), each on every
         /// queue subscribed.
         topics: usize,
+        /// Events the bus took (the in-process variant).
+        buses: usize,
         /// Big rows DEAD `too_large` once queue `b`'s size limit was
         /// lowered under the relays (the in-process variant).
         too_large: usize,
@@ -730,8 +741,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} to topics, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.topics, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} to topics, {} to a bus, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
+                self.delivered, self.transient, self.mapped, self.topics, self.buses, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
             )
         }
     }
@@ -830,7 +841,7 @@ mod workload {
                 "seed {seed}: {queue} subscribed to {topic}: every event the topic took, no other"
             );
         }
-        QUEUES.iter().filter(|(_, a, _)| a.starts_with("arn:")).map(|(_, a, _)| took(a).len()).sum()
+        QUEUES.iter().filter(|(_, a, _)| a.starts_with("arn:aws:sns:")).map(|(_, a, _)| took(a).len()).sum()
     }
 
     /// The relays of one run: one for every destination, or two shards.
@@ -995,7 +1006,8 @@ mod workload {
         let tx = c.transaction().await.ok()?;
         tx.execute(
             "INSERT INTO outbox (event_id, destination, body, group_key, deliver_at)
-             SELECT e, d, e || repeat('.', $3), CASE WHEN d IN ('f', 'sf') THEN 'g' || (length(e) % 3) END, $4
+             SELECT e, d, CASE WHEN d = 'e' THEN json_build_object('e', e, 'pad', repeat('.', $3))::text ELSE e || repeat('.', $3) END,
+                    CASE WHEN d IN ('f', 'sf') THEN 'g' || (length(e) % 3) END, $4
                FROM unnest($1::text[], $2::text[]) AS u(e, d)",
             &[&ids, &ds, &pad, &due],
         )
@@ -1641,7 +1653,9 @@ mod workload {
         let db = TestDb::on(&node.url("postgres"), &format!("random{seed}")).await;
         let p = MemoryPublisher::new();
         for (_, q, fifo) in QUEUES {
-            if q.starts_with("arn:") {
+            if q.contains(":event-bus/") {
+                p.add_bus(q);
+            } else if q.starts_with("arn:") {
                 p.add_topic(q, fifo, 262_144);
             } else {
                 p.add_queue(q, fifo, 262_144);
@@ -1668,7 +1682,7 @@ mod workload {
         let mut relays = started_relays(&db, sharded, &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
-        let mut dests = vec!["a", "b", "f", "s", "sf"];
+        let mut dests = vec!["a", "b", "f", "s", "sf", "e"];
         if !sharded {
             // Looked up by the template: two queues, and one that is not.
             dests.extend(["t1", "t2", "nowhere"]);
@@ -1726,6 +1740,8 @@ mod workload {
         none_early(&p, &committed, &moved, seed);
         fifo_order_kept(&p, &committed, &unseen, seed);
         tally.topics = every_subscriber_has_every_event(&p, seed);
+        let on_bus = QUEUES.iter().filter(|(d, _, _)| bus(d)).flat_map(|(_, a, _)| p.sent(a));
+        tally.buses = on_bus.map(|s| s.event_id).collect::<HashSet<_>>().len();
         tally.moved = moved.len();
         tally.delayed = committed.iter().filter(|r| r.3.is_some()).count();
         slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
@@ -1795,6 +1811,7 @@ mod workload {
             tag: &str,
             dests: &[&str],
         ) -> Option<Vec<Row>> {
+            let mapped: Vec<&str> = dests.iter().copied().filter(|d| !bus(d)).collect();
             match rng.random_range(0..15) {
                 14 => {
                     throttle_burst(self.p, rng);
@@ -1841,13 +1858,13 @@ mod workload {
                     self.lowered.store(true, std::sync::atomic::Ordering::Relaxed);
                 }
                 5 | 6 if !relays.configs[0].mapped.is_empty() => {
-                    match produce_debezium(c, rng, tag, dests, false).await {
+                    match produce_debezium(c, rng, tag, &mapped, false).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
                     }
                 }
                 7 if !relays.configs[0].mapped.is_empty() => {
-                    let standard: Vec<&str> = dests.iter().copied().filter(|d| !ordered(d)).collect();
+                    let standard: Vec<&str> = mapped.iter().copied().filter(|d| !ordered(d)).collect();
                     match produce_topic_payload(c, rng, tag, &standard, false).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
@@ -1855,7 +1872,7 @@ mod workload {
                 }
                 8 if !relays.configs[0].mapped.is_empty() => {
                     tally.operations += 1;
-                    match operate(c, rng, tag, dests).await {
+                    match operate(c, rng, tag, &mapped).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
                     }
