@@ -202,7 +202,7 @@ pub struct Config {
     pub sqs_assume_role_arn: Option<String>,
     /// Tables teams already have, read as outbox rows (`[[outbox]]`).
     pub mapped: Vec<crate::mapping::Mapping>,
-    /// Lane name → queue URL.
+    /// Lane name → its address: a queue URL, or a topic or event bus ARN.
     pub destinations: BTreeMap<String, String>,
     /// `sqs.queue_url_template` or `sns.topic_arn_template`: destinations
     /// beyond `destinations`.
