@@ -232,29 +232,33 @@ impl MemoryPublisher {
                 });
                 continue;
             }
-            let sent = Sent {
-                outbox_id: e.event.id,
-                event_id: e.event.event_id.clone(),
-                body: e.message_body().to_string(),
-                group_id: e.group_id.clone(),
-                dedup_id: e.dedup_id.clone(),
-                trace_header: e.trace_header.clone(),
-                delay_seconds: e.delay_seconds,
-                at: std::time::SystemTime::now(),
-                attributes: e
-                    .attributes
-                    .iter()
-                    .map(|a| (a.name.clone(), a.data_type.clone(), a.value.clone()))
-                    .collect(),
-            };
-            let subscribers = inner.subscriptions.get(queue_url).cloned().unwrap_or_default();
-            for queue in subscribers {
-                inner.sent.entry(queue).or_default().push(sent.clone());
-            }
-            inner.sent.entry(queue_url.to_string()).or_default().push(sent);
+            inner.deliver(queue_url, e);
             out.push(EntryResult::Sent);
         }
         Ok(out)
+    }
+}
+
+impl Inner {
+    /// `e` taken by the destination at `address`, and by every queue
+    /// subscribed to it.
+    fn deliver(&mut self, address: &str, e: &Entry) {
+        let sent = Sent {
+            outbox_id: e.event.id,
+            event_id: e.event.event_id.clone(),
+            body: e.message_body().to_string(),
+            group_id: e.group_id.clone(),
+            dedup_id: e.dedup_id.clone(),
+            trace_header: e.trace_header.clone(),
+            delay_seconds: e.delay_seconds,
+            at: std::time::SystemTime::now(),
+            attributes: e.attributes.iter().map(|a| (a.name.clone(), a.data_type.clone(), a.value.clone())).collect(),
+        };
+        let subscribers = self.subscriptions.get(address).cloned().unwrap_or_default();
+        for queue in subscribers {
+            self.sent.entry(queue).or_default().push(sent.clone());
+        }
+        self.sent.entry(address.to_string()).or_default().push(sent);
     }
 }
 
