@@ -695,6 +695,72 @@ mod tests {
         lane.await.unwrap();
     }
 
+    /// The same outage of each kind of destination, in its service's words
+    /// (a permission refused, the destination deleted, throttled): every
+    /// entry is retried and published once the destination answers, none
+    /// DEAD; and what each service refuses for good is DEAD with its kind's
+    /// code.
+    #[tokio::test]
+    async fn every_kind_retries_its_outages_and_kills_its_refusals() {
+        use crate::policy::dead::DeadCode;
+        use crate::publish::kind::Kind;
+        let kinds = [
+            (
+                Kind::Queue,
+                Q,
+                ["AccessDenied", "AWS.SimpleQueueService.NonExistentQueue", "RequestThrottled"],
+                "InvalidMessageContents",
+                DeadCode::SqsRejected,
+            ),
+            (
+                Kind::Topic,
+                "arn:aws:sns:r:1:orders",
+                ["AuthorizationError", "NotFound", "Throttled"],
+                "InvalidParameter",
+                DeadCode::SnsRejected,
+            ),
+            (
+                Kind::Bus,
+                "arn:aws:events:r:1:event-bus/orders",
+                ["AccessDeniedException", "ResourceNotFoundException", "ThrottlingException"],
+                "MalformedDetail",
+                DeadCode::BusRejected,
+            ),
+        ];
+        for (kind, address, outages, refusal, dead) in kinds {
+            let p = MemoryPublisher::new();
+            let target = Target::new(kind, address, false, 1 << 20);
+            let metrics = Metrics::new();
+            let mut cfg = streaming_lane(4, Duration::from_millis(5), Duration::from_millis(20));
+            cfg.target = target.clone();
+            let (tx, rx) = mpsc::channel(16);
+            let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
+            let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, None));
+            for code in outages {
+                p.push_fault(Fault::FailCall(CallError { code: code.into(), message: "m".into(), sender_fault: true }));
+            }
+            p.push_fault(Fault::FailEntries { positions: vec![0], code: refusal.into(), sender_fault: true });
+            let ev = |id: i64| Arc::new(OutboxEvent::for_test(id, "orders", &format!("{{\"n\": {id}}}")));
+            tx.send(LaneItem::new(target.prepare(ev(1)).unwrap(), None, None)).await.unwrap();
+            tx.send(LaneItem::new(target.prepare(ev(2)).unwrap(), None, None)).await.unwrap();
+            let mut outcomes = Vec::new();
+            for _ in 0..2 {
+                let s = settle_rx.recv().await.unwrap();
+                outcomes.push((s.event.id, s.outcome));
+            }
+            outcomes.sort_by_key(|(id, _)| *id);
+            let dead_ones: Vec<&DeadCode> = outcomes
+                .iter()
+                .filter_map(|(_, o)| if let Outcome::Dead(r) = o { Some(&r.code) } else { None })
+                .collect();
+            assert_eq!(dead_ones, [&dead], "{kind}: only the refused entry, with its kind's code: {outcomes:?}");
+            assert!(outcomes.iter().any(|(_, o)| matches!(o, Outcome::Published)), "{kind}: {outcomes:?}");
+            assert_eq!(p.sent(address).len(), 1, "{kind}");
+            drop(tx);
+            lane.await.unwrap();
+        }
+    }
+
     /// An idle adaptive lane sends a chunk whole once its end arrives, even
     /// if it wakes at the chunk's first entry (the linger here never ends).
     #[tokio::test]
