@@ -114,11 +114,8 @@ struct Args {
     serve_standin: Option<u64>,
 }
 
-#[path = "bench/hot_queue.rs"]
 mod hot_queue;
-#[path = "bench/many.rs"]
 mod many;
-#[path = "bench/topic.rs"]
 mod topic;
 
 fn now_us() -> i64 {
