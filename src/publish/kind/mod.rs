@@ -43,9 +43,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Queue, Kind::Topic, Kind::Bus];
-
-    /// The kind a configured address names: a queue's URL, a topic's ARN.
+    /// The kind a configured address names: a queue's URL, a topic's or an
+    /// event bus's ARN.
     pub fn of_address(address: &str) -> Result<Kind, String> {
         if address.starts_with("https://") || address.starts_with("http://") {
             return Ok(Kind::Queue);
