@@ -133,7 +133,7 @@ impl Destinations {
         let answer = tokio::time::timeout(READ_TIMEOUT, self.publisher.describe(rules.kind(), &url)).await;
         match answer {
             Ok(Ok(info)) => Resolved::Ready(self.add(name, (self.prepare)(name, info))),
-            Ok(Err(e)) => match classify_lookup(rules.failure(&e.code, e.sender_fault, &e.message)) {
+            Ok(Err(e)) => match classify_lookup(rules.codes().failure(&e.code, e.sender_fault, &e.message)) {
                 Lookup::Missing => {
                     let reason = DeadReason::new(
                         rules.missing(),

@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use super::{BatchLimits, Failure, Kind, Rules, Target};
+use super::{BatchLimits, Codes, Kind, Rules, Target};
 use crate::event::OutboxEvent;
 use crate::metrics::Service;
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -73,8 +73,8 @@ impl Rules for EventBus {
         BatchLimits { entries: 10, bytes: MAX_ENTRY_BYTES }
     }
 
-    fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
-        failure(code, sender_fault, message)
+    fn codes(&self) -> &'static Codes {
+        &CODES
     }
 
     fn delays(&self, _: &Target) -> bool {
@@ -201,25 +201,21 @@ const PASSING: &[&str] = &[
     "RequestCanceled",
 ];
 
-/// What an EventBridge error means.
-pub fn failure(code: &str, sender_fault: bool, message: &str) -> Failure {
-    let lower = message.to_ascii_lowercase();
-    if SLOW_DOWN.contains(&code) {
-        Failure::Throttled
-    } else if MISSING.contains(&code) {
-        Failure::Missing
-    } else if PASSING.contains(&code) || !sender_fault {
-        Failure::Passing
-    } else if lower.contains("size") && (lower.contains("exceed") || lower.contains("too large")) {
-        Failure::TooLong
-    } else {
-        Failure::Refused
-    }
-}
+/// EventBridge's error codes.
+pub const CODES: Codes = Codes {
+    slow_down: SLOW_DOWN,
+    missing: MISSING,
+    passing: PASSING,
+    too_long: |_, message| {
+        let lower = message.to_ascii_lowercase();
+        lower.contains("size") && (lower.contains("exceed") || lower.contains("too large"))
+    },
+};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::kind::Failure;
 
     fn bus() -> Target {
         Target::new(Kind::Bus, "arn:aws:events:eu-west-1:1:event-bus/orders", false, MAX_ENTRY_BYTES)
@@ -281,18 +277,18 @@ mod tests {
 
     #[test]
     fn eventbridge_codes() {
-        assert_eq!(failure("ThrottlingException", true, ""), Failure::Throttled);
-        assert_eq!(failure("ResourceNotFoundException", true, "Event bus x does not exist."), Failure::Missing);
-        assert_eq!(failure("AccessDeniedException", true, ""), Failure::Passing);
-        assert_eq!(failure("InternalFailure", true, ""), Failure::Passing);
+        assert_eq!(CODES.failure("ThrottlingException", true, ""), Failure::Throttled);
+        assert_eq!(CODES.failure("ResourceNotFoundException", true, "Event bus x does not exist."), Failure::Missing);
+        assert_eq!(CODES.failure("AccessDeniedException", true, ""), Failure::Passing);
+        assert_eq!(CODES.failure("InternalFailure", true, ""), Failure::Passing);
         assert_eq!(
-            failure(
+            CODES.failure(
                 "ValidationException",
                 true,
                 "Total size of the entries in the request is over the limit (exceeds)"
             ),
             Failure::TooLong
         );
-        assert_eq!(failure("MalformedDetail", true, "Detail is malformed."), Failure::Refused);
+        assert_eq!(CODES.failure("MalformedDetail", true, "Detail is malformed."), Failure::Refused);
     }
 }

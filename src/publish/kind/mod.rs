@@ -8,7 +8,7 @@
 //! What a kind decides:
 //! - the entry made from a row, or why the row is DEAD ([`Rules::prepare`]);
 //! - the batch it takes ([`Rules::batch_limits`]);
-//! - what its service's error codes mean ([`Rules::failure`]), in the
+//! - what its service's error codes mean ([`Rules::codes`]), in the
 //!   relay's words ([`Failure`]); what is then done about them is
 //!   [`crate::policy::retry`]'s, the same for every kind;
 //! - the DEAD codes of a refused entry and of a destination that does not
@@ -114,6 +114,39 @@ impl std::fmt::Display for Kind {
     }
 }
 
+/// A service's error codes, in the relay's words: one classification of
+/// every kind's answers ([`Codes::failure`]), each kind its own lists.
+pub struct Codes {
+    /// "Slow down", even when marked as the sender's fault.
+    pub slow_down: &'static [&'static str],
+    /// The destination does not exist.
+    pub missing: &'static [&'static str],
+    /// The service's own trouble, and what an operator must mend, whoever
+    /// is said to be at fault.
+    pub passing: &'static [&'static str],
+    /// Whether a refusal (code, message) says the entry is longer than the
+    /// destination takes.
+    pub too_long: fn(&str, &str) -> bool,
+}
+
+impl Codes {
+    /// What `code` (with whether the service blamed the sender, and its
+    /// message) means.
+    pub fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
+        if self.slow_down.contains(&code) {
+            Failure::Throttled
+        } else if self.missing.contains(&code) {
+            Failure::Missing
+        } else if self.passing.contains(&code) || !sender_fault {
+            Failure::Passing
+        } else if (self.too_long)(code, message) {
+            Failure::TooLong
+        } else {
+            Failure::Refused
+        }
+    }
+}
+
 /// How much one batch may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchLimits {
@@ -134,9 +167,8 @@ pub trait Rules: Send + Sync + 'static {
     /// The most one call to `target` takes.
     fn batch_limits(&self, target: &Target) -> BatchLimits;
 
-    /// What the service's `code` (with whether it blamed the sender, and its
-    /// message) means.
-    fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure;
+    /// What the service's error codes mean.
+    fn codes(&self) -> &'static Codes;
 
     /// Whether a row may be sent before its `deliver_at` with the service
     /// holding it until then (a standard queue's `DelaySeconds`): otherwise
@@ -230,7 +262,7 @@ impl Target {
 
     /// What the service's answer means.
     pub fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
-        self.rules().failure(code, sender_fault, message)
+        self.rules().codes().failure(code, sender_fault, message)
     }
 
     /// The DEAD reason of an entry the service refused for good.

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::{BatchLimits, Failure, Kind, Rules, Target};
+use super::{BatchLimits, Codes, Kind, Rules, Target};
 use crate::event::OutboxEvent;
 use crate::metrics::Service;
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -40,8 +40,8 @@ impl Rules for SqsQueue {
         BATCH_LIMITS
     }
 
-    fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
-        failure(code, sender_fault, message)
+    fn codes(&self) -> &'static Codes {
+        &CODES
     }
 
     fn delays(&self, target: &Target) -> bool {
@@ -117,40 +117,34 @@ const PASSING: &[&str] = &[
 const TOO_LONG: &[&str] = &["InvalidParameterValue", "InvalidParameterValueException", "MessageTooLong"];
 const TOO_LONG_TEXT: &str = "must be shorter than";
 
-/// What an SQS error means.
-pub fn failure(code: &str, sender_fault: bool, message: &str) -> Failure {
-    if SLOW_DOWN.contains(&code) {
-        Failure::Throttled
-    } else if MISSING.contains(&code) {
-        Failure::Missing
-    } else if PASSING.contains(&code) || !sender_fault {
-        Failure::Passing
-    } else if TOO_LONG.contains(&code) && message.contains(TOO_LONG_TEXT) {
-        Failure::TooLong
-    } else {
-        Failure::Refused
-    }
-}
+/// SQS's error codes.
+pub const CODES: Codes = Codes {
+    slow_down: SLOW_DOWN,
+    missing: MISSING,
+    passing: PASSING,
+    too_long: |code, message| TOO_LONG.contains(&code) && message.contains(TOO_LONG_TEXT),
+};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::kind::Failure;
 
     #[test]
     fn sqs_codes() {
-        assert_eq!(failure("InvalidMessageContents", true, ""), Failure::Refused);
-        assert_eq!(failure("MissingParameter", true, ""), Failure::Refused);
-        assert_eq!(failure("RequestThrottled", true, ""), Failure::Throttled);
-        assert_eq!(failure("KMS.ThrottlingException", false, ""), Failure::Throttled);
-        assert_eq!(failure("InternalError", false, ""), Failure::Passing);
-        assert_eq!(failure("Anything", false, ""), Failure::Passing);
-        assert_eq!(failure("AccessDenied", true, ""), Failure::Passing);
-        assert_eq!(failure("transport", false, ""), Failure::Passing);
-        assert_eq!(failure("AWS.SimpleQueueService.NonExistentQueue", true, ""), Failure::Missing);
-        assert_eq!(failure("QueueDoesNotExist", false, ""), Failure::Missing);
+        assert_eq!(CODES.failure("InvalidMessageContents", true, ""), Failure::Refused);
+        assert_eq!(CODES.failure("MissingParameter", true, ""), Failure::Refused);
+        assert_eq!(CODES.failure("RequestThrottled", true, ""), Failure::Throttled);
+        assert_eq!(CODES.failure("KMS.ThrottlingException", false, ""), Failure::Throttled);
+        assert_eq!(CODES.failure("InternalError", false, ""), Failure::Passing);
+        assert_eq!(CODES.failure("Anything", false, ""), Failure::Passing);
+        assert_eq!(CODES.failure("AccessDenied", true, ""), Failure::Passing);
+        assert_eq!(CODES.failure("transport", false, ""), Failure::Passing);
+        assert_eq!(CODES.failure("AWS.SimpleQueueService.NonExistentQueue", true, ""), Failure::Missing);
+        assert_eq!(CODES.failure("QueueDoesNotExist", false, ""), Failure::Missing);
         let too_long = "One or more parameters are invalid. Reason: Message must be shorter than 65536 bytes.";
-        assert_eq!(failure("InvalidParameterValue", true, too_long), Failure::TooLong);
-        assert_eq!(failure("InvalidParameterValue", true, "Reason: invalid attribute"), Failure::Refused);
-        assert_eq!(failure("BatchRequestTooLong", true, ""), Failure::Refused);
+        assert_eq!(CODES.failure("InvalidParameterValue", true, too_long), Failure::TooLong);
+        assert_eq!(CODES.failure("InvalidParameterValue", true, "Reason: invalid attribute"), Failure::Refused);
+        assert_eq!(CODES.failure("BatchRequestTooLong", true, ""), Failure::Refused);
     }
 }

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use super::{BatchLimits, Failure, Kind, Rules, Target};
+use super::{BatchLimits, Codes, Kind, Rules, Target};
 use crate::event::OutboxEvent;
 use crate::metrics::Service;
 use crate::policy::dead::{DeadCode, DeadReason};
@@ -53,8 +53,8 @@ impl Rules for SnsTopic {
         BatchLimits { entries: MAX_BATCH_ENTRIES, bytes: target.max_message_size() }
     }
 
-    fn failure(&self, code: &str, sender_fault: bool, message: &str) -> Failure {
-        failure(code, sender_fault, message)
+    fn codes(&self) -> &'static Codes {
+        &CODES
     }
 
     fn delays(&self, _: &Target) -> bool {
@@ -139,24 +139,18 @@ const PASSING: &[&str] = &[
 const TOO_LONG: &[&str] = &["InvalidParameter", "InvalidParameterException", "InvalidParameterValue"];
 const TOO_LONG_TEXT: &str = "too long";
 
-/// What an SNS error means.
-pub fn failure(code: &str, sender_fault: bool, message: &str) -> Failure {
-    if SLOW_DOWN.contains(&code) {
-        Failure::Throttled
-    } else if MISSING.contains(&code) {
-        Failure::Missing
-    } else if PASSING.contains(&code) || !sender_fault {
-        Failure::Passing
-    } else if TOO_LONG.contains(&code) && message.to_ascii_lowercase().contains(TOO_LONG_TEXT) {
-        Failure::TooLong
-    } else {
-        Failure::Refused
-    }
-}
+/// SNS's error codes.
+pub const CODES: Codes = Codes {
+    slow_down: SLOW_DOWN,
+    missing: MISSING,
+    passing: PASSING,
+    too_long: |code, message| TOO_LONG.contains(&code) && message.to_ascii_lowercase().contains(TOO_LONG_TEXT),
+};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::publish::kind::Failure;
 
     fn topic(fifo: bool) -> Target {
         let arn = if fifo { "arn:aws:sns:eu-west-1:1:t.fifo" } else { "arn:aws:sns:eu-west-1:1:t" };
@@ -165,18 +159,22 @@ mod tests {
 
     #[test]
     fn sns_codes() {
-        assert_eq!(failure("Throttled", true, ""), Failure::Throttled);
-        assert_eq!(failure("KMSThrottling", true, ""), Failure::Throttled);
-        assert_eq!(failure("NotFound", true, "Topic does not exist"), Failure::Missing);
-        assert_eq!(failure("AuthorizationError", true, ""), Failure::Passing);
-        assert_eq!(failure("InternalError", false, ""), Failure::Passing);
-        assert_eq!(failure("transport", false, ""), Failure::Passing);
+        assert_eq!(CODES.failure("Throttled", true, ""), Failure::Throttled);
+        assert_eq!(CODES.failure("KMSThrottling", true, ""), Failure::Throttled);
+        assert_eq!(CODES.failure("NotFound", true, "Topic does not exist"), Failure::Missing);
+        assert_eq!(CODES.failure("AuthorizationError", true, ""), Failure::Passing);
+        assert_eq!(CODES.failure("InternalError", false, ""), Failure::Passing);
+        assert_eq!(CODES.failure("transport", false, ""), Failure::Passing);
         assert_eq!(
-            failure("InvalidParameter", true, "Invalid parameter: Message too long. Maximum size is 262144 bytes."),
+            CODES.failure(
+                "InvalidParameter",
+                true,
+                "Invalid parameter: Message too long. Maximum size is 262144 bytes."
+            ),
             Failure::TooLong
         );
-        assert_eq!(failure("InvalidParameter", true, "Invalid parameter: MessageGroupId"), Failure::Refused);
-        assert_eq!(failure("BatchRequestTooLong", true, ""), Failure::Refused);
+        assert_eq!(CODES.failure("InvalidParameter", true, "Invalid parameter: MessageGroupId"), Failure::Refused);
+        assert_eq!(CODES.failure("BatchRequestTooLong", true, ""), Failure::Refused);
     }
 
     #[test]
