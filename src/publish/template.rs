@@ -3,7 +3,7 @@
 //! topic-ARN template) of that name.
 
 use crate::policy::dead::DeadReason;
-use crate::publish::kind::{bus, topic, Kind};
+use crate::publish::kind::{bus, check_name, queue, topic, Kind};
 
 /// A queue URL or a topic ARN with `{destination}` (and optionally
 /// `{region}`) in it.
@@ -41,30 +41,14 @@ impl AddressTemplate {
     /// same, up to 256); otherwise its rows are DEAD with why.
     pub fn address(&self, destination: &str) -> Result<String, DeadReason> {
         let checked = match self.kind {
-            Kind::Queue => check_queue_name(destination),
-            Kind::Topic => topic::check_name(destination),
+            Kind::Queue => check_name(destination, queue::MAX_NAME, "queue"),
+            Kind::Topic => check_name(destination, topic::MAX_NAME, "topic"),
             Kind::Bus => bus::check_resource(&format!("event-bus/{destination}")),
         };
         if let Err(why) = checked {
             return Err(DeadReason::new(self.kind.rules().missing(), format!("destination {destination:?}: {why}")));
         }
         Ok(self.template.replace("{destination}", destination).replace("{region}", &self.region))
-    }
-}
-
-/// Whether `name` can be a queue's: 1 to 80 letters, digits, `-` and `_`, a
-/// FIFO queue's ending in `.fifo`.
-fn check_queue_name(name: &str) -> Result<(), String> {
-    let stem = name.strip_suffix(".fifo").unwrap_or(name);
-    let ok = !stem.is_empty()
-        && name.len() <= 80
-        && stem.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "{name:?} cannot name a queue (1 to 80 letters, digits, - and _, .fifo at the end of a FIFO queue's)"
-        ))
     }
 }
 

@@ -51,7 +51,7 @@ impl Kind {
         }
         if let Some(arn) = Arn::parse(address) {
             return match arn.service {
-                "sns" => topic::check_name(arn.resource).map(|()| Kind::Topic),
+                "sns" => check_name(arn.resource, topic::MAX_NAME, "topic").map(|()| Kind::Topic),
                 "events" => bus::check_resource(arn.resource).map(|()| Kind::Bus),
                 other => Err(format!("{address:?}: an ARN of {other:?}; a destination is an SQS queue's URL, an SNS topic's ARN (arn:aws:sns:<region>:<account>:<topic>) or an event bus's (arn:aws:events:<region>:<account>:event-bus/<name>)")),
             };
@@ -77,6 +77,23 @@ impl Kind {
             Kind::Topic => "topic",
             Kind::Bus => "bus",
         }
+    }
+}
+
+/// Whether `name` can name a queue or a topic (`noun`): 1 to `max` letters,
+/// digits, `-` and `_`, a FIFO one's ending in `.fifo` (SQS's and SNS's
+/// rule, with their own maximum).
+pub fn check_name(name: &str, max: usize, noun: &str) -> Result<(), String> {
+    let stem = name.strip_suffix(".fifo").unwrap_or(name);
+    let ok = !stem.is_empty()
+        && name.len() <= max
+        && stem.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{name:?} cannot name a {noun} (1 to {max} letters, digits, - and _, .fifo at the end of a FIFO {noun}'s)"
+        ))
     }
 }
 

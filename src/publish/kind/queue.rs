@@ -16,6 +16,9 @@ use crate::publish::entry::{prepare_message, Entry, MessageRules};
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SqsQueue;
 
+/// The longest queue name SQS takes.
+pub const MAX_NAME: usize = 80;
+
 /// `SendMessageBatch`'s limits.
 pub const BATCH_LIMITS: BatchLimits = BatchLimits { entries: 10, bytes: 1_048_576 };
 

@@ -27,6 +27,9 @@ pub struct SnsTopic;
 /// A topic's `MaximumMessageSize` when it does not say (SNS's default).
 pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 262_144;
 
+/// The longest topic name SNS takes.
+pub const MAX_NAME: usize = 256;
+
 /// `PublishBatch`'s entries.
 pub const MAX_BATCH_ENTRIES: usize = 10;
 
@@ -83,22 +86,6 @@ impl Rules for SnsTopic {
 
     fn describe_name(&self) -> &'static str {
         "GetTopicAttributes"
-    }
-}
-
-/// Whether `name` (an ARN's resource) can be a topic's: 1 to 256 letters,
-/// digits, `-` and `_`, a FIFO topic's ending in `.fifo`.
-pub fn check_name(name: &str) -> Result<(), String> {
-    let stem = name.strip_suffix(".fifo").unwrap_or(name);
-    let ok = !stem.is_empty()
-        && name.len() <= 256
-        && stem.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "{name:?} cannot name a topic (1 to 256 letters, digits, - and _, .fifo at the end of a FIFO topic's)"
-        ))
     }
 }
 
