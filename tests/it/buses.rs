@@ -43,21 +43,6 @@ async fn all_settled(db: &TestDb) {
     wait_for("every row settled", Duration::from_secs(90), || async { db.count("status = 'NEW'").await == 0 }).await;
 }
 
-/// Debezium's table, in schema `app`, added to the relay's publication.
-async fn debezium_table(db: &TestDb) {
-    db.client()
-        .await
-        .batch_execute(
-            "CREATE SCHEMA app;
-             CREATE TABLE app.outboxevent (
-                 id uuid PRIMARY KEY, aggregatetype varchar(255) NOT NULL, aggregateid varchar(255) NOT NULL,
-                 type varchar(255) NOT NULL, timestamp timestamp NOT NULL DEFAULT now(), payload jsonb);
-             ALTER PUBLICATION outbox_relay ADD TABLE app.outboxevent;",
-        )
-        .await
-        .unwrap();
-}
-
 /// Rows of the relay's table and of a Debezium table (its producers'
 /// insert-and-delete) to one bus: each reaches the queue of the rule its
 /// `type` matches, its body the event's `detail`, its `type` the
@@ -71,7 +56,7 @@ async fn a_bus_routes_each_event_by_its_detail_type_to_the_rules_queues() {
     let bus = create_bus(&sqs, "orders").await;
     let created = routed_queue(&sqs, &bus, "OrderCreated", "bus_created").await;
     let shipped = routed_queue(&sqs, &bus, "OrderShipped", "bus_shipped").await;
-    debezium_table(&db).await;
+    crate::mapped::debezium_table(&db).await;
     let mut cfg = config(&db, &[("orders", &bus), ("Order", &bus)]);
     cfg.mapped = vec![Mapping::preset(Preset::Debezium, "app", "outboxevent")];
     let relay = start(cfg, Arc::new(sqs.clone()));

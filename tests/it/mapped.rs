@@ -15,7 +15,7 @@ const Q: &str = "http://memory.invalid/orders.fifo";
 
 /// Debezium's table, as its Quarkus extension creates it, in schema `app`,
 /// added to the relay's publication.
-async fn debezium_table(db: &TestDb) {
+pub(crate) async fn debezium_table(db: &TestDb) {
     db.client()
         .await
         .batch_execute(

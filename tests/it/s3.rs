@@ -29,7 +29,8 @@ fn through(bucket: &str, endpoint: &str) -> S3Config {
     }
 }
 
-async fn insert(c: &tokio_postgres::Client, event_id: &str, dest: &str, body: &str, group: Option<&str>) {
+/// A row of the relay's table, its attributes `{"kind": "it"}`.
+pub(crate) async fn insert(c: &tokio_postgres::Client, event_id: &str, dest: &str, body: &str, group: Option<&str>) {
     c.execute(
         "INSERT INTO outbox (event_id, destination, body, group_key, attributes) VALUES ($1, $2, $3, $4, '{\"kind\": \"it\"}')",
         &[&event_id, &dest, &body, &group],

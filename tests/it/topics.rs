@@ -16,14 +16,7 @@ use outbox_relay::publish::template::AddressTemplate;
 use testkit::proxy::Proxy;
 use testkit::*;
 
-async fn insert(c: &tokio_postgres::Client, event_id: &str, dest: &str, body: &str, group: Option<&str>) {
-    c.execute(
-        "INSERT INTO outbox (event_id, destination, body, group_key, attributes) VALUES ($1, $2, $3, $4, '{\"kind\": \"it\"}')",
-        &[&event_id, &dest, &body, &group],
-    )
-    .await
-    .unwrap();
-}
+use crate::s3::insert;
 
 /// Every message of `url` within 60 s, up to `n`: its body, its `kind`
 /// message attribute and when SQS took it (Unix ms).
