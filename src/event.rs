@@ -4,7 +4,6 @@
 /// A committed outbox row, as read from the slot or the table.
 #[derive(Debug, Clone)]
 pub struct OutboxEvent {
-    pub id: i64,
     pub event_id: String,
     pub destination: String,
     pub body: String,
@@ -13,27 +12,95 @@ pub struct OutboxEvent {
     pub attributes: Option<String>,
     /// Commit time of the row's transaction, microseconds since the Unix epoch.
     pub commit_time_us: i64,
-    /// The inserting transaction's id, when read from the stream: settlement
-    /// tells a row not visible yet from one deleted by it.
-    pub xid: Option<u32>,
-    /// The commit record's position of the inserting transaction, when read
-    /// from the stream: a run of published ids proves this row was published
-    /// only if it was written after this commit (ids can be reused).
-    pub commit_lsn: Option<replication::Lsn>,
-    /// The row's place among its transaction's rows (0 first), when read
-    /// from the stream: with `commit_lsn`, the order a FIFO group's rows
-    /// handed to the table are sent in.
-    pub commit_seq: Option<u32>,
-    /// Deleted by the transaction that inserted it (seen in the stream): it
-    /// has no row to settle, only the watermark records it.
-    pub transient: bool,
     /// The `deliver_at` column: when the message may be delivered.
     pub deliver_at: DeliverAt,
-    /// Read from a mapped table ([`crate::mapping`]), not the relay's own:
-    /// its `id` is not one of the relay's table (it is 0), so neither the
-    /// replay filter nor a read-back looks it up there, and a write-back
-    /// takes a new id.
-    pub mapped: Option<MappedRow>,
+    /// Where the row came from: what settles it, and where.
+    pub origin: Origin,
+}
+
+/// Where an event's row came from, which says how it is settled. The
+/// stages match on it: a row of the relay's table is marked by its id, a
+/// transient one only counted, a mapped one marked in its own table.
+#[derive(Debug, Clone)]
+pub enum Origin {
+    /// A row of the relay's table, settled there by its id and event id;
+    /// `commit` when the stream brought it (`None`: read from the table).
+    Own { id: i64, commit: Option<Commit> },
+    /// A row of the relay's table deleted by the transaction that inserted
+    /// it (seen in the stream): it has no row to settle, only the watermark
+    /// records it; written to the table only if it cannot go out now.
+    Transient { id: i64, commit: Commit },
+    /// A row of a mapped table ([`crate::mapping`]): not in the relay's
+    /// table, so neither the replay filter nor a read-back looks it up
+    /// there, and a write-back takes a new id. `commit` when the stream
+    /// brought it (`None`: claimed from its table).
+    Mapped { row: MappedRow, commit: Option<Commit> },
+}
+
+/// The transaction that committed a row, as the stream tells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Commit {
+    /// The inserting transaction's id: settlement tells a row not visible
+    /// yet from one deleted by it.
+    pub xid: u32,
+    /// The commit record's position: a run of published ids proves the row
+    /// was published only if it was written after this commit (ids can be
+    /// reused).
+    pub lsn: replication::Lsn,
+    /// The row's place among its transaction's rows (0 first): with `lsn`,
+    /// the order a FIFO group's rows handed to the table are sent in.
+    pub seq: u32,
+}
+
+impl OutboxEvent {
+    /// The row's id in the relay's table ([`Origin::Own`] and
+    /// [`Origin::Transient`]); a mapped row has none.
+    pub fn row_id(&self) -> Option<i64> {
+        match self.origin {
+            Origin::Own { id, .. } | Origin::Transient { id, .. } => Some(id),
+            Origin::Mapped { .. } => None,
+        }
+    }
+
+    /// The transaction the stream read the row in (`None`: read from a table).
+    pub fn commit(&self) -> Option<&Commit> {
+        match &self.origin {
+            Origin::Own { commit, .. } | Origin::Mapped { commit, .. } => commit.as_ref(),
+            Origin::Transient { commit, .. } => Some(commit),
+        }
+    }
+
+    /// The mapped table's row, if the event is one.
+    pub fn mapped(&self) -> Option<&MappedRow> {
+        match &self.origin {
+            Origin::Mapped { row, .. } => Some(row),
+            Origin::Own { .. } | Origin::Transient { .. } => None,
+        }
+    }
+
+    /// The commit's position, as the text the statements take.
+    pub fn commit_lsn_text(&self) -> Option<String> {
+        self.commit().map(|c| c.lsn.to_string())
+    }
+
+    /// The event as the stream read it, in `commit`'s transaction.
+    pub fn read_in(mut self, commit: Commit) -> Self {
+        match &mut self.origin {
+            Origin::Own { commit: c, .. } | Origin::Mapped { commit: c, .. } => *c = Some(commit),
+            Origin::Transient { commit: c, .. } => *c = commit,
+        }
+        self
+    }
+}
+
+impl Origin {
+    /// A row of the relay's table the stream brought, deleted by the
+    /// transaction that inserted it: transient. Any other stays as it is.
+    pub fn deleted_by_its_transaction(&mut self) {
+        if let Origin::Own { id, commit: Some(commit) } = *self {
+            *self = Origin::Transient { id, commit };
+        }
+    }
 }
 
 /// A mapped table's row: its key, and the table's published column if it
@@ -290,19 +357,14 @@ impl OutboxEvent {
     /// A row selected with [`OUTBOX_COLUMNS`] first.
     pub fn from_row(r: &tokio_postgres::Row) -> Self {
         OutboxEvent {
-            id: r.get(0),
             event_id: r.get(1),
             destination: r.get(2),
             body: r.get(3),
             group_key: r.get(4),
             attributes: r.get(5),
             commit_time_us: r.get(6),
-            xid: None,
-            commit_lsn: None,
-            commit_seq: None,
-            transient: false,
             deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
-            mapped: None,
+            origin: Origin::Own { id: r.get(0), commit: None },
         }
     }
 
@@ -329,19 +391,14 @@ impl OutboxEvent {
     /// A row for tests: event id `e:{id}`, no group, no attributes.
     pub fn for_test(id: i64, destination: &str, body: &str) -> Self {
         OutboxEvent {
-            id,
             event_id: format!("e:{id}"),
             destination: destination.into(),
             body: body.into(),
             group_key: None,
             attributes: None,
             commit_time_us: 0,
-            xid: None,
-            commit_lsn: None,
-            commit_seq: None,
-            transient: false,
             deliver_at: DeliverAt::Unset,
-            mapped: None,
+            origin: Origin::Own { id, commit: None },
         }
     }
 }

@@ -16,7 +16,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use crate::event::{DeliverAt, MappedRow, OutboxEvent, PublishedColumn};
+use crate::event::{DeliverAt, MappedRow, Origin, OutboxEvent, PublishedColumn};
 
 /// The attribute a bytea body's message carries: the body is base64.
 pub const BODY_ENCODING_ATTRIBUTE: &str = "content-transfer-encoding";
@@ -250,21 +250,19 @@ impl Mapping {
         let attributes = self.attributes_json(&col, bytea(&self.body), before)?;
         let deliver_at = self.deliver_at_of(&col, before)?;
         Ok(OutboxEvent {
-            id: 0,
             event_id,
             destination,
             body,
             group_key,
             attributes,
             commit_time_us,
-            xid: None,
-            commit_lsn: None,
-            commit_seq: None,
+            deliver_at,
             // Not in the relay's table: published from the stream, written
             // there only when it cannot go out now.
-            transient: true,
-            deliver_at,
-            mapped: Some(MappedRow { key, published: published.cloned(), unreadable: None }),
+            origin: Origin::Mapped {
+                row: MappedRow { key, published: published.cloned(), unreadable: None },
+                commit: None,
+            },
         })
     }
 
@@ -322,23 +320,21 @@ impl Mapping {
         let key = text(&self.id);
         let event_key = text(&self.event_id).or_else(|| key.clone()).unwrap_or_else(|| fallback.to_string());
         OutboxEvent {
-            id: 0,
             event_id: format!("{}.{}:{event_key}", self.schema, self.table),
             destination: text(&self.destination).unwrap_or_default(),
             body: text(&self.body).unwrap_or_default(),
             group_key: self.group_key.as_deref().and_then(text),
             attributes: None,
             commit_time_us,
-            xid: None,
-            commit_lsn: None,
-            commit_seq: None,
-            transient: true,
             deliver_at: DeliverAt::Unset,
-            mapped: Some(MappedRow {
-                published: key.is_some().then(|| published.cloned()).flatten(),
-                key: key.unwrap_or_else(|| fallback.to_string()),
-                unreadable: Some(error.to_string()),
-            }),
+            origin: Origin::Mapped {
+                row: MappedRow {
+                    published: key.is_some().then(|| published.cloned()).flatten(),
+                    key: key.unwrap_or_else(|| fallback.to_string()),
+                    unreadable: Some(error.to_string()),
+                },
+                commit: None,
+            },
         }
     }
 
@@ -469,7 +465,7 @@ mod tests {
         assert_eq!(ev.group_key.as_deref(), Some("42"));
         assert_eq!(ev.body, "{\"total\": 3}");
         assert_eq!(ev.attributes.as_deref(), Some("{\"type\":\"OrderCreated\"}"));
-        assert!(ev.transient && ev.mapped.is_some_and(|m| m.key.starts_with("7f1c")));
+        assert!(ev.mapped().is_some_and(|m| m.key.starts_with("7f1c")) && ev.row_id().is_none());
     }
 
     #[test]

@@ -127,7 +127,7 @@ impl Metrics {
             slot_lag_bytes: IntGauge::new(SLOT_LAG_BYTES, "Current WAL position minus the slot's confirmed flush LSN").unwrap(),
             slot_retained_wal_bytes: IntGauge::new(SLOT_RETAINED_WAL_BYTES, "Current WAL position minus the slot's restart LSN").unwrap(),
             events_published: IntCounterVec::new(Opts::new(EVENTS_PUBLISHED_TOTAL, "Events accepted by SQS and settled (deleted, or marked PUBLISHED)"), &["destination"]).unwrap(),
-            events_transient: IntCounterVec::new(Opts::new(TRANSIENT_EVENTS_TOTAL, "Published events whose row its own transaction deleted: nothing written to settle them"), &["destination"]).unwrap(),
+            events_transient: IntCounterVec::new(Opts::new(TRANSIENT_EVENTS_TOTAL, "Published events with no row in the relay's table to settle (its own transaction deleted it, or a mapped table's): nothing written there"), &["destination"]).unwrap(),
             events_dead: IntCounterVec::new(Opts::new(EVENTS_DEAD_TOTAL, "Events marked DEAD, by reason"), &["destination", "reason"]).unwrap(),
             publish_seconds: HistogramVec::new(HistogramOpts::new(PUBLISH_SECONDS, "Duration of one SendMessageBatch call").buckets(lat.clone()), &["destination"]).unwrap(),
             commit_to_publish_seconds: Histogram::with_opts(HistogramOpts::new(COMMIT_TO_PUBLISH_SECONDS, "From the row's commit time to SQS acceptance").buckets(lat)).unwrap(),

@@ -127,9 +127,9 @@ mod tests {
         let mut p: VecDeque<_> =
             [(1, 1), (2, 1), (3, 2), (4, 3), (5, 2)].into_iter().map(|(id, g)| entry(id, 10, Some(g))).collect();
         let busy: HashSet<String> = ["g3".to_string()].into();
-        let b: Vec<i64> = take_batch(&mut p, &busy, SQS).iter().map(|e| e.event.id).collect();
+        let b: Vec<i64> = take_batch(&mut p, &busy, SQS).iter().map(|e| e.event.row_id().unwrap()).collect();
         assert_eq!(b, vec![1, 3]);
-        let left: Vec<i64> = p.iter().map(|e| e.event.id).collect();
+        let left: Vec<i64> = p.iter().map(|e| e.event.row_id().unwrap()).collect();
         assert_eq!(left, vec![2, 4, 5]);
     }
 
@@ -144,7 +144,7 @@ mod tests {
                 .map(|(i, (size, g))| entry(i as i64, *size, *g)).collect();
             loop {
                 let before: Vec<(i64, Option<String>)> =
-                    pending.iter().map(|e| (e.event.id, e.group_id.clone())).collect();
+                    pending.iter().map(|e| (e.event.row_id().unwrap(), e.group_id.clone())).collect();
                 let batch = take_batch(&mut pending, &busy, SQS);
                 if batch.is_empty() { break; }
                 prop_assert!(batch.len() <= SQS.entries);
@@ -155,14 +155,14 @@ mod tests {
                         prop_assert!(!busy.contains(g));
                         prop_assert!(seen.insert(g.clone()), "group twice in one batch");
                         // Nothing earlier of the same group stayed behind.
-                        let pos = before.iter().position(|(id, _)| *id == e.event.id).unwrap();
+                        let pos = before.iter().position(|(id, _)| *id == e.event.row_id().unwrap()).unwrap();
                         prop_assert!(before[..pos].iter().all(|(id, og)| og.as_ref() != Some(g)
-                            || batch.iter().any(|b| b.event.id == *id)));
+                            || batch.iter().any(|b| b.event.row_id().unwrap() == *id)));
                     }
                 }
                 // Standard queues keep commit order exactly.
                 if batch.iter().all(|e| e.group_id.is_none()) && before.iter().all(|(_, g)| g.is_none()) {
-                    let ids: Vec<i64> = batch.iter().map(|e| e.event.id).collect();
+                    let ids: Vec<i64> = batch.iter().map(|e| e.event.row_id().unwrap()).collect();
                     let expect: Vec<i64> = before.iter().take(ids.len()).map(|(id, _)| *id).collect();
                     prop_assert_eq!(ids, expect);
                 }

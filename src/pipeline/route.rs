@@ -145,13 +145,13 @@ fn settled(ids: &[i64], mut runs: Vec<(i64, i64)>, marked: HashSet<i64>) -> Hash
 async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<i64>, RouteError> {
     // A mapped table's rows are not in the relay's table: nothing there can
     // prove them settled (see [`mapped_published`]).
-    let events: Vec<&OutboxEvent> = events.iter().filter(|e| e.mapped.is_none()).collect();
-    let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+    let event_of: HashMap<i64, &OutboxEvent> = events.iter().filter_map(|e| Some((e.row_id()?, e))).collect();
+    let ids: Vec<i64> = event_of.keys().copied().collect();
     let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(HashSet::new()) };
     // One transaction's chunk: one commit. Read from the table (no commit
     // position), only the rows in the table can say.
-    let commit = events[0].commit_lsn.map_or_else(|| "FFFFFFFF/FFFFFFFF".to_string(), |l| l.to_string());
-    let event_of: HashMap<i64, &OutboxEvent> = events.iter().map(|e| (e.id, *e)).collect();
+    let first = event_of[&lo];
+    let commit = first.commit_lsn_text().unwrap_or_else(|| "FFFFFFFF/FFFFFFFF".to_string());
     let (mut runs, mut marked, mut unpositioned) = (Vec::new(), HashSet::new(), Vec::new());
     for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
         let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
@@ -160,10 +160,10 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
             (false, Some(listed)) => {
                 let listed: HashSet<&str> = listed.into_iter().collect();
                 marked.extend(
-                    events
+                    event_of
                         .iter()
-                        .filter(|e| (lo..=hi).contains(&e.id) && listed.contains(e.event_id.as_str()))
-                        .map(|e| e.id),
+                        .filter(|(id, e)| (lo..=hi).contains(*id) && listed.contains(e.event_id.as_str()))
+                        .map(|(id, _)| *id),
                 );
             }
             (false, None) => runs.push((lo, hi)),
@@ -178,7 +178,7 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
             }
         }
     }
-    if !unpositioned.is_empty() && events[0].commit_lsn.is_some() {
+    if !unpositioned.is_empty() && first.commit().is_some() {
         let ids: Vec<i64> = unpositioned.iter().map(|u| u.0).collect();
         let event_ids: Vec<&str> = unpositioned.iter().map(|u| u.1).collect();
         let seqs: Vec<Option<i32>> = unpositioned.iter().map(|u| u.2).collect();
@@ -194,7 +194,7 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
 async fn mapped_published(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<usize>, RouteError> {
     let mut by_table: HashMap<&PublishedColumn, Vec<(usize, &str)>> = HashMap::new();
     for (i, e) in events.iter().enumerate() {
-        if let Some(MappedRow { key, published: Some(p), .. }) = &e.mapped {
+        if let Some(MappedRow { key, published: Some(p), .. }) = e.mapped() {
             by_table.entry(p.as_ref()).or_default().push((i, key.as_str()));
         }
     }
@@ -428,9 +428,9 @@ impl Router {
                 self.parts.metrics.replayed_filtered.inc_by((done.len() + mapped_done.len()) as u64);
                 let mut i = 0;
                 events.retain(|e| {
-                    let keep = match e.mapped {
-                        Some(_) => !mapped_done.contains(&i),
-                        None => !done.contains(&e.id),
+                    let keep = match e.row_id() {
+                        None => !mapped_done.contains(&i),
+                        Some(id) => !done.contains(&id),
                     };
                     i += 1;
                     keep
@@ -468,7 +468,7 @@ impl Router {
         }
         let routed = Routed { ev: Arc::new(ev), seq, permit, chunk_end };
         let outlet = Outlet { settle: self.settle.clone(), metrics: Arc::clone(&self.parts.metrics) };
-        if let Some(why) = routed.ev.mapped.as_ref().and_then(|m| m.unreadable.as_deref()) {
+        if let Some(why) = routed.ev.mapped().and_then(|m| m.unreadable.as_deref()) {
             let dead = Outcome::Dead(DeadReason::new(DeadCode::UnreadableRow, why));
             return unrouted(routed, dead, &outlet);
         }
@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(router.parts.metrics.stream_lanes.get(), 0);
         router.route(None, event(4, "orders.fifo"), true).await.unwrap();
         published(&mut rx, 1).await;
-        let ids: Vec<i64> = p.sent(FIFO).iter().map(|s| s.outbox_id).collect();
+        let ids: Vec<i64> = p.sent(FIFO).iter().map(|s| s.outbox_id.unwrap()).collect();
         assert_eq!(ids, [1, 2, 3, 4]);
         assert_eq!(router.parts.metrics.stream_lanes.get(), 1);
     }
@@ -664,7 +664,7 @@ mod tests {
         router.route(None, event(2, "tenant-2"), true).await.unwrap();
         for _ in 0..2 {
             let s = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
-            match s.event.id {
+            match s.id().unwrap() {
                 1 => assert!(matches!(s.outcome, Outcome::Published)),
                 _ => assert!(matches!(s.outcome, Outcome::Dead(_))),
             }

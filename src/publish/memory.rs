@@ -27,7 +27,8 @@ pub enum Fault {
 /// A message as the queue received it.
 #[derive(Debug, Clone)]
 pub struct Sent {
-    pub outbox_id: i64,
+    /// Its row's id in the relay's table (`None`: a mapped table's row).
+    pub outbox_id: Option<i64>,
     pub event_id: String,
     pub body: String,
     pub group_id: Option<String>,
@@ -244,7 +245,7 @@ impl Inner {
     /// subscribed to it.
     fn deliver(&mut self, address: &str, e: &Entry) {
         let sent = Sent {
-            outbox_id: e.event.id,
+            outbox_id: e.event.row_id(),
             event_id: e.event.event_id.clone(),
             body: e.message_body().to_string(),
             group_id: e.group_id.clone(),

@@ -319,7 +319,7 @@ async fn shutdown_during_a_queue_outage_is_prompt_and_loses_nothing() {
     let relay = start(cfg, Arc::new(p.clone()));
     wait_for("every row published", Duration::from_secs(60), || async { db.count("true").await == 0 }).await;
     relay.stop().await;
-    let mut ids: Vec<i64> = p.sent(Q).iter().map(|s| s.outbox_id).collect();
+    let mut ids: Vec<i64> = p.sent(Q).iter().map(|s| s.outbox_id.unwrap()).collect();
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 200);

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use outbox_relay::config::PublishedRows;
-use outbox_relay::event::OutboxEvent;
+use outbox_relay::event::{Commit, Origin, OutboxEvent};
 use outbox_relay::pipeline::settle::{mark, Due, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
 use outbox_relay::publish::memory::{Fault, MemoryPublisher};
@@ -378,22 +378,19 @@ fn marking(published: PublishedRows) -> Marking {
     Marking { base: Duration::from_secs(1), max: Duration::from_secs(2), published, bound_unpositioned: true }
 }
 
-/// Row `id` (event `event_id`) as the stream read it, committed at `commit`.
+/// Row `id` (event `event_id`) as the stream read it, committed at `commit`
+/// by a transaction long visible (xid 2, the frozen one).
 fn read(id: i64, event_id: &str, commit: u64) -> Arc<OutboxEvent> {
+    let commit = Commit { xid: 2, lsn: replication::Lsn(commit), seq: 0 };
     Arc::new(OutboxEvent {
-        id,
         event_id: event_id.into(),
         destination: "orders".into(),
         body: event_id.into(),
         group_key: None,
         attributes: None,
         commit_time_us: 0,
-        xid: None,
-        commit_lsn: Some(replication::Lsn(commit)),
-        commit_seq: None,
-        transient: false,
         deliver_at: Default::default(),
-        mapped: None,
+        origin: Origin::Own { id, commit: Some(commit) },
     })
 }
 
@@ -452,8 +449,8 @@ async fn a_write_back_whose_new_id_is_taken_is_written_past_it() {
             .enumerate()
     {
         let mut ev = (*read(0, &format!("public.t:{i}"), 1)).clone();
-        ev.transient = true;
-        ev.mapped = Some(outbox_relay::event::MappedRow { key: i.to_string(), published: None, unreadable: None });
+        let row = outbox_relay::event::MappedRow { key: i.to_string(), published: None, unreadable: None };
+        ev.origin = Origin::Mapped { row, commit: ev.commit().copied() };
         batch.push(Settlement::new(Arc::new(ev), None, Arc::from("orders"), outcome));
     }
     let report = mark(&c, &batch, marking(PublishedRows::Delete), &mut Default::default()).await.unwrap();
@@ -818,7 +815,7 @@ mod workload {
                         .sent(f)
                         .iter()
                         .filter(|x| x.group_id.as_deref() == Some(group.as_str()))
-                        .map(|x| format!("{}#{}", x.event_id, x.outbox_id))
+                        .map(|x| format!("{}#{:?}", x.event_id, x.outbox_id))
                         .collect();
                     panic!(
                         "seed {seed}: group {group}: {id} (transient {:?}) sent before {} (transient {:?}), committed earlier; the group's sends: {sends:?}",
@@ -2188,8 +2185,9 @@ async fn a_spooled_fifo_lane_streams_again_under_a_steady_load_in_order() {
             continue;
         }
         let g = s.group_id.clone().expect("a FIFO entry has a group");
-        let prev = last.insert(g.clone(), s.outbox_id);
-        assert!(prev.is_none_or(|p| p < s.outbox_id), "group {g}: id {} sent after {prev:?}", s.outbox_id);
+        let id = s.outbox_id.expect("a row of the relay's table");
+        let prev = last.insert(g.clone(), id);
+        assert!(prev.is_none_or(|p| p < id), "group {g}: id {id} sent after {prev:?}");
     }
     relay.stop().await;
 }

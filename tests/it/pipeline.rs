@@ -195,7 +195,7 @@ async fn connections_killed_mid_stream_reconnect_and_lose_nothing() {
     }
     wait_for("every row published", Duration::from_secs(60), || async { db.count("status = 'NEW'").await == 0 }).await;
     assert_eq!(db.count("true").await, 0, "the 4,000 rows were published and deleted");
-    let mut ids: Vec<i64> = p.sent(Q).iter().chain(p.sent(Q2).iter()).map(|s| s.outbox_id).collect();
+    let mut ids: Vec<i64> = p.sent(Q).iter().chain(p.sent(Q2).iter()).map(|s| s.outbox_id.unwrap()).collect();
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 4_000, "every row reached its queue at least once");

@@ -389,20 +389,16 @@ fn published(id: i64, event_id: &str, xid: u32) -> outbox_relay::pipeline::settl
 /// Row `id` as the stream reads it: inserted by transaction `xid`, committed
 /// at the start of WAL (any run of published ids comes after it).
 fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::OutboxEvent> {
+    let commit = outbox_relay::event::Commit { xid, lsn: replication::Lsn(1), seq: 0 };
     Arc::new(outbox_relay::event::OutboxEvent {
-        id,
         event_id: event_id.into(),
         destination: "a".into(),
         body: "x".into(),
         group_key: None,
         attributes: None,
         commit_time_us: 0,
-        xid: Some(xid),
-        commit_lsn: Some(replication::Lsn(1)),
-        commit_seq: None,
-        transient: false,
         deliver_at: Default::default(),
-        mapped: None,
+        origin: outbox_relay::event::Origin::Own { id, commit: Some(commit) },
     })
 }
 

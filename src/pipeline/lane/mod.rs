@@ -746,7 +746,7 @@ mod tests {
             let mut outcomes = Vec::new();
             for _ in 0..2 {
                 let s = settle_rx.recv().await.unwrap();
-                outcomes.push((s.event.id, s.outcome));
+                outcomes.push((s.event.row_id().unwrap(), s.outcome));
             }
             outcomes.sort_by_key(|(id, _)| *id);
             let dead_ones: Vec<&DeadCode> = outcomes
@@ -818,7 +818,7 @@ mod tests {
         }));
         tx.send(item(4000)).await.unwrap();
         let s = settle_rx.recv().await.unwrap();
-        assert_eq!((s.id(), matches!(s.outcome, Outcome::Published)), (4000, true), "retried, not DEAD");
+        assert_eq!((s.id(), matches!(s.outcome, Outcome::Published)), (Some(4000), true), "retried, not DEAD");
         assert_eq!(limit(), 63, "half a call off; a lone call does not grow it back");
         drop(tx);
         lane.await.unwrap();
@@ -906,9 +906,9 @@ mod tests {
         metrics.succeeded("orders", crate::metrics::Service::S3);
         tx.send(big_item(4)).await.unwrap();
         let fourth = settle_rx.recv().await.unwrap();
-        assert_eq!((fourth.id(), matches!(fourth.outcome, Outcome::Published)), (4, true));
+        assert_eq!((fourth.id(), matches!(fourth.outcome, Outcome::Published)), (Some(4), true));
         let sent = p.sent(Q);
-        let pointer = sent.iter().find(|m| m.outbox_id == 4).unwrap();
+        let pointer = sent.iter().find(|m| m.outbox_id == Some(4)).unwrap();
         let v: serde_json::Value = serde_json::from_str(&pointer.body).unwrap();
         let key = v[1]["s3Key"].as_str().unwrap();
         assert_eq!(store.get("bodies", key).as_deref(), Some(big.as_bytes()), "the pointer's object holds the body");
@@ -953,7 +953,7 @@ mod tests {
         }
         for _ in 2..=4 {
             let s = settle_rx.recv().await.unwrap();
-            assert!(s.id() != 1 && matches!(s.outcome, Outcome::Published), "{:?}", s.outcome);
+            assert!(s.id() != Some(1) && matches!(s.outcome, Outcome::Published), "{:?}", s.outcome);
         }
         assert!(started.elapsed() < Duration::from_millis(900), "the small ones did not wait: {:?}", started.elapsed());
         let first = settle_rx.recv().await.unwrap();
@@ -971,7 +971,7 @@ mod tests {
         let mut outcomes = Vec::new();
         for _ in 5..=14 {
             let s = settle_rx.recv().await.unwrap();
-            outcomes.push((s.id(), matches!(s.outcome, Outcome::Published)));
+            outcomes.push((s.id().unwrap(), matches!(s.outcome, Outcome::Published)));
         }
         assert!(again.elapsed() < Duration::from_millis(900), "nothing waited on the hung S3: {:?}", again.elapsed());
         outcomes.sort_unstable();
@@ -1079,12 +1079,12 @@ mod tests {
             tx.send(LaneItem::new(queue.prepare(Arc::new(ev)).unwrap(), None, None)).await.unwrap();
         }
         let first = settle_rx.recv().await.unwrap();
-        assert_eq!(first.id(), 3, "the other group goes on");
+        assert_eq!(first.id(), Some(3), "the other group goes on");
         assert!(settle_rx.try_recv().is_err(), "group a waits for its object");
         store.down.store(false, Ordering::Release);
         let (a1, a2) = (settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap());
         assert!(matches!((&a1.outcome, &a2.outcome), (Outcome::Published, Outcome::Published)));
-        let order: Vec<i64> = p.sent(F).iter().map(|m| m.outbox_id).collect();
+        let order: Vec<i64> = p.sent(F).iter().map(|m| m.outbox_id.unwrap()).collect();
         assert_eq!(order, [3, 1, 2], "group a in order, after its object");
         drop(tx);
         lane.await.unwrap();
@@ -1121,15 +1121,19 @@ mod tests {
         tx.send(fifo_item(3, "h", &queue)).await.unwrap();
         state.start_spooling(SpoolCause::WalBudget { held: 2, max: 3, oldest: Duration::from_secs(2) });
         let other = settle_rx.recv().await.unwrap();
-        assert_eq!((other.id(), matches!(other.outcome, Outcome::Deferred(..))), (3, true), "h goes to the table");
+        assert_eq!(
+            (other.id(), matches!(other.outcome, Outcome::Deferred(..))),
+            (Some(3), true),
+            "h goes to the table"
+        );
         for _ in 0..20 {
             tokio::task::yield_now().await;
         }
         assert!(settle_rx.try_recv().is_err(), "g's later entry waits for its earlier one, in flight");
         p.open_gate();
         let (first, second) = (settle_rx.recv().await.unwrap(), settle_rx.recv().await.unwrap());
-        assert_eq!((first.id(), matches!(first.outcome, Outcome::Published)), (1, true));
-        assert_eq!((second.id(), matches!(second.outcome, Outcome::Deferred(..))), (2, true));
+        assert_eq!((first.id(), matches!(first.outcome, Outcome::Published)), (Some(1), true));
+        assert_eq!((second.id(), matches!(second.outcome, Outcome::Deferred(..))), (Some(2), true));
         drop(tx);
         lane.await.unwrap();
     }

@@ -382,7 +382,7 @@ fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> (Ret
             }
             Verdict::Dead(reason) => settle(ctx, item, Outcome::Dead(reason)),
             Verdict::Retry(err) => {
-                tracing::debug!(id = item.entry.event.id, error = %err, "entry failed, will retry");
+                tracing::debug!(event_id = %item.entry.event.event_id, error = %err, "entry failed, will retry");
                 if let Some(s) = &ctx.state {
                     s.set_last_error(err.clone());
                 }

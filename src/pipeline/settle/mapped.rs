@@ -27,8 +27,8 @@ pub(super) async fn mark_mapped_published<C: GenericClient>(
     let mut by_table: std::collections::HashMap<&Arc<PublishedColumn>, Vec<(&str, Option<i64>)>> =
         std::collections::HashMap::new();
     for s in settled {
-        if let Some(MappedRow { key, published: Some(p), .. }) = &s.event.mapped {
-            by_table.entry(p).or_default().push((key, s.event.xid.map(i64::from)));
+        if let Some(MappedRow { key, published: Some(p), .. }) = s.event.mapped() {
+            by_table.entry(p).or_default().push((key, s.event.commit().map(|c| i64::from(c.xid))));
         }
     }
     let mut n = 0;

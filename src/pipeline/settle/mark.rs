@@ -59,7 +59,7 @@ pub async fn mark<C: GenericClient>(
     marking: Marking,
     owed: &mut Owed,
 ) -> Result<MarkReport, tokio_postgres::Error> {
-    let (transient, rows): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.event.transient);
+    let (rows, transient): (Vec<&Settlement>, Vec<&Settlement>) = batch.iter().partition(|s| s.has_row());
     let unpublished = |s: &&Settlement| !matches!(s.outcome, Outcome::Published);
     let mut restore: Vec<&Settlement> = transient.iter().copied().filter(unpublished).collect();
     let mut report = MarkReport { transient: (transient.len() - restore.len()) as u64, ..Default::default() };
@@ -115,7 +115,7 @@ pub(super) async fn mark_rows<'a, C: GenericClient>(
         }
         if started.elapsed() > VISIBILITY_DEADLINE {
             // Never settled as gone: whatever is still invisible is written back.
-            let ids: Vec<i64> = rest.iter().map(|s| s.id()).collect();
+            let ids: Vec<Option<i64>> = rest.iter().map(|s| s.id()).collect();
             tracing::warn!(?ids, "outbox rows to be marked did not become visible; treating them as absent");
             absent.append(&mut rest);
             break;
@@ -132,8 +132,8 @@ pub(super) async fn missing<C: GenericClient>(
     client: &C,
     rest: &[&Settlement],
 ) -> Result<std::collections::HashMap<String, Missing>, tokio_postgres::Error> {
-    let ids: Vec<i64> = rest.iter().map(|s| s.id()).collect();
-    let xids: Vec<Option<i64>> = rest.iter().map(|s| s.event.xid.map(i64::from)).collect();
+    let ids: Vec<Option<i64>> = rest.iter().map(|s| s.id()).collect();
+    let xids: Vec<Option<i64>> = rest.iter().map(|s| s.event.commit().map(|c| i64::from(c.xid))).collect();
     let event_ids: Vec<&str> = rest.iter().map(|s| s.event.event_id.as_str()).collect();
     let mut out = std::collections::HashMap::new();
     for r in client.query(MISSING_SQL.as_str(), &[&ids, &xids, &event_ids]).await? {
@@ -156,8 +156,8 @@ pub(super) async fn published_before<C: GenericClient>(
     client: &C,
     rows: &[&Settlement],
 ) -> Result<HashSet<String>, tokio_postgres::Error> {
-    let ids: Vec<i64> = rows.iter().map(|s| s.id()).collect();
-    let lsns: Vec<Option<String>> = rows.iter().map(|s| s.event.commit_lsn.map(|l| l.to_string())).collect();
+    let ids: Vec<Option<i64>> = rows.iter().map(|s| s.id()).collect();
+    let lsns: Vec<Option<String>> = rows.iter().map(|s| s.event.commit_lsn_text()).collect();
     let keys: Vec<&str> = rows.iter().map(|s| s.key()).collect();
     Ok(client.query(PUBLISHED_SQL.as_str(), &[&ids, &lsns, &keys]).await?.iter().map(|r| r.get(0)).collect())
 }
@@ -176,7 +176,7 @@ pub(super) async fn mark_once<C: GenericClient>(
     let mut seqs: Vec<Option<i32>> = Vec::with_capacity(batch.len());
     for s in batch {
         let (status, err, d) = columns(&s.outcome);
-        commits.push(s.event.commit_lsn.map(|l| l.to_string()));
+        commits.push(s.event.commit_lsn_text());
         seqs.push(seq_param(&s.event));
         ids.push(s.id());
         event_ids.push(s.event.event_id.as_str());

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::config::PublishedRows;
 use crate::db::schema::RowStatus;
-use crate::event::OutboxEvent;
+use crate::event::{Origin, OutboxEvent};
 use crate::pipeline::watermark::TxnSeq;
 use crate::policy::dead::DeadReason;
 
@@ -75,8 +75,16 @@ impl Settlement {
         Settlement { permit, unmarked, ..self }
     }
 
-    pub fn id(&self) -> i64 {
-        self.event.id
+    /// Its row's id in the relay's table (a mapped row has none).
+    pub fn id(&self) -> Option<i64> {
+        self.event.row_id()
+    }
+
+    /// Its row is in the relay's table, marked there by its id
+    /// ([`Origin::Own`]); any other is settled without a row of it there,
+    /// or written there if it did not go out.
+    pub fn has_row(&self) -> bool {
+        matches!(self.event.origin, Origin::Own { .. })
     }
 
     /// What tells settlements of one flush apart: the event id (unique),
@@ -138,5 +146,5 @@ pub(super) fn columns(outcome: &Outcome) -> (&'static str, Option<String>, i16) 
 
 /// An event's place in its transaction as the `commit_seq` column takes it.
 pub(crate) fn seq_param(ev: &OutboxEvent) -> Option<i32> {
-    ev.commit_seq.map(|s| i32::try_from(s).unwrap_or(i32::MAX))
+    ev.commit().map(|c| i32::try_from(c.seq).unwrap_or(i32::MAX))
 }

@@ -20,14 +20,11 @@ pub(super) async fn restore_rows<C: GenericClient>(
     marking: Marking,
 ) -> Result<u64, tokio_postgres::Error> {
     // A mapped table's row has no id of the relay's table: a new one.
-    let own: Vec<&Settlement> = batch.iter().copied().filter(|s| s.event.mapped.is_none()).collect();
+    let own: Vec<&Settlement> = batch.iter().copied().filter(|s| s.id().is_some()).collect();
     let written =
         if own.is_empty() { HashSet::new() } else { restore_with(client, RESTORE_SQL.as_str(), &own, marking).await? };
-    let rest: Vec<&Settlement> = batch
-        .iter()
-        .copied()
-        .filter(|s| s.event.mapped.is_some() || !written.contains(s.event.event_id.as_str()))
-        .collect();
+    let rest: Vec<&Settlement> =
+        batch.iter().copied().filter(|s| s.id().is_none() || !written.contains(s.event.event_id.as_str())).collect();
     let mut n = written.len() as u64;
     if !rest.is_empty() {
         n += restore_under_new_ids(client, rest, marking).await?;
@@ -103,7 +100,7 @@ pub(super) async fn restore_with<C: GenericClient>(
     for s in batch {
         let ev = &s.event;
         let (status, err, d) = columns(&s.outcome);
-        ids.push(ev.id);
+        ids.push(ev.row_id());
         event_ids.push(ev.event_id.as_str());
         dests.push(ev.destination.as_str());
         bodies.push(ev.body.as_str());
@@ -114,7 +111,7 @@ pub(super) async fn restore_with<C: GenericClient>(
         defer.push(d);
         errors.push(err);
         deliver.push(ev.deliver_at.micros());
-        commits.push(ev.commit_lsn.map(|l| l.to_string()));
+        commits.push(ev.commit_lsn_text());
         seqs.push(seq_param(ev));
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());

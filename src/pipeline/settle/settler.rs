@@ -32,19 +32,19 @@ pub fn record(metrics: &Metrics, batch: &[Settlement]) {
         match &s.outcome {
             Outcome::Published => {
                 metrics.events_published.with_label_values(&[&s.destination]).inc();
-                if s.event.transient {
+                if !s.has_row() {
                     metrics.events_transient.with_label_values(&[&s.destination]).inc();
                 }
             }
             Outcome::Dead(r) => {
-                tracing::warn!(id = s.id(), event_id = %s.event.event_id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
+                tracing::warn!(id = ?s.id(), event_id = %s.event.event_id, destination = %s.destination, reason = r.code.as_str(), detail = %r.detail, "outbox row marked DEAD");
                 metrics.events_dead.with_label_values(&[&s.destination, r.code.as_str()]).inc();
             }
             Outcome::Deferred(_, Due::Held) => {
                 metrics.events_held.with_label_values(&[&s.destination]).inc();
             }
             Outcome::Deferred(e, _) => {
-                tracing::debug!(id = s.id(), destination = %s.destination, error = %e, "outbox row deferred to the table");
+                tracing::debug!(id = ?s.id(), destination = %s.destination, error = %e, "outbox row deferred to the table");
                 metrics.events_deferred.with_label_values(&[&s.destination]).inc();
             }
         }

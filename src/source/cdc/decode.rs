@@ -6,7 +6,7 @@ use pgwire_replication::ReplicationEvent;
 use replication::{decode, pg_micros_to_unix_micros, LogicalMessage, Lsn, Relation, RelationCache, Tuple};
 use tokio_postgres::Client;
 
-use crate::event::{OutboxEvent, PublishedColumn};
+use crate::event::{Commit, Origin, OutboxEvent, PublishedColumn};
 use crate::mapping::Mapping;
 use crate::pipeline::intake::{Change, Chunk};
 
@@ -184,19 +184,18 @@ impl Decoder {
             .ok_or_else(|| CdcError::Protocol(format!("Insert for unknown relation {relation}")))?;
         let table = self.table(rel);
         let t = self.txn.as_mut().ok_or_else(|| CdcError::Protocol("Insert outside a transaction".into()))?;
-        let (mut row, key) = match table {
+        let commit = Commit { xid: t.xid, lsn: t.final_lsn, seq: t.rows };
+        let (row, key) = match table {
             None => return Ok(None),
             Some(Table::Outbox) if owned_by_table(rel, new) => return Ok(None),
-            Some(Table::Outbox) => (row_from_tuple(rel, new, t.commit_time_us, Some(t.xid), t.final_lsn)?, None),
+            Some(Table::Outbox) => (row_from_tuple(rel, new, t.commit_time_us, commit)?, None),
             Some(Table::Mapped(i)) if inserted_published(&self.mapped[i].0, rel, new) => return Ok(None),
             Some(Table::Mapped(i)) => {
                 let (m, published) = &self.mapped[i];
                 let fallback = || format!("no-key@{}#{}", t.final_lsn, t.rows);
-                let mut row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref(), fallback);
                 // Its published column is set once the transaction is visible.
-                row.xid = Some(t.xid);
-                row.commit_lsn = Some(t.final_lsn);
-                (row, mapped_key(m, rel, new).map(|k| (relation, k)))
+                let row = mapped_row(m, rel, new, None, t.commit_time_us, published.as_ref(), fallback);
+                (row.read_in(commit), mapped_key(m, rel, new).map(|k| (relation, k)))
             }
         };
         let mut full = None;
@@ -204,14 +203,14 @@ impl Decoder {
             full = Some(self.hand_on(sql).await?);
         }
         let t = self.txn.as_mut().expect("checked above");
-        row.commit_seq = Some(t.rows);
         t.rows += 1;
         let huge = crate::pipeline::budget::is_huge(row.body.len());
         t.buf_bytes += row.size();
-        match key {
-            Some(key) => t.mapped_buffered.insert(key, t.buf.len()),
-            None => t.buffered.insert(row.id, t.buf.len()),
-        };
+        match (key, &row.origin) {
+            (Some(key), _) => _ = t.mapped_buffered.insert(key, t.buf.len()),
+            (None, Origin::Own { id, .. }) => _ = t.buffered.insert(*id, t.buf.len()),
+            (None, _) => {}
+        }
         t.buf.push(row);
         if huge && full.is_none() {
             // A body through S3 goes on at once, not when the next row
@@ -256,9 +255,12 @@ impl Decoder {
                 return Ok(());
             };
             {
-                let fallback = || t.buf[i].mapped.as_ref().map(|r| r.key.clone()).unwrap_or_default();
-                let mut row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref(), fallback);
-                (row.xid, row.commit_lsn, row.commit_seq) = (Some(t.xid), Some(t.final_lsn), t.buf[i].commit_seq);
+                let fallback = || t.buf[i].mapped().map(|r| r.key.clone()).unwrap_or_default();
+                let row = mapped_row(m, rel, new, Some(&t.buf[i]), t.commit_time_us, published.as_ref(), fallback);
+                let row = match t.buf[i].commit() {
+                    Some(&commit) => row.read_in(commit),
+                    None => row,
+                };
                 t.buf_bytes = (t.buf_bytes + row.size()).saturating_sub(t.buf[i].size());
                 t.buf[i] = row;
             }
@@ -284,7 +286,7 @@ impl Decoder {
         };
         let (Some(t), Some(id)) = (self.txn.as_mut(), old.and_then(|k| tuple_id(rel, &k))) else { return };
         if let Some(&i) = t.buffered.get(&id) {
-            t.buf[i].transient = true;
+            t.buf[i].origin.deleted_by_its_transaction();
         }
     }
 }

@@ -1,11 +1,11 @@
 //! A decoded pgoutput tuple of the outbox table, mapped by column name.
 
-use replication::{Lsn, Relation, Tuple, TupleValue};
+use replication::{Relation, Tuple, TupleValue};
 
 use crate::db::schema::RowStatus;
 #[cfg(test)]
 use crate::event::parse_iso_timestamptz;
-use crate::event::{deliver_at, DeliverAt, OutboxEvent, PublishedColumn};
+use crate::event::{deliver_at, Commit, DeliverAt, Origin, OutboxEvent, PublishedColumn};
 use crate::mapping::{Mapping, MappingError, Value};
 use sha2::Digest;
 use std::collections::HashMap;
@@ -39,8 +39,7 @@ pub(crate) fn row_from_tuple(
     rel: &Relation,
     t: &Tuple,
     commit_time_us: i64,
-    xid: Option<u32>,
-    commit_lsn: Lsn,
+    commit: Commit,
 ) -> Result<OutboxEvent, CdcError> {
     let col = |name: &str| -> Result<Option<&str>, CdcError> {
         let i = rel
@@ -59,20 +58,15 @@ pub(crate) fn row_from_tuple(
         .and_then(|s| s.parse::<i64>().ok())
         .ok_or_else(|| CdcError::Protocol("outbox row without a numeric id".into()))?;
     Ok(OutboxEvent {
-        id,
         event_id: col("event_id")?.unwrap_or_default().to_owned(),
         destination: col("destination")?.unwrap_or_default().to_owned(),
         body: col("body")?.unwrap_or_default().to_owned(),
         group_key: col("group_key")?.map(str::to_owned),
         attributes: col("attributes")?.map(str::to_owned),
         commit_time_us,
-        xid,
-        commit_lsn: Some(commit_lsn),
-        commit_seq: None,
-        transient: false,
         // Optional: a table migrated before `deliver_at` existed has none.
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
-        mapped: None,
+        origin: Origin::Own { id, commit: Some(commit) },
     })
 }
 
@@ -197,8 +191,7 @@ pub(crate) fn updated_row(rel: &Relation, new: &Tuple, held: &OutboxEvent) -> Re
 /// tens of MiB, each a chunk of its own, is not read twice, nor held twice.
 pub(crate) async fn as_committed(sql: &tokio_postgres::Client, buf: &mut [OutboxEvent]) -> Result<(), CdcError> {
     // A mapped table's rows are not in the relay's table: sent as inserted.
-    let at: HashMap<i64, usize> =
-        buf.iter().enumerate().filter(|(_, e)| e.mapped.is_none()).map(|(i, e)| (e.id, i)).collect();
+    let at: HashMap<i64, usize> = buf.iter().enumerate().filter_map(|(i, e)| Some((e.row_id()?, i))).collect();
     if at.is_empty() {
         return Ok(());
     }
