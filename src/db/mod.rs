@@ -4,6 +4,7 @@
 pub mod pool;
 pub mod schema;
 pub mod server;
+pub mod settled;
 
 use std::future::Future;
 use std::time::Duration;

@@ -6,6 +6,7 @@ use tokio_postgres::Client;
 use super::OpsError;
 use crate::config::{Config, Mode};
 use crate::db;
+use crate::db::settled::Holder;
 use crate::publish::kind::Kind;
 use crate::publish::template::AddressTemplate;
 
@@ -253,10 +254,11 @@ async fn table_status(
 /// each configured one without.
 async fn destinations_in_table(client: &Client, config: &Config) -> Result<Vec<DestinationStatus>, OpsError> {
     let held = crate::policy::delay::HELD_SQL;
+    let (stream, table) = (Holder::Stream.sql(""), Holder::Table.sql(""));
     let sql = format!(
         "SELECT destination,
-                count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NULL AND NOT {held}),
-                count(*) FILTER (WHERE status = 'NEW' AND next_attempt_at IS NOT NULL AND NOT {held}),
+                count(*) FILTER (WHERE {stream} AND NOT {held}),
+                count(*) FILTER (WHERE {table} AND NOT {held}),
                 count(*) FILTER (WHERE status = 'DEAD'),
                 extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'NEW' AND NOT {held}))::float8,
                 count(*) FILTER (WHERE {held}),

@@ -14,6 +14,7 @@ use tokio_postgres::Client;
 use tracing::Instrument;
 
 use crate::clock::now_unix_us;
+use crate::db::settled::{self, Replayed};
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn, TableNow};
 use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
@@ -85,80 +86,26 @@ pub fn judge_for(target: &Target, ev: &Arc<OutboxEvent>, now_us: i64) -> Judged 
     }
 }
 
-/// Of replayed events, those settled by an earlier run: the row (same id
-/// and event id) is DEAD, PUBLISHED (kept) or handed to the table, or it is
-/// gone and a run of ids the settlement recorded when it deleted rows proves
-/// it published ([`crate::pipeline::settle::PROVEN_BY_RUN`]: the run covers
-/// its id and its commit position, and was written after it; ids can be
-/// reused). A row gone without such a run was deleted by another
-/// transaction (its own: transient; or a later one) and is sent again:
-/// nothing says it was published.
-///
-/// One statement of two index scans for a chunk's ids ($1, from $2 to $3,
-/// all committed at $4): the runs overlapping that range that may prove
-/// them (GiST on the id range) with the event ids they list (runs of the
-/// table path), tagged false, and the settled rows still in the table with
-/// their event ids, tagged true. Which ids the runs cover is worked out
-/// here ([`settled`]); a probe per id into the runs cost a backlog drain
-/// more than the settlement itself.
-const REPLAYED_SQL: &str = "
-SELECT false, lo, hi, NULL::text, CASE WHEN commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn
-                                       THEN NULL ELSE event_ids END, false
-  FROM outbox_published_runs r
- WHERE int8range(lo, hi, '[]') && int8range($2, $3, '[]') AND lsn > $4::text::pg_lsn
-   AND ((commit_lo <= $4::text::pg_lsn AND commit_hi >= $4::text::pg_lsn) OR event_ids IS NOT NULL)
-UNION ALL
-SELECT true, id, id, event_id, NULL, status = 'NEW' AND (commit_lsn IS NULL OR commit_lsn < $4::text::pg_lsn)
-  FROM outbox WHERE id = ANY($1) AND (status <> 'NEW' OR next_attempt_at IS NOT NULL)";
-
-/// Rows in the table path's care that the stream meets again get its
-/// commit position (and their place in the transaction), exact where the one they had was a bound (a slot's
-/// hand-off) or missing (rows the poller retried before the slot): a FIFO
-/// claim orders by it ([`crate::source::table`]).
-const POSITION_SQL: &str = "
-UPDATE outbox o SET commit_lsn = $3::text::pg_lsn, commit_seq = u.seq
-  FROM unnest($1::bigint[], $2::text[], $4::int4[]) AS u(id, event_id, seq)
- WHERE o.id = u.id AND o.event_id = u.event_id AND o.status = 'NEW' AND o.next_attempt_at IS NOT NULL
-   AND (o.commit_lsn IS NULL OR o.commit_lsn < $3::text::pg_lsn)";
-
-/// Of `ids`, those settled: in `marked` (rows in the table that are no
-/// longer NEW or were handed to the table) or covered by one of `runs`
-/// (inclusive id ranges settlement deleted; they may overlap).
-fn settled(ids: &[i64], mut runs: Vec<(i64, i64)>, marked: HashSet<i64>) -> HashSet<i64> {
-    runs.sort_unstable();
-    // The furthest end among runs starting at or before each run's start.
-    let reach: Vec<i64> = runs
-        .iter()
-        .scan(i64::MIN, |far, r| {
-            *far = (*far).max(r.1);
-            Some(*far)
-        })
-        .collect();
-    let covered = |id: i64| {
-        let i = runs.partition_point(|r| r.0 <= id);
-        i > 0 && reach[i - 1] >= id
-    };
-    ids.iter().copied().filter(|id| marked.contains(id) || covered(*id)).collect()
-}
-
-/// Ask the database which of a replayed chunk's events were settled before.
+/// Of replayed events, those settled by an earlier run ([`settled::replayed`]):
+/// the row (same id and event id) is DEAD, PUBLISHED (kept) or handed to the
+/// table, or it is gone and a run of ids the settlement recorded when it
+/// deleted rows proves it published ([`settled::PROVEN_BY_RUN`]). A row gone
+/// without such a run was deleted by another transaction (its own:
+/// transient; or a later one) and is sent again: nothing says it was
+/// published. Rows in the table path's care that the stream meets again
+/// get the chunk's commit position ([`settled::position_replayed`]).
 async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSet<i64>, RouteError> {
     // A mapped table's rows are not in the relay's table: nothing there can
     // prove them settled (see [`mapped_published`]).
     let event_of: HashMap<i64, &OutboxEvent> = events.iter().filter_map(|e| Some((e.row_id()?, e))).collect();
     let ids: Vec<i64> = event_of.keys().copied().collect();
-    let (Some(&lo), Some(&hi)) = (ids.iter().min(), ids.iter().max()) else { return Ok(HashSet::new()) };
-    // One transaction's chunk: one commit. Read from the table (no commit
-    // position), only the rows in the table can say.
-    let first = event_of[&lo];
-    let commit = first.commit_lsn_text().unwrap_or_else(|| "FFFFFFFF/FFFFFFFF".to_string());
+    // One transaction's chunk: one commit.
+    let commit = event_of.values().next().and_then(|e| e.commit()).map(|c| c.lsn);
     let (mut runs, mut marked, mut unpositioned) = (Vec::new(), HashSet::new(), Vec::new());
-    for r in sql.query(REPLAYED_SQL, &[&ids, &lo, &hi, &commit]).await? {
-        let (in_table, lo, hi): (bool, i64, i64) = (r.get(0), r.get(1), r.get(2));
-        match (in_table, r.get::<_, Option<Vec<&str>>>(4)) {
-            // A run of the table path: the ids whose event it lists.
-            (false, Some(listed)) => {
-                let listed: HashSet<&str> = listed.into_iter().collect();
+    for found in settled::replayed(sql, &ids, commit).await? {
+        match found {
+            Replayed::Listed { lo, hi, event_ids } => {
+                let listed: HashSet<&str> = event_ids.iter().map(String::as_str).collect();
                 marked.extend(
                     event_of
                         .iter()
@@ -166,25 +113,20 @@ async fn replayed_settled(sql: &Client, events: &[OutboxEvent]) -> Result<HashSe
                         .map(|(id, _)| *id),
                 );
             }
-            (false, None) => runs.push((lo, hi)),
-            (true, _) => {
-                let ev = event_of.get(&lo).copied();
-                if let Some(ev) = ev.filter(|e| Some(e.event_id.as_str()) == r.get::<_, Option<&str>>(3)) {
-                    marked.insert(lo);
-                    if r.get::<_, bool>(5) {
-                        unpositioned.push((lo, ev.event_id.as_str(), seq_param(ev)));
-                    }
+            Replayed::Run { lo, hi } => runs.push((lo, hi)),
+            Replayed::Row { id, event_id, unpositioned: u } => {
+                let Some(ev) = event_of.get(&id).filter(|e| e.event_id == event_id) else { continue };
+                marked.insert(id);
+                if u {
+                    unpositioned.push((id, ev.event_id.as_str(), seq_param(ev)));
                 }
             }
         }
     }
-    if !unpositioned.is_empty() && first.commit().is_some() {
-        let ids: Vec<i64> = unpositioned.iter().map(|u| u.0).collect();
-        let event_ids: Vec<&str> = unpositioned.iter().map(|u| u.1).collect();
-        let seqs: Vec<Option<i32>> = unpositioned.iter().map(|u| u.2).collect();
-        sql.execute(POSITION_SQL, &[&ids, &event_ids, &commit, &seqs]).await?;
+    if let (false, Some(at)) = (unpositioned.is_empty(), commit) {
+        settled::position_replayed(sql, &unpositioned, at).await?;
     }
-    Ok(settled(&ids, runs, marked))
+    Ok(settled::covered(&ids, runs, marked))
 }
 
 /// Of a replayed chunk's mapped rows, the indexes of those whose table says
@@ -678,26 +620,6 @@ mod tests {
     }
 
     proptest! {
-        /// The same answer as asking of each id: is it marked, or is there a
-        /// run containing it?
-        #[test]
-        fn settled_matches_a_scan_of_every_run(
-            ids in proptest::collection::vec(0i64..400, 0..60),
-            starts in proptest::collection::vec((0i64..400, 0i64..60), 0..40),
-            marked in proptest::collection::hash_set(0i64..400, 0..20),
-        ) {
-            // Runs that may overlap and nest (ids reused).
-            let runs: Vec<(i64, i64)> = starts.iter().map(|&(lo, len)| (lo, lo + len)).collect();
-            let expected: HashSet<i64> = ids
-                .iter()
-                .copied()
-                .filter(|id| marked.contains(id) || runs.iter().any(|(lo, hi)| lo <= id && id <= hi))
-                .collect();
-            let mut shuffled = runs.clone();
-            shuffled.reverse();
-            prop_assert_eq!(settled(&ids, shuffled, marked), expected);
-        }
-
         /// Exactly one end per destination, at its last event.
         #[test]
         fn chunk_ends_mark_each_destinations_last_event(dests in proptest::collection::vec(0u8..4, 0..40)) {

@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::db;
+use crate::db::settled::{self, Holder};
 use crate::event::{OutboxEvent, OUTBOX_COLUMNS};
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{publish_claim, Parts};
@@ -226,8 +227,8 @@ async fn sleep_or_stop(d: Duration, stop: &mut watch::Receiver<bool>) -> bool {
 /// held until a later `deliver_at` aside: they keep no order with the stream.
 pub async fn spool_is_empty(c: &Client, destination: &str) -> Result<bool, tokio_postgres::Error> {
     let sql = format!(
-        "SELECT 1 FROM outbox WHERE destination = $1 AND status = 'NEW' AND next_attempt_at IS NOT NULL
-            AND NOT {} LIMIT 1",
+        "SELECT 1 FROM outbox WHERE destination = $1 AND {} AND NOT {} LIMIT 1",
+        Holder::Table.sql(""),
         crate::policy::delay::HELD_SQL
     );
     Ok(c.query_opt(&sql, &[&destination]).await?.is_none())
@@ -259,23 +260,25 @@ fn claim_sql(source: Claims, order: ClaimOrder, delays: bool) -> String {
         "SELECT id, octet_length(body)::bigint + coalesce(octet_length(attributes::text), 0)::bigint,
                 next_attempt_at IS NULL OR next_attempt_at <= now(), group_key
            FROM outbox
-          WHERE destination = $1 AND status = 'NEW'",
+          WHERE destination = $1 AND ",
     );
+    sql += &settled::unsettled_sql("");
     // Rows held until a later deliver_at are not claimed, nor hold a group.
     sql += " AND ";
     sql += &crate::policy::delay::claimable_sql(delays);
     if source == Claims::Spool {
-        sql += " AND next_attempt_at IS NOT NULL";
+        sql += " AND ";
+        sql += &Holder::Table.sql("");
     }
     if !fifo {
         // FIFO claims a window whether due or not, so a group whose earliest
         // row waits holds its later rows back.
         sql += " AND (next_attempt_at IS NULL OR next_attempt_at <= now())";
     }
-    sql += match order {
-        ClaimOrder::Id => " ORDER BY id",
-        ClaimOrder::Committed => " AND commit_lsn IS NOT NULL ORDER BY commit_lsn, commit_seq, id",
-        ClaimOrder::Unpositioned => " AND commit_lsn IS NULL ORDER BY id",
+    sql += &match order {
+        ClaimOrder::Id => " ORDER BY id".to_string(),
+        ClaimOrder::Committed => format!(" AND commit_lsn IS NOT NULL ORDER BY {}", settled::COMMIT_ORDER),
+        ClaimOrder::Unpositioned => " AND commit_lsn IS NULL ORDER BY id".to_string(),
     };
     sql += " LIMIT $2 FOR UPDATE SKIP LOCKED";
     sql
@@ -432,7 +435,8 @@ fn waiting_destinations_sql(source: Claims) -> String {
         crate::policy::delay::claimable_sql(true)
     );
     if source == Claims::Spool {
-        cond += " AND next_attempt_at IS NOT NULL";
+        cond += " AND ";
+        cond += &Holder::Table.sql("");
     }
     format!(
         "WITH RECURSIVE d AS (
@@ -503,8 +507,11 @@ pub async fn sweep_unknown_destinations(
             .execute(
                 &format!(
                     "UPDATE outbox SET status = 'DEAD', last_error = $2, attempts = attempts + 1
-                      WHERE status = 'NEW' AND destination = $1{}",
-                    if source == Claims::Spool { " AND next_attempt_at IS NOT NULL" } else { "" }
+                      WHERE destination = $1 AND {}",
+                    match source {
+                        Claims::Spool => Holder::Table.sql(""),
+                        Claims::Poll => settled::unsettled_sql(""),
+                    }
                 ),
                 &[&destination, &error],
             )

@@ -453,3 +453,35 @@ async fn marking_a_deleted_row_does_not_wait() {
         .collect();
     assert_eq!(runs, vec![(ids[2], ids[2])], "its id is recorded for the replay filter");
 }
+
+/// The holder rule's SQL and its reading of a decoded row agree on every
+/// status and `next_attempt_at` a row can have: the stream's skip and the
+/// statements cannot split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rows_holder_reads_the_same_in_sql_and_in_the_stream() {
+    use outbox_relay::db::settled::Holder;
+    let db = TestDb::new("holder").await;
+    let c = db.client().await;
+    let mut rows = Vec::new();
+    for status in ["NEW", "PUBLISHED", "DEAD"] {
+        for due in [false, true] {
+            let id: i64 = c
+                .query_one(
+                    "INSERT INTO outbox (event_id, destination, body, status, next_attempt_at)
+                     VALUES ($1, 'h', 'x', $2, CASE WHEN $3 THEN now() END) RETURNING id",
+                    &[&format!("{status}:{due}"), &status, &due],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            rows.push((id, Holder::of(Some(status), due)));
+        }
+    }
+    for holder in [Holder::Stream, Holder::Table, Holder::Settled] {
+        let sql = format!("SELECT id FROM outbox WHERE {} ORDER BY id", holder.sql(""));
+        let found: Vec<i64> = c.query(&sql, &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+        let expected: Vec<i64> = rows.iter().filter(|r| r.1 == holder).map(|r| r.0).collect();
+        assert_eq!(found, expected, "{holder:?}");
+        assert!(!expected.is_empty(), "{holder:?} has a row");
+    }
+}

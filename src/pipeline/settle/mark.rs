@@ -12,7 +12,7 @@ use crate::pipeline::owed::Owed;
 use super::mapped::mark_mapped_published;
 use super::outcome::{columns, seq_param, Marking, Outcome, Settlement};
 use super::restore::restore_rows;
-use super::sql::{DELETE_SQL, KEEP_SQL, MISSING_SQL, PUBLISHED_SQL};
+use super::sql::{DELETE_SQL, KEEP_SQL, MISSING_SQL};
 use super::visible::VISIBILITY_DEADLINE;
 
 /// What one [`mark`] did.
@@ -151,7 +151,7 @@ pub(super) async fn missing<C: GenericClient>(
 }
 
 /// Of settlements whose row is absent, the ids proven published before
-/// ([`PUBLISHED_SQL`]).
+/// ([`crate::db::settled::proven_published`]).
 pub(super) async fn published_before<C: GenericClient>(
     client: &C,
     rows: &[&Settlement],
@@ -159,7 +159,7 @@ pub(super) async fn published_before<C: GenericClient>(
     let ids: Vec<Option<i64>> = rows.iter().map(|s| s.id()).collect();
     let lsns: Vec<Option<String>> = rows.iter().map(|s| s.event.commit_lsn_text()).collect();
     let keys: Vec<&str> = rows.iter().map(|s| s.key()).collect();
-    Ok(client.query(PUBLISHED_SQL.as_str(), &[&ids, &lsns, &keys]).await?.iter().map(|r| r.get(0)).collect())
+    crate::db::settled::proven_published(client, &ids, &lsns, &keys).await
 }
 
 pub(super) async fn mark_once<C: GenericClient>(

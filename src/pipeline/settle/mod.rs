@@ -24,4 +24,3 @@ pub(crate) use outcome::seq_param;
 pub use outcome::{Due, Marking, Outcome, Settlement, Unmarked};
 pub use privileges::check_privileges;
 pub use settler::{record, run_settler, MAX_FLUSH};
-pub use sql::PROVEN_BY_RUN;

@@ -1,6 +1,9 @@
 //! The statements settlement runs, assembled once: marking, deleting with
-//! a run of published ids, the visibility check, the proof of an earlier
-//! publication ([`PROVEN_BY_RUN`]) and writing rows back.
+//! a run of published ids ([`settled::record_runs`]), the visibility check
+//! and writing rows back. What makes a row settled, and the proof of an
+//! earlier publication, is [`crate::db::settled`]'s.
+
+use crate::db::settled;
 
 /// The set part of marking a DEAD or deferred row (and, kept, a PUBLISHED one).
 /// A row from the stream left NEW or DEAD keeps its transaction's commit
@@ -25,36 +28,35 @@ pub(super) const MARK_INPUT: &str =
     "unnest($1::bigint[], $7::text[], $2::text[], $3::text[], $6::int2[], $8::text[], $9::int4[])
                           AS u(id, event_id, status, err, defer, commit, seq)";
 
-/// A row is the settlement's row when both its id and its event id match:
-/// ids can be reused (an identity reset, a restore), event ids are unique.
-pub(super) const SAME_ROW: &str = "o.id = u.id AND o.event_id = u.event_id AND o.status = 'NEW'";
+/// A row is the settlement's row when both its id and its event id match
+/// (ids can be reused: an identity reset, a restore; event ids are unique)
+/// and it is not settled.
+fn same_row() -> String {
+    format!("o.id = u.id AND o.event_id = u.event_id AND {}", settled::unsettled_sql("o."))
+}
 
 /// `published_rows = "keep"`: one UPDATE marks a flush PUBLISHED, DEAD, or
 /// deferred (NEW with `next_attempt_at` from the retry policy's backoff).
 pub(super) static KEEP_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE {SAME_ROW} RETURNING o.event_id", update_set())
+    format!("UPDATE outbox o {} FROM {MARK_INPUT} WHERE {} RETURNING o.event_id", update_set(), same_row())
 });
 
 /// `published_rows = "delete"`: one statement deletes the published rows,
 /// records their ids as runs of consecutive ids with the range of their
-/// commit positions (for the replay filter: [`PROVEN_BY_RUN`]), and updates
+/// commit positions (for the replay filter: [`settled::PROVEN_BY_RUN`]), and updates
 /// the DEAD and deferred ones.
 pub(super) static DELETE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "WITH u AS (SELECT * FROM {MARK_INPUT}),
          upd AS (UPDATE outbox o {} FROM u
-                  WHERE {SAME_ROW} AND u.status <> 'PUBLISHED' RETURNING o.event_id),
+                  WHERE {same} AND u.status <> 'PUBLISHED' RETURNING o.event_id),
          del AS (DELETE FROM outbox o USING u
-                  WHERE {SAME_ROW} AND u.status = 'PUBLISHED' RETURNING o.id, o.event_id, u.commit::pg_lsn AS commit),
-         runs AS (INSERT INTO outbox_published_runs (lo, hi, commit_lo, commit_hi, event_ids)
-                  SELECT min(id), max(id),
-                         CASE WHEN bool_and(commit IS NOT NULL) THEN min(commit) END,
-                         CASE WHEN bool_and(commit IS NOT NULL) THEN max(commit) END,
-                         CASE WHEN NOT bool_and(commit IS NOT NULL) THEN array_agg(event_id ORDER BY id) END
-                    FROM (SELECT id, commit, event_id, id - row_number() OVER (ORDER BY id) AS g FROM del) r
-                   GROUP BY g RETURNING lo)
+                  WHERE {same} AND u.status = 'PUBLISHED' RETURNING o.id, o.event_id, u.commit::pg_lsn AS commit),
+         runs AS ({})
          SELECT event_id FROM upd UNION ALL SELECT event_id FROM del",
-        update_set()
+        update_set(),
+        settled::record_runs("del"),
+        same = same_row(),
     )
 });
 
@@ -114,10 +116,11 @@ pub(super) static RESTORE_NEW_ID_SQL: std::sync::LazyLock<String> = std::sync::L
 /// xmax (a committed transaction is less than 2^31 behind it).
 pub(super) static MISSING_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "SELECT u.event_id, o.status = 'NEW', o.id IS NOT NULL, {XID_VISIBLE} AS visible
+        "SELECT u.event_id, {}, o.id IS NOT NULL, {XID_VISIBLE} AS visible
            FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS u(id, xid, event_id)
            LEFT JOIN outbox o ON o.id = u.id AND o.event_id = u.event_id
-          {XID_SNAPSHOT}"
+          {XID_SNAPSHOT}",
+        settled::unsettled_sql("o.")
     )
 });
 
@@ -131,28 +134,6 @@ pub(super) const XID_SNAPSHOT: &str = "CROSS JOIN (SELECT pg_current_snapshot() 
 /// (true for no xid).
 pub(super) const XID_VISIBLE: &str = "(u.xid IS NULL OR (d.delta > 0 AND d.delta < 2147483648
                          AND pg_visible_in_snapshot((s.xmax - d.delta)::text::xid8, s.snap)))";
-
-/// When a run of published ids (`r`) proves that the row with id `$id` and
-/// event id `$event_id`, committed at `$commit`, was published: the run was
-/// written after that commit, covers the id, and either its rows' commit
-/// positions (stream rows) span the row's commit or it lists the event id
-/// (rows the table path published: their commit is unknown). Covering the id
-/// is not enough: the id may have been given to another row since (an
-/// identity reset, or a row deleted and its id reused) and that row
-/// published.
-pub const PROVEN_BY_RUN: &str = "int8range(r.lo, r.hi, '[]') @> $id AND r.lsn > $commit
-     AND ((r.commit_lo <= $commit AND r.commit_hi >= $commit) OR $event_id = ANY(r.event_ids))";
-
-/// Of the given (id, commit position, event id), the event ids a run proves published
-/// ([`PROVEN_BY_RUN`]). A row read from the table has no commit position and
-/// nothing proves it.
-pub(super) static PUBLISHED_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    format!(
-        "SELECT u.event_id FROM unnest($1::bigint[], $2::text[], $3::text[]) AS u(id, lsn, event_id)
-          WHERE EXISTS (SELECT 1 FROM outbox_published_runs r WHERE {})",
-        PROVEN_BY_RUN.replace("$id", "u.id").replace("$commit", "u.lsn::pg_lsn").replace("$event_id", "u.event_id")
-    )
-});
 
 /// The identity moved past every id in the table, never back (it needs
 /// UPDATE on the identity's sequence; without it the flush fails, and is

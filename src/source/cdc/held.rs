@@ -210,25 +210,13 @@ async fn hand_over(
     until: &HandedUntil,
 ) -> Result<u64, tokio_postgres::Error> {
     let why = format!("stream held back: {cause}");
-    let r = c
-        .query_one(
-            "WITH handed AS (
-                 UPDATE outbox SET next_attempt_at = now(), last_error = $2
-                  WHERE id IN (SELECT id FROM outbox
-                                WHERE status = 'NEW' AND next_attempt_at IS NULL AND destination = ANY($1)
-                                ORDER BY id LIMIT $3)
-                 RETURNING 1)
-             SELECT count(*), pg_current_wal_insert_lsn()::text FROM handed",
-            &[&destinations, &why, &HAND_OVER_BATCH],
-        )
-        .await?;
-    let (handed, lsn): (i64, String) = (r.get(0), r.get(1));
+    let (handed, lsn) = crate::db::settled::hand_held(c, destinations, &why, HAND_OVER_BATCH).await?;
     if handed > 0 {
         if let Ok(lsn) = lsn.parse::<Lsn>() {
             until.raise(lsn);
         }
     }
-    Ok(handed as u64)
+    Ok(handed)
 }
 
 /// Why the server may be holding the slot's walsender, in an operator's

@@ -21,6 +21,7 @@ use tokio::task::JoinSet;
 use tokio_postgres::Client;
 
 use crate::db;
+use crate::db::settled::Holder;
 use crate::metrics::Metrics;
 use crate::pipeline::assemble::{Parts, Settler, Streaming};
 use crate::pipeline::watermark::Watermark;
@@ -204,10 +205,7 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
         .db
         .query(
             "looking for spooled rows",
-            sql.query(
-                "SELECT DISTINCT destination FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NOT NULL",
-                &[],
-            ),
+            sql.query(&format!("SELECT DISTINCT destination FROM outbox WHERE {}", Holder::Table.sql("")), &[]),
         )
         .await?
         .iter()

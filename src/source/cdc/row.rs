@@ -2,7 +2,7 @@
 
 use replication::{Relation, Tuple, TupleValue};
 
-use crate::db::schema::RowStatus;
+use crate::db::settled::Holder;
 #[cfg(test)]
 use crate::event::parse_iso_timestamptz;
 use crate::event::{deliver_at, Commit, DeliverAt, Origin, OutboxEvent, PublishedColumn};
@@ -30,8 +30,7 @@ pub(crate) fn tuple_id(rel: &Relation, t: &Tuple) -> Option<i64> {
 /// (a transient row ended DEAD or deferred) or inserted as already handed to
 /// the table. The stream skips it; the spool drain or `dead` finds it.
 pub(crate) fn owned_by_table(rel: &Relation, t: &Tuple) -> bool {
-    let new = RowStatus::New.as_str();
-    text(rel, t, "status").is_some_and(|s| s != new) || text(rel, t, "next_attempt_at").is_some()
+    Holder::of(text(rel, t, "status"), text(rel, t, "next_attempt_at").is_some()) != Holder::Stream
 }
 
 /// The outbox columns, by name, from a decoded row.

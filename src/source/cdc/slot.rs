@@ -8,6 +8,7 @@ use replication::Lsn;
 use tokio_postgres::Client;
 
 use super::CdcError;
+use crate::db::settled::{self, PositionRows};
 use crate::db::Db;
 
 pub(crate) enum SlotState {
@@ -147,56 +148,17 @@ pub(crate) async fn drop_unfinished_slot(db: &Db, slot: &str, sql: &Client) {
 /// updated outside it (no conflict with later writers). Every NEW row of the
 /// snapshot without a commit position gets `consistent` (the slot's
 /// consistent point): it committed before any row the slot streams, and
-/// after any the table holds with a position ([`position_handed`]). Returns
+/// after any the table holds with a position ([`settled::position_handed`]). Returns
 /// the rows handed.
 pub(crate) async fn hand_to_table(snap: Client, shard: Option<Vec<String>>, consistent: Lsn) -> Result<u64, CdcError> {
-    let ids: Vec<i64> = snap
-        .query(
-            "SELECT id FROM outbox WHERE status = 'NEW' AND (next_attempt_at IS NULL OR commit_lsn IS NULL)
-                AND ($1::text[] IS NULL OR destination = ANY($1)) ORDER BY id",
-            &[&shard],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let ids = settled::not_streamed(&snap, shard.as_deref()).await?;
     snap.batch_execute("COMMIT").await?;
     let mut handed = 0;
     for chunk in ids.chunks(10_000) {
-        handed += snap
-            .execute(
-                "UPDATE outbox SET next_attempt_at = now(), commit_lsn = coalesce(commit_lsn, $2::text::pg_lsn)
-                  WHERE id = ANY($1) AND status = 'NEW' AND next_attempt_at IS NULL",
-                &[&chunk, &consistent.to_string()],
-            )
-            .await?;
-        position_handed(&snap, PositionRows::Ids(chunk), consistent).await?;
+        handed += settled::hand_ids(&snap, chunk, consistent).await?;
+        settled::position_handed(&snap, PositionRows::Ids(chunk), consistent).await?;
     }
     Ok(handed)
-}
-
-/// Which rows [`position_handed`] gives a position.
-pub(crate) enum PositionRows<'a> {
-    Ids(&'a [i64]),
-    /// Every row of these destinations (all: `None`).
-    Destinations(Option<&'a [String]>),
-}
-
-/// Rows in the table path's care (NEW, `next_attempt_at` set) without a
-/// commit position get `at`: rows the poller retried before this slot, or a
-/// `dead redrive` brought back, committed before the slot's consistent
-/// point, and after every row the table holds with a position (a stream
-/// handed those over before it reached them). A FIFO claim sends them after
-/// the latter and before the rows the slot will hand over.
-pub(crate) async fn position_handed(c: &Client, rows: PositionRows<'_>, at: Lsn) -> Result<u64, CdcError> {
-    const SQL: &str = "UPDATE outbox SET commit_lsn = $3::text::pg_lsn
-        WHERE status = 'NEW' AND next_attempt_at IS NOT NULL AND commit_lsn IS NULL
-          AND ($1::bigint[] IS NULL OR id = ANY($1)) AND ($2::text[] IS NULL OR destination = ANY($2))";
-    let (ids, destinations) = match rows {
-        PositionRows::Ids(ids) => (Some(ids), None),
-        PositionRows::Destinations(d) => (None, d),
-    };
-    Ok(c.execute(SQL, &[&ids, &destinations, &at.to_string()]).await?)
 }
 
 /// Record that `slot`'s hand-off is about to run, before the slot is
@@ -247,23 +209,11 @@ pub(crate) async fn finish_hand_off(
     // streamed.
     let hi: Option<i64> = sql.query_one("SELECT max(id) FROM outbox", &[]).await?.get(0);
     let at = consistent_point(sql, slot).await?;
-    position_handed(sql, PositionRows::Destinations(shard), at).await?;
+    settled::position_handed(sql, PositionRows::Destinations(shard), at).await?;
     let (mut handed, mut from) = (0u64, i64::MIN);
     loop {
-        let r = sql
-            .query_one(
-                "WITH handed AS (
-                     UPDATE outbox SET next_attempt_at = now(), commit_lsn = coalesce(commit_lsn, $4::text::pg_lsn)
-                      WHERE id IN (SELECT id FROM outbox WHERE status = 'NEW' AND next_attempt_at IS NULL
-                                      AND id > $1 AND id <= $2 AND ($3::text[] IS NULL OR destination = ANY($3))
-                                    ORDER BY id LIMIT 10000)
-                     RETURNING id)
-                 SELECT max(id), count(*) FROM handed",
-                &[&from, &hi.unwrap_or(i64::MIN), &shard, &at.to_string()],
-            )
-            .await?;
-        let (last, n): (Option<i64>, i64) = (r.get(0), r.get(1));
-        handed += n as u64;
+        let (last, n) = settled::hand_range(sql, from, hi.unwrap_or(i64::MIN), shard, at).await?;
+        handed += n;
         match last {
             Some(last) => from = last,
             None => break,
