@@ -50,18 +50,23 @@ impl Holder {
     /// dot, `"o."`, or `""`). The status is a literal: the partial indexes
     /// serve only statements that name it.
     pub fn sql(self, row: &str) -> String {
-        let new = RowStatus::New.as_str();
+        let new = new_literal();
         match self {
-            Holder::Stream => format!("{row}status = '{new}' AND {row}next_attempt_at IS NULL"),
-            Holder::Table => format!("{row}status = '{new}' AND {row}next_attempt_at IS NOT NULL"),
-            Holder::Settled => format!("{row}status <> '{new}'"),
+            Holder::Stream => format!("{row}status = {new} AND {row}next_attempt_at IS NULL"),
+            Holder::Table => format!("{row}status = {new} AND {row}next_attempt_at IS NOT NULL"),
+            Holder::Settled => format!("{row}status <> {new}"),
         }
     }
 }
 
 /// Not settled: the stream's or the table path's.
 pub fn unsettled_sql(row: &str) -> String {
-    format!("{row}status = '{}'", RowStatus::New.as_str())
+    format!("{row}status = {}", new_literal())
+}
+
+/// `'NEW'`, quoted, from [`RowStatus`].
+fn new_literal() -> String {
+    format!("'{}'", RowStatus::New.as_str())
 }
 
 /// The order a FIFO claim sends rows with a commit position in: by it,
