@@ -4,7 +4,8 @@ use super::status::slot_status;
 use super::OpsError;
 use crate::config::Config;
 use crate::db::{self, Db};
-use crate::pipeline::settings::Settings;
+use crate::pipeline::budget::Memory;
+use crate::pipeline::settings::SlotSettings;
 use crate::source::cdc::{
     connect_replication, create_slot_exporting, hand_off_begins, hand_off_done, hand_to_table, import_snapshot,
 };
@@ -45,8 +46,7 @@ pub async fn slot_create(config: &Config) -> Result<SlotCreated, OpsError> {
     if slot_status(&sql, &config.slot).await?.exists {
         return Err(OpsError::Refused(format!("slot {:?} already exists", config.slot)));
     }
-    let settings = Settings::of(config);
-    let mut repl = connect_replication(&db, &settings.slot, settings.memory).await?;
+    let mut repl = connect_replication(&db, &SlotSettings::of(config), Memory::of(config)).await?;
     let created = async {
         hand_off_begins(&sql, &config.slot).await?;
         let (consistent, snapshot) = create_slot_exporting(&mut repl, &config.slot, config.failover).await?;

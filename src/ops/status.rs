@@ -177,8 +177,9 @@ pub async fn slot_status(client: &Client, slot: &str) -> Result<SlotStatus, toki
 pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError> {
     // Before `migrate` there is nothing to report: say what to run.
     db::schema::check_outbox_table(client).await?;
-    let (db, settings) = (db::Db::of(config), crate::pipeline::settings::Settings::of(config));
-    let cdc_unavailable = match crate::source::cdc::check_cdc(client, &db, &settings).await {
+    let (db, slot) = (db::Db::of(config), crate::pipeline::settings::SlotSettings::of(config));
+    let memory = crate::pipeline::budget::Memory::of(config);
+    let cdc_unavailable = match crate::source::cdc::check_cdc(client, &db, &slot, memory).await {
         Ok(()) => None,
         Err(db::DbError::CdcUnavailable(why)) => Some(why),
         Err(e) => return Err(e.into()),

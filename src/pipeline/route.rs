@@ -537,7 +537,12 @@ mod tests {
             Arc::clone(&publisher),
             Arc::clone(&metrics),
         );
-        let parts = Arc::new(Parts::new(Settings::of(&config), destinations, publisher, metrics));
+        let parts = Arc::new(Parts::new(
+            Settings::of(&config, crate::config::Mode::Cdc, Vec::new()),
+            destinations,
+            publisher,
+            metrics,
+        ));
         let (settle, rx) = mpsc::unbounded_channel();
         (Router::new(parts, Arc::default(), settle, Arc::default()), rx)
     }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{Config, Mode};
 use crate::mapping::Mapping;
 use crate::publish::offload::Threshold;
 
@@ -66,40 +66,67 @@ pub struct Settings {
     pub mapped: Vec<Mapping>,
 }
 
+impl LaneSettings {
+    pub fn of(config: &Config) -> LaneSettings {
+        LaneSettings {
+            linger: config.linger,
+            adaptive: config.adaptive_linger,
+            max_in_flight: config.max_in_flight_batches,
+            stall_timeout: config.lane_stall_timeout,
+            idle_timeout: config.lane_idle_timeout,
+        }
+    }
+}
+
+impl SlotSettings {
+    pub fn of(config: &Config) -> SlotSettings {
+        SlotSettings {
+            name: config.slot.clone(),
+            publication: config.publication.clone(),
+            failover: config.failover,
+            max_retained_wal: config.max_retained_wal,
+            takeover_timeout: config.takeover_timeout,
+        }
+    }
+}
+
+impl OffloadSettings {
+    /// `None`: no S3.
+    pub fn of(config: &Config) -> Option<OffloadSettings> {
+        config.s3.as_ref().map(|s3| OffloadSettings { threshold: s3.threshold, max_body: s3.max_body_bytes })
+    }
+}
+
+impl Memory {
+    pub fn of(config: &Config) -> Memory {
+        Memory {
+            max_events: config.max_unsettled_events,
+            max_bytes: config.max_unsettled_bytes,
+            max_event_bytes: OffloadSettings::of(config).map_or(1 << 20, |o| o.max_body),
+        }
+    }
+}
+
 impl Settings {
-    pub fn of(config: &Config) -> Settings {
-        let offload =
-            config.s3.as_ref().map(|s3| OffloadSettings { threshold: s3.threshold, max_body: s3.max_body_bytes });
+    /// Derived once, when start-up has chosen the `mode` and read the
+    /// `mapped` tables (their oids, key types and columns settled:
+    /// [`Mapping::settle_columns`]). What runs before that (the checks,
+    /// `status`, `slot create`) derives the part it needs alone.
+    pub fn of(config: &Config, mode: Mode, mapped: Vec<Mapping>) -> Settings {
         Settings {
-            lanes: LaneSettings {
-                linger: config.linger,
-                adaptive: config.adaptive_linger,
-                max_in_flight: config.max_in_flight_batches,
-                stall_timeout: config.lane_stall_timeout,
-                idle_timeout: config.lane_idle_timeout,
-            },
+            lanes: LaneSettings::of(config),
             marking: Marking {
                 base: config.retry_base,
                 max: config.retry_max,
                 published: config.published_rows,
-                bound_unpositioned: config.mode != crate::config::Mode::Polling,
+                bound_unpositioned: mode != Mode::Polling,
             },
-            memory: Memory {
-                max_events: config.max_unsettled_events,
-                max_bytes: config.max_unsettled_bytes,
-                max_event_bytes: offload.map_or(1 << 20, |o| o.max_body),
-            },
-            slot: SlotSettings {
-                name: config.slot.clone(),
-                publication: config.publication.clone(),
-                failover: config.failover,
-                max_retained_wal: config.max_retained_wal,
-                takeover_timeout: config.takeover_timeout,
-            },
+            memory: Memory::of(config),
+            slot: SlotSettings::of(config),
             poll_interval: config.poll_interval,
             table_connections: config.max_table_connections,
-            offload,
-            mapped: config.mapped.clone(),
+            offload: OffloadSettings::of(config),
+            mapped,
         }
     }
 }

@@ -81,8 +81,7 @@ pub async fn run(
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
-    let mut settings = Settings::of(&config);
-    let started = start_up_until_done(&config, &settings, &db, publisher.as_ref(), &metrics, &mut stop_rx).await;
+    let started = start_up_until_done(&config, &db, publisher.as_ref(), &metrics, &mut stop_rx).await;
     let Ok(Some(started)) = started else {
         if let Some(s) = metrics_server {
             s.abort();
@@ -92,12 +91,10 @@ pub async fn run(
         }
         return started.map(|_| ());
     };
-    let Started { mode, sharded, queues, retention, mapped_columns, prepare } = started;
-    settings.marking.bound_unpositioned = mode != Mode::Polling;
-    for (m, found) in settings.mapped.iter_mut().zip(mapped_columns) {
-        m.settle_columns(found.oid, found.id_type, |c| found.columns.iter().any(|n| n == c));
-    }
-    let monitor = tokio::spawn(monitor(config.clone(), db.clone(), mode, Arc::clone(&metrics), stop_rx.clone()));
+    let Started { mode, sharded, queues, retention, mapped, prepare } = started;
+    let settings = Settings::of(&config, mode, mapped);
+    let watched = monitor::Watched::of(&config, mode);
+    let monitor = tokio::spawn(monitor(watched, db.clone(), Arc::clone(&metrics), stop_rx.clone()));
     let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
     let template = config.destination_template.clone();
     let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));

@@ -33,20 +33,41 @@ pub(crate) async fn warn_if_slot_retains_wal(sql: &tokio_postgres::Client, slot:
     }
 }
 
+/// What the monitor watches, from the configuration and the mode start-up
+/// chose.
+pub(crate) struct Watched {
+    pub mode: Mode,
+    pub slot: String,
+    /// In CDC mode, a logical message this often.
+    pub heartbeat: Duration,
+    /// Not ready while the slot's confirmed LSN does not move for this long
+    /// though it has lag.
+    pub readiness_stall: Duration,
+    /// The configured destinations, whose backlog is measured.
+    pub destinations: Vec<String>,
+}
+
+impl Watched {
+    pub(crate) fn of(config: &Config, mode: Mode) -> Watched {
+        Watched {
+            mode,
+            slot: config.slot.clone(),
+            heartbeat: config.heartbeat_interval,
+            readiness_stall: config.readiness_stall,
+            destinations: config.destinations.keys().cloned().collect(),
+        }
+    }
+}
+
 /// Every few seconds: slot lag, retained WAL and activity into the metrics
 /// (a polling relay warns each minute about an inactive slot); in CDC mode,
 /// every `heartbeat_interval`: a transactional logical message, so the slot
 /// moves even when nothing is written to this database while others are busy.
-pub(crate) async fn monitor(
-    config: Config,
-    db: Db,
-    mode: Mode,
-    metrics: Arc<Metrics>,
-    mut stop: watch::Receiver<bool>,
-) {
+pub(crate) async fn monitor(config: Watched, db: Db, metrics: Arc<Metrics>, mut stop: watch::Receiver<bool>) {
+    let mode = config.mode;
     let mut kept = crate::db::Kept::new(db.clone());
     let mut lag_tick = tokio::time::interval(Duration::from_secs(2));
-    let mut heartbeat = tokio::time::interval(config.heartbeat_interval);
+    let mut heartbeat = tokio::time::interval(config.heartbeat);
     let mut warn_tick = tokio::time::interval(Duration::from_secs(60));
     let mut backlog_tick = tokio::time::interval(Duration::from_secs(10));
     let mut last_confirmed: (i64, std::time::Instant) = (-1, std::time::Instant::now());
@@ -66,10 +87,7 @@ pub(crate) async fn monitor(
         crate::faults::point("monitor::tick");
         let Some(c) = kept.get().await else { continue };
         let res = db
-            .query(
-                "running the slot monitor's queries",
-                monitor_step(tick, c, &config, mode, &metrics, &mut last_confirmed),
-            )
+            .query("running the slot monitor's queries", monitor_step(tick, c, &config, &metrics, &mut last_confirmed))
             .await;
         if let Err(e) = res {
             tracing::debug!(error = %e, "monitor query failed; reconnecting");
@@ -156,8 +174,7 @@ pub(crate) enum Tick {
 pub(crate) async fn monitor_step(
     tick: Tick,
     c: &tokio_postgres::Client,
-    config: &Config,
-    mode: Mode,
+    config: &Watched,
     metrics: &Metrics,
     last_confirmed: &mut (i64, std::time::Instant),
 ) -> Result<(), tokio_postgres::Error> {
@@ -173,8 +190,8 @@ pub(crate) async fn monitor_step(
             warn_if_slot_retains_wal(c, &config.slot).await;
             Ok(())
         }
-        Tick::Backlog => backlog(c, config, metrics).await,
-        Tick::Lag => slot_lag(c, config, mode, metrics, last_confirmed).await,
+        Tick::Backlog => backlog(c, &config.destinations, metrics).await,
+        Tick::Lag => slot_lag(c, config, metrics, last_confirmed).await,
     }
 }
 
@@ -182,8 +199,7 @@ pub(crate) async fn monitor_step(
 /// not ready while the confirmed LSN does not move though the slot has lag.
 async fn slot_lag(
     c: &tokio_postgres::Client,
-    config: &Config,
-    mode: Mode,
+    config: &Watched,
     metrics: &Metrics,
     last_confirmed: &mut (i64, std::time::Instant),
 ) -> Result<(), tokio_postgres::Error> {
@@ -215,7 +231,7 @@ async fn slot_lag(
     if confirmed != last_confirmed.0 || lag <= 0 {
         *last_confirmed = (confirmed, std::time::Instant::now());
     }
-    let stuck = mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
+    let stuck = config.mode == Mode::Cdc && last_confirmed.1.elapsed() >= config.readiness_stall;
     if stuck != metrics.stalled.load(std::sync::atomic::Ordering::Relaxed) {
         if stuck {
             tracing::error!(lag_bytes = lag, stall = ?config.readiness_stall, "the slot's confirmed LSN has not moved while it has lag: not ready");
@@ -233,11 +249,11 @@ async fn slot_lag(
 /// scan per scrape.
 pub(crate) async fn backlog(
     c: &tokio_postgres::Client,
-    config: &Config,
+    destinations: &[String],
     metrics: &Metrics,
 ) -> Result<(), tokio_postgres::Error> {
     let sql = backlog_sql();
-    for d in config.destinations.keys() {
+    for d in destinations {
         let r = c.query_one(&sql, &[d]).await?;
         metrics.backlog_events.with_label_values(&[d]).set(r.get(0));
         metrics.oldest_unpublished_seconds.with_label_values(&[d]).set(r.get::<_, f64>(1).max(0.0));

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use crate::config::{Config, Mode, S3Config};
 use crate::db;
+use crate::mapping::Mapping;
 use crate::metrics::Metrics;
+use crate::pipeline::budget::Memory;
 use crate::pipeline::destinations::Prepare;
-use crate::pipeline::settings::Settings;
+use crate::pipeline::settings::{LaneSettings, OffloadSettings, SlotSettings};
 use crate::policy::retry::{classify_start_up, StartUpFailure};
 use crate::publish::kind::Kind;
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
@@ -26,7 +28,7 @@ pub(crate) struct Started {
     pub(crate) queues: BTreeMap<String, crate::publish::kind::Target>,
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type and columns, in `settings.mapped`'s order.
-    pub(crate) mapped_columns: Vec<crate::source::cdc::mapped::Found>,
+    pub(crate) mapped: Vec<Mapping>,
     /// How a queue looked up later is prepared, as the configured ones were.
     pub(crate) prepare: Prepare,
 }
@@ -59,7 +61,6 @@ fn not_started(e: db::DbError, connected: bool) -> NotStarted {
 /// when asked to stop first. A refused check ends it at once.
 pub(crate) async fn start_up_until_done(
     config: &Config,
-    settings: &Settings,
     db: &db::Db,
     publisher: &dyn Publisher,
     metrics: &Metrics,
@@ -72,7 +73,7 @@ pub(crate) async fn start_up_until_done(
     };
     loop {
         let attempt = tokio::select! {
-            r = start_up(config, settings, db, publisher, store.as_ref(), metrics) => r,
+            r = start_up(config, db, publisher, store.as_ref(), metrics) => r,
             _ = stop.wait_for(|s| *s) => return Ok(None),
         };
         match attempt {
@@ -94,7 +95,6 @@ pub(crate) async fn start_up_until_done(
 /// query_timeout), the queues (the SQS client's own timeouts).
 async fn start_up(
     config: &Config,
-    settings: &Settings,
     db: &db::Db,
     publisher: &dyn Publisher,
     store: Option<&Arc<dyn ObjectStore>>,
@@ -105,11 +105,11 @@ async fn start_up(
     db.within("checking the server", db::server::check_server(&sql, &db.server(), config.failover))
         .await
         .map_err(startup)?;
-    let (mode, sharded, mapped_columns) = resolve_mode(&sql, config, settings, db).await?;
+    let (mode, sharded, mapped_columns) = resolve_mode(&sql, config, db).await?;
     for m in [Mode::Cdc, Mode::Polling] {
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
-    let prepare = prepare_queues(config, settings, store.cloned());
+    let prepare = prepare_queues(config, store.cloned());
     let mut queues = BTreeMap::new();
     for (name, address) in &config.destinations {
         let kind =
@@ -143,7 +143,17 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    Ok(Started { mode, sharded, queues, retention, mapped_columns, prepare })
+    let mapped = config
+        .mapped
+        .iter()
+        .zip(mapped_columns)
+        .map(|(m, found)| {
+            let mut m = m.clone();
+            m.settle_columns(found.oid, found.id_type, |c| found.columns.iter().any(|n| n == c));
+            m
+        })
+        .collect();
+    Ok(Started { mode, sharded, queues, retention, mapped, prepare })
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.
@@ -170,9 +180,9 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
 /// first use: fair-queue groups as configured, and its S3 target (bucket
 /// and key prefix from the configuration, the rest from the settings) if
 /// its bodies may go through S3.
-fn prepare_queues(config: &Config, settings: &Settings, store: Option<Arc<dyn ObjectStore>>) -> Prepare {
-    let (s3, offload, fair) = (config.s3.clone(), settings.offload, config.fair_queues);
-    let stall_timeout = settings.lanes.stall_timeout;
+fn prepare_queues(config: &Config, store: Option<Arc<dyn ObjectStore>>) -> Prepare {
+    let (s3, offload, fair) = (config.s3.clone(), OffloadSettings::of(config), config.fair_queues);
+    let stall_timeout = LaneSettings::of(config).stall_timeout;
     Box::new(move |destination, mut info| {
         info.fair = fair;
         info.offload = (|| {
@@ -198,13 +208,13 @@ fn prepare_queues(config: &Config, settings: &Settings, store: Option<Arc<dyn Ob
 async fn resolve_mode(
     sql: &tokio_postgres::Client,
     config: &Config,
-    settings: &Settings,
     db: &db::Db,
 ) -> Result<(Mode, bool, Vec<crate::source::cdc::mapped::Found>), NotStarted> {
     let startup = |e: db::DbError| not_started(e, true);
     // The CDC checks, the shard's included; Ok(sharded).
     let cdc = || async {
-        let check = crate::source::cdc::check_cdc(sql, db, settings);
+        let slot = SlotSettings::of(config);
+        let check = crate::source::cdc::check_cdc(sql, db, &slot, Memory::of(config));
         db.within_connecting("checking the CDC prerequisites", check).await?;
         let destinations: Vec<String> = config.destinations.keys().cloned().collect();
         db.within(
@@ -239,7 +249,7 @@ async fn resolve_mode(
             config.publication
         ))));
     }
-    let columns = check_mapped_tables(sql, settings, mode, sharded, db).await.map_err(startup)?;
+    let columns = check_mapped_tables(sql, config, mode, sharded, db).await.map_err(startup)?;
     Ok((mode, sharded, columns))
 }
 
@@ -266,12 +276,12 @@ fn auto_mode(cdc: Result<bool, db::DbError>) -> Result<(Mode, bool), db::DbError
 /// Returns each table's key type and columns.
 async fn check_mapped_tables(
     sql: &tokio_postgres::Client,
-    settings: &Settings,
+    config: &Config,
     mode: Mode,
     sharded: bool,
     db: &db::Db,
 ) -> Result<Vec<crate::source::cdc::mapped::Found>, db::DbError> {
-    let Some(first) = settings.mapped.first() else { return Ok(Vec::new()) };
+    let Some(first) = config.mapped.first() else { return Ok(Vec::new()) };
     if sharded {
         return Err(db::DbError::Check(format!(
             "mapped table {}.{}: a sharded relay (a row-filtered publication) cannot read mapped tables yet: \
@@ -279,7 +289,7 @@ async fn check_mapped_tables(
             first.schema, first.table
         )));
     }
-    if let Some(m) = settings.mapped.iter().find(|m| m.published.is_none() && mode == Mode::Polling) {
+    if let Some(m) = config.mapped.iter().find(|m| m.published.is_none() && mode == Mode::Polling) {
         return Err(db::DbError::Check(format!(
             "mapped table {}.{}: polling finds a mapped table's rows by its published column, and this mapping \
              has none (its rows may be deleted as they are written, as Debezium's convention does): read it from \
@@ -288,9 +298,9 @@ async fn check_mapped_tables(
             m.schema, m.table
         )));
     }
-    let publication = (mode != Mode::Polling).then_some(settings.slot.publication.as_str());
-    let mut found = Vec::with_capacity(settings.mapped.len());
-    for m in &settings.mapped {
+    let publication = (mode != Mode::Polling).then_some(config.publication.as_str());
+    let mut found = Vec::with_capacity(config.mapped.len());
+    for m in &config.mapped {
         let check = crate::source::cdc::mapped::check_mapped(sql, m, publication);
         found.push(db.within("checking a mapped table", check).await?);
     }

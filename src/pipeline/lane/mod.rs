@@ -93,17 +93,13 @@ pub enum RetryPolicy {
 pub struct LaneConfig {
     pub name: Arc<str>,
     pub target: Target,
-    pub linger: Duration,
-    /// Send at once when nothing is in flight; linger only while batches are.
-    pub adaptive: bool,
-    /// The cap of the batches in flight; the limit under it adapts
-    /// ([`crate::policy::concurrency`]).
-    pub max_in_flight: usize,
+    /// Linger, adaptive sending and the cap of the batches in flight (the
+    /// limit under it adapts: [`crate::policy::concurrency`]), as every
+    /// lane has them.
+    pub lanes: LaneSettings,
     pub retry_base: Duration,
     pub retry_cap: Duration,
     pub retry: RetryPolicy,
-    /// Spool when the oldest unsettled event is older than this (stream only).
-    pub stall_timeout: Option<Duration>,
 }
 
 impl LaneConfig {
@@ -113,14 +109,17 @@ impl LaneConfig {
         LaneConfig {
             name: Arc::from(name),
             target: target.clone(),
-            linger: s.linger,
-            adaptive: s.adaptive,
-            max_in_flight: s.max_in_flight,
+            lanes: *s,
             retry_base: crate::policy::retry::IN_MEMORY_BASE,
             retry_cap: crate::policy::retry::IN_MEMORY_CAP,
             retry: RetryPolicy::InMemory,
-            stall_timeout: Some(s.stall_timeout),
         }
+    }
+
+    /// Spool when the oldest unsettled event is older than this: a lane
+    /// that retries in memory (the stream's); a table lane never spools.
+    pub fn stall_timeout(&self) -> Option<Duration> {
+        (self.retry == RetryPolicy::InMemory).then_some(self.lanes.stall_timeout)
     }
 
     /// A lane of the table path: entries SQS did not take go back to the
@@ -129,13 +128,10 @@ impl LaneConfig {
         LaneConfig {
             name,
             target: target.clone(),
-            linger: s.linger,
-            adaptive: s.adaptive,
-            max_in_flight: s.max_in_flight,
+            lanes: *s,
             retry_base: marking.base,
             retry_cap: marking.max,
             retry: RetryPolicy::ToTable,
-            stall_timeout: None,
         }
     }
 }
@@ -169,8 +165,8 @@ impl Ctx {
     ) -> Ctx {
         // A new session's lane goes on from the limit the last one found.
         let limiter = match state.as_ref().and_then(|s| s.in_flight_limit()) {
-            Some(last) => Limiter::resume(cfg.max_in_flight, last),
-            None => Limiter::new(cfg.max_in_flight),
+            Some(last) => Limiter::resume(cfg.lanes.max_in_flight, last),
+            None => Limiter::new(cfg.lanes.max_in_flight),
         };
         let ctx = Ctx {
             cfg,
@@ -438,10 +434,10 @@ impl Lane {
         }
         let fifo = self.ctx.cfg.target.fifo;
         let limits = self.ctx.cfg.target.batch_limits();
-        let linger = self.ctx.cfg.linger;
+        let linger = self.ctx.cfg.lanes.linger;
         let limit = self.ctx.limit();
         while self.in_flight.len() < limit && !self.pending.is_empty() {
-            let idle = self.ctx.cfg.adaptive
+            let idle = self.ctx.cfg.lanes.adaptive
                 && self.in_flight.is_empty()
                 && self.last_done.is_none_or(|t| t.elapsed() >= linger)
                 && self.pending.back().is_some_and(|i| i.chunk_end);
@@ -494,8 +490,8 @@ impl Lane {
         if self.in_flight.len() >= self.ctx.limit() || self.awaiting.is_some() {
             return None;
         }
-        let idle_at = self.last_done.filter(|_| self.ctx.cfg.adaptive && self.in_flight.is_empty());
-        next_deadline(Instant::now(), self.ctx.cfg.linger, self.oldest, idle_at)
+        let idle_at = self.last_done.filter(|_| self.ctx.cfg.lanes.adaptive && self.in_flight.is_empty());
+        next_deadline(Instant::now(), self.ctx.cfg.lanes.linger, self.oldest, idle_at)
     }
 
     /// An item arrived: take it and whatever else is waiting, up to 10,000.
@@ -568,7 +564,7 @@ impl Lane {
         let oldest = self.pending.iter().map(|i| i.arrived).take(1).chain(self.in_flight_since.values().copied()).min();
         state.set_oldest(oldest);
         self.oldest_shown = oldest.is_some();
-        if let (Some(limit), Some(t)) = (self.ctx.cfg.stall_timeout, oldest) {
+        if let (Some(limit), Some(t)) = (self.ctx.cfg.stall_timeout(), oldest) {
             if stalled(t.elapsed(), limit) && state.flow() != Flow::Spooling {
                 state.start_spooling(SpoolCause::Stalled { oldest: t.elapsed(), limit });
             }
@@ -643,16 +639,21 @@ mod tests {
 
     /// A streaming lane of queue `Q`, no linger, retried in memory.
     fn streaming_lane(max_in_flight: usize, retry_base: Duration, retry_cap: Duration) -> LaneConfig {
-        LaneConfig {
-            name: Arc::from("orders"),
-            target: Target::queue(Q, false, 1 << 20),
+        let lanes = LaneSettings {
             linger: Duration::ZERO,
             adaptive: true,
             max_in_flight,
+            // Never spools here.
+            stall_timeout: Duration::MAX,
+            idle_timeout: Duration::MAX,
+        };
+        LaneConfig {
+            name: Arc::from("orders"),
+            target: Target::queue(Q, false, 1 << 20),
+            lanes,
             retry_base,
             retry_cap,
             retry: RetryPolicy::InMemory,
-            stall_timeout: None,
         }
     }
 
@@ -768,7 +769,7 @@ mod tests {
         let p = MemoryPublisher::new();
         p.add_queue(Q, false, 1 << 20);
         let mut cfg = streaming_lane(8, Duration::from_millis(10), Duration::from_millis(100));
-        cfg.linger = Duration::from_secs(3600);
+        cfg.lanes.linger = Duration::from_secs(3600);
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));

@@ -23,7 +23,6 @@ use replication::Lsn;
 use tokio_postgres::Client;
 
 use crate::db;
-use crate::metrics::Metrics;
 use crate::pipeline::lane::LaneState;
 use crate::policy::spool::{stream_held_after, SpoolCause, STREAM_QUIET};
 
@@ -73,13 +72,10 @@ const HAND_OVER_BATCH: i64 = 10_000;
 /// What the watch needs of the session.
 pub(crate) struct HeldWatch {
     pub db: db::Db,
-    pub slot: String,
     /// Every lane's state is read from here at each use (destinations are
     /// added while the session runs).
     pub parts: Arc<crate::pipeline::parts::Parts>,
     pub progress: Arc<StreamProgress>,
-    pub metrics: Arc<Metrics>,
-    pub lane_stall_timeout: Duration,
     pub handed_until: Arc<HandedUntil>,
 }
 
@@ -144,22 +140,22 @@ async fn step(w: &HeldWatch, c: &Client, s: &mut Watch) -> Result<(), tokio_post
             s.probe = None;
             s.sent = None;
             if s.held.take().is_some() {
-                w.metrics.release_hold();
+                w.parts.metrics.release_hold();
                 w.parts.destinations.states().iter().for_each(|l| l.release());
-                tracing::info!(slot = %w.slot, "the server streams again; lanes return to streaming as their spools allow");
+                tracing::info!(slot = %w.parts.settings.slot.name, "the server streams again; lanes return to streaming as their spools allow");
             }
         }
-        Some((lsn, at)) if quiet && at.elapsed() >= stream_held_after(w.lane_stall_timeout) => {
+        Some((lsn, at)) if quiet && at.elapsed() >= stream_held_after(w.parts.settings.lanes.stall_timeout) => {
             if s.held.is_none() {
                 // Evidence, not the wait alone: a walsender waiting for WAL
                 // looks the same as one held back.
-                let sent = walsender_sent(c, &w.slot).await?;
+                let sent = walsender_sent(c, &w.parts.settings.slot.name).await?;
                 if !walsender_stuck(sent, lsn, &mut s.sent) {
                     return Ok(());
                 }
-                let cause = diagnose(c, &w.slot).await?;
-                tracing::warn!(slot = %w.slot, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
-                w.metrics.hold(&cause);
+                let cause = diagnose(c, &w.parts.settings.slot.name).await?;
+                tracing::warn!(slot = %w.parts.settings.slot.name, %cause, "the server holds the replication stream back: this relay's rows go by the outbox table until it streams again");
+                w.parts.metrics.hold(&cause);
                 for lane in &w.parts.destinations.states() {
                     lane.hold(SpoolCause::StreamHeld(cause.clone()));
                 }

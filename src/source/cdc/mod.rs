@@ -184,11 +184,8 @@ async fn start_pipeline(
     let progress = Arc::new(StreamProgress::default());
     let held_watch = tokio::spawn(watch_held(HeldWatch {
         db: db.clone(),
-        slot: cfg.slot.name.clone(),
         parts: Arc::clone(&ctx.parts),
         progress: Arc::clone(&progress),
-        metrics: Arc::clone(&ctx.parts.metrics),
-        lane_stall_timeout: cfg.lanes.stall_timeout,
         handed_until: Arc::clone(&ctx.handed_until),
     }));
     let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, watermark, confirm);

@@ -12,7 +12,7 @@ use tokio_postgres::Client;
 use crate::db;
 use crate::db::Db;
 use crate::pipeline::budget::Memory;
-use crate::pipeline::settings::{Settings, SlotSettings};
+use crate::pipeline::settings::SlotSettings;
 use crate::source::mapped_table::catch_up_all;
 
 use super::slot::{create_slot_exporting, hand_off_begins, hand_off_done, import_snapshot, prepare_slot, SlotState};
@@ -132,13 +132,12 @@ async fn create_slot(ctx: &StreamContext, sql: &Client, repl: &mut ReplicationCl
 /// then the capability itself: a replication connection is opened and
 /// answers IDENTIFY_SYSTEM, within the deadlines. A refusal names the fix
 /// for the platform (self-managed, RDS/Aurora, Cloud SQL, Azure).
-pub async fn check_cdc(sql: &Client, db: &Db, settings: &Settings) -> Result<(), db::DbError> {
-    let cfg = &settings.slot;
+pub async fn check_cdc(sql: &Client, db: &Db, cfg: &SlotSettings, memory: Memory) -> Result<(), db::DbError> {
     crate::source::cdc::publication::check_cdc_prerequisites(sql, &cfg.publication).await?;
     check_slot_kind(sql, &cfg.name).await?;
     let query_timeout = db.deadlines.query;
     let probe = async {
-        let mut repl = connect_replication(db, cfg, settings.memory).await?;
+        let mut repl = connect_replication(db, cfg, memory).await?;
         let answer = tokio::time::timeout(query_timeout, repl.identify_system()).await;
         // A gated session not started ends when dropped.
         drop(repl);
