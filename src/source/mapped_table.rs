@@ -27,6 +27,7 @@ use crate::pipeline::destinations::Resolved;
 use crate::pipeline::owed::Owed;
 use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{mark, record, Due, Outcome, Settlement};
+use crate::source::claims::{ClaimLoop, Next};
 
 /// Rows one claim locks.
 const CLAIM_LIMIT: i64 = 500;
@@ -522,24 +523,21 @@ pub async fn run_mapped_poller(
     poll_interval: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut reconnect = crate::policy::retry::Reconnect::default();
+    let mut claims = ClaimLoop::new(poll_interval);
     let name = format!("{}.{}", mapping.schema, mapping.table);
     let mut conn: Option<(Client, MappedClaim)> = None;
-    loop {
-        let wait = match poll_once(&mut conn, &mapping, &db, &parts, &stop).await {
-            Ok(()) => {
-                reconnect.succeeded();
-                poll_interval
-            }
+    while !*stop.borrow() {
+        // The claims go on until the table has nothing more to send.
+        let next = match poll_once(&mut conn, &mapping, &db, &parts, &stop).await {
+            Ok(()) => Next::Poll,
             Err(e) => {
                 tracing::warn!(table = %name, error = %e, "mapped table claim failed; its rows stay unpublished and are claimed again");
                 conn = None;
-                reconnect.failed()
+                Next::Failed
             }
         };
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = stop.wait_for(|s| *s) => return,
+        if claims.wait(next, &mut stop).await {
+            return;
         }
     }
 }

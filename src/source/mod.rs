@@ -9,5 +9,6 @@
 //! and commits the claim. Routing, lanes and settlement are the pipeline's.
 
 pub mod cdc;
+pub mod claims;
 pub mod mapped_table;
 pub mod table;

@@ -38,6 +38,7 @@ use crate::pipeline::route::UNKNOWN_DESTINATION_LABEL;
 use crate::pipeline::settle::{record, Due, Outcome};
 use crate::policy::spool::{may_stream_again, DrainRound, Resume};
 use crate::publish::kind::Target;
+use crate::source::claims::{sleep_or_stop, ClaimLoop, Next};
 
 /// Which rows a table lane claims.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,33 +101,31 @@ pub async fn run_table_lane(
     state: Option<Arc<LaneState>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut reconnect = crate::policy::retry::Reconnect::default();
+    let mut claims = ClaimLoop::new(cfg.poll_interval);
     // The outcome of the last round that sent anything: "sends succeed".
     let mut sends_ok = true;
     let mut idle_since: Option<std::time::Instant> = None;
-    loop {
-        if *stop.borrow() {
-            return;
-        }
-        let Some(c) = pool.checkout(&mut stop).await else {
-            if sleep_or_stop(reconnect.failed(), &mut stop).await {
-                return;
-            }
-            continue;
+    while !*stop.borrow() {
+        let round = match pool.checkout(&mut stop).await {
+            Some(c) => one_round(c, &cfg, &parts, state.as_deref(), &mut sends_ok).await,
+            None => None,
         };
-        let Some(round) = one_round(c, &cfg, &parts, state.as_deref(), &mut sends_ok).await else {
-            if sleep_or_stop(reconnect.failed(), &mut stop).await {
-                return;
+        let next = match round {
+            None => Next::Failed,
+            Some(round) => {
+                if round.claimed > 0 || lane_needed(state.as_deref()) {
+                    idle_since = None;
+                } else if idle_since.get_or_insert_with(std::time::Instant::now).elapsed() >= IDLE_END {
+                    return;
+                }
+                if round.claimed < cfg.claim_limit {
+                    Next::Poll
+                } else {
+                    Next::Again
+                }
             }
-            continue;
         };
-        reconnect.succeeded();
-        if round.claimed > 0 || lane_needed(state.as_deref()) {
-            idle_since = None;
-        } else if idle_since.get_or_insert_with(std::time::Instant::now).elapsed() >= IDLE_END {
-            return;
-        }
-        if round.claimed < cfg.claim_limit && sleep_or_stop(cfg.poll_interval, &mut stop).await {
+        if claims.wait(next, &mut stop).await {
             return;
         }
     }
@@ -212,15 +211,6 @@ async fn resume_streaming(
         }
     }
     Ok(())
-}
-
-/// Sleep; true if `stop` turned true meanwhile.
-async fn sleep_or_stop(d: Duration, stop: &mut watch::Receiver<bool>) -> bool {
-    let slept = tokio::select! {
-        _ = tokio::time::sleep(d) => false,
-        _ = stop.wait_for(|s| *s) => true,
-    };
-    slept || *stop.borrow()
 }
 
 /// No NEW row of this destination waits in the table (due or not), rows

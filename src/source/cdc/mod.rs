@@ -119,9 +119,7 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     *ctx.streaming_since.lock().unwrap() = Some(std::time::Instant::now());
     tracing::info!(slot = %ctx.parts.settings.slot.name, start = %start_lsn, "streaming");
 
-    let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
-    let confirm = Arc::new(Notify::new());
-    let (mut pipeline, mut settler) = match start_pipeline(ctx, &sql, (&watermark, &confirm), skipped, &stop).await {
+    let mut pipeline = match start_pipeline(ctx, &sql, start_lsn, skipped, &stop).await {
         Ok(p) => p,
         Err(e) => {
             let _ = repl.shutdown().await;
@@ -129,19 +127,16 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
         }
     };
     let mut sent = start_lsn;
-    let result =
-        stream(ctx, &sql, &mut repl, &mut pipeline, &mut settler, &confirm, startup_lsn, &mut sent, shutdown).await;
+    let result = Session { ctx, sql: &sql, repl: &mut repl, pipeline: &mut pipeline, sent: &mut sent }
+        .stream(startup_lsn, shutdown)
+        .await;
     ctx.parts.metrics.set_ready(false);
     if result.is_ok() {
-        sent = drain(pipeline.intake, &pipeline.lanes, &mut settler, &repl, &watermark, sent, &ctx.parts.metrics).await;
+        sent = drain(&mut pipeline, &repl, sent, &ctx.parts.metrics).await;
         tracing::info!(confirmed = %sent, "replication stopped");
     }
-    pipeline.lanes.lock().unwrap().abort_all();
-    settler.abort();
-    pipeline.wal_watch.abort();
-    pipeline.held_watch.abort();
-    pipeline.resends.abort();
-    pipeline.readable.abort();
+    // Every task of the session ends with it.
+    drop(pipeline);
     // What this session's watch held is released: the next session, or the
     // watch for one, judges afresh.
     ctx.parts.metrics.release_hold();
@@ -150,49 +145,92 @@ pub async fn run_stream(ctx: &StreamContext, shutdown: &mut watch::Receiver<bool
     result
 }
 
-/// The running parts of a session: lanes, the intake in front of them, and
-/// the WAL and held-stream watches.
+/// The tasks of a session beside its stream: aborted together when it
+/// ends, however it ends (dropped with its [`Pipeline`]).
+#[derive(Default)]
+struct Tasks {
+    handles: Vec<tokio::task::AbortHandle>,
+    /// The lanes, those the router opens later included.
+    lanes: Option<Arc<Mutex<JoinSet<()>>>>,
+}
+
+impl Tasks {
+    /// Spawn a task the session owns.
+    fn spawn<T: Send + 'static>(
+        &mut self,
+        task: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> tokio::task::JoinHandle<T> {
+        let handle = tokio::spawn(task);
+        self.handles.push(handle.abort_handle());
+        handle
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        if let Some(lanes) = &self.lanes {
+            lanes.lock().unwrap().abort_all();
+        }
+        self.handles.iter().for_each(tokio::task::AbortHandle::abort);
+    }
+}
+
+/// The running parts of a session: lanes, the intake in front of them and
+/// the settler behind, the WAL and held-stream watches, the mapped tables'
+/// resends; its [`Tasks`] own every task.
 struct Pipeline {
-    intake: Intake,
-    lanes: Arc<Mutex<JoinSet<()>>>,
-    wal_watch: tokio::task::JoinHandle<()>,
-    held_watch: tokio::task::JoinHandle<()>,
+    intake: Option<Intake>,
+    settler: Settler,
+    watermark: Arc<Mutex<Watermark>>,
+    /// Notified when the settler has moved the watermark.
+    confirm: Arc<Notify>,
     progress: Arc<StreamProgress>,
     /// Mapped rows set unpublished again, to their claims ([`run_resends`]).
     resend: tokio::sync::mpsc::UnboundedSender<Resend>,
-    resends: tokio::task::JoinHandle<()>,
     /// Ends with the name of a mapped table the catch-up skipped once it is
     /// readable again ([`readable_again`]): the session ends for the next
     /// one's catch-up.
     readable: tokio::task::JoinHandle<String>,
+    tasks: Tasks,
 }
 
-/// The session's pipeline ([`Streaming::start`]), after the lanes with rows
-/// in the table are set spooling; and the WAL and held-row watches beside it.
+impl Pipeline {
+    fn intake(&mut self) -> &mut Intake {
+        self.intake.as_mut().expect("the intake is taken only by the drain, after the stream")
+    }
+}
+
+/// The session's pipeline ([`Streaming::start`]) from `start_lsn`, after
+/// the lanes with rows in the table are set spooling; and the WAL and
+/// held-row watches beside it.
 async fn start_pipeline(
     ctx: &StreamContext,
     sql: &Client,
-    (watermark, confirm): (&Arc<Mutex<Watermark>>, &Arc<Notify>),
+    start_lsn: Lsn,
     skipped: Vec<usize>,
     stop: &watch::Receiver<bool>,
-) -> Result<(Pipeline, Settler), CdcError> {
+) -> Result<Pipeline, CdcError> {
     let (cfg, db) = (&ctx.parts.settings, &ctx.db);
     let settler_client = db.connect().await?;
     spool_lanes_with_rows_in_table(ctx, sql).await?;
-    let wal_watch =
-        tokio::spawn(watch_wal(db.clone(), cfg.slot.name.clone(), cfg.slot.max_retained_wal, Arc::clone(&ctx.parts)));
+    let mut tasks = Tasks::default();
+    tasks.spawn(watch_wal(db.clone(), cfg.slot.name.clone(), cfg.slot.max_retained_wal, Arc::clone(&ctx.parts)));
     let progress = Arc::new(StreamProgress::default());
-    let held_watch = tokio::spawn(watch_held(HeldWatch {
+    tasks.spawn(watch_held(HeldWatch {
         db: db.clone(),
         parts: Arc::clone(&ctx.parts),
         progress: Arc::clone(&progress),
         handed_until: Arc::clone(&ctx.handed_until),
     }));
-    let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, watermark, confirm);
+    let watermark = Arc::new(Mutex::new(Watermark::new(start_lsn)));
+    let confirm = Arc::new(Notify::new());
+    let Streaming { intake, lanes, settler } = Streaming::start(&ctx.parts, settler_client, &watermark, &confirm);
+    tasks.handles.push(settler.abort_handle());
+    tasks.lanes = Some(lanes);
     let (resend, rx) = tokio::sync::mpsc::unbounded_channel();
-    let resends = tokio::spawn(run_resends(db.clone(), Arc::clone(&ctx.parts), rx, stop.clone()));
-    let readable = tokio::spawn(readable_again(db.clone(), Arc::clone(&ctx.parts), skipped));
-    Ok((Pipeline { intake, lanes, wal_watch, held_watch, progress, resend, resends, readable }, settler))
+    tasks.spawn(run_resends(db.clone(), Arc::clone(&ctx.parts), rx, stop.clone()));
+    let readable = tasks.spawn(readable_again(db.clone(), Arc::clone(&ctx.parts), skipped));
+    Ok(Pipeline { intake: Some(intake), settler, watermark, confirm, progress, resend, readable, tasks })
 }
 
 /// Lanes with rows in the table keep spooling until the drain empties it,
@@ -225,28 +263,22 @@ async fn spool_lanes_with_rows_in_table(ctx: &StreamContext, sql: &Client) -> Re
 /// Graceful end: no more reading; the lanes finish what they hold (within
 /// the grace), the settler marks it, and the last settled position is
 /// confirmed. Returns the confirmed position.
-async fn drain(
-    intake: Intake,
-    lanes: &Mutex<JoinSet<()>>,
-    settler: &mut Settler,
-    repl: &ReplicationClient,
-    watermark: &Mutex<Watermark>,
-    mut sent: Lsn,
-    metrics: &Metrics,
-) -> Lsn {
-    drop(intake);
+async fn drain(pipeline: &mut Pipeline, repl: &ReplicationClient, mut sent: Lsn, metrics: &Metrics) -> Lsn {
+    drop(pipeline.intake.take());
     // The router is gone: no lane opens now.
-    let mut lanes = std::mem::take(&mut *lanes.lock().unwrap());
+    let lanes = pipeline.tasks.lanes.as_ref().map(|l| std::mem::take(&mut *l.lock().unwrap()));
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        while lanes.join_next().await.is_some() {}
-        let _ = settler.await;
+        if let Some(mut lanes) = lanes {
+            while lanes.join_next().await.is_some() {}
+        }
+        let _ = (&mut pipeline.settler).await;
     })
     .await;
     if drained.is_err() {
         tracing::warn!("in-flight batches abandoned at shutdown; their rows will be sent again");
     }
     let before = sent;
-    let confirmable = watermark.lock().unwrap().confirmed();
+    let confirmable = pipeline.watermark.lock().unwrap().confirmed();
     sent = confirm_if_advanced(repl, confirmable, sent, metrics);
     if sent > before {
         // Let the worker send the final standby status before CopyDone.
@@ -255,60 +287,65 @@ async fn drain(
     sent
 }
 
-/// The session's loop, until shutdown or an error: receive, decode, hand
-/// the change to the pipeline, confirm what it has settled.
-#[allow(clippy::too_many_arguments)]
-async fn stream(
-    ctx: &StreamContext,
-    sql: &Client,
-    repl: &mut ReplicationClient,
-    pipeline: &mut Pipeline,
-    settler: &mut Settler,
-    confirm: &Notify,
-    startup_lsn: Lsn,
-    sent: &mut Lsn,
-    shutdown: &mut watch::Receiver<bool>,
-) -> Result<(), CdcError> {
-    let mut decoder = Decoder {
-        cache: RelationCache::new(),
-        txn: None,
-        startup_lsn,
-        handed_until: Arc::clone(&ctx.handed_until),
-        mapped: ctx.parts.settings.mapped.iter().map(|m| (m.clone(), m.published_column())).collect(),
-        resend: pipeline.resend.clone(),
-    };
-    loop {
-        tokio::select! {
-            ev = repl.recv() => {
-                let ev = ev?.ok_or_else(|| CdcError::Protocol("replication stream ended".into()))?;
-                if let Some(lsn) = position(&ev) {
-                    pipeline.progress.saw(lsn);
+/// A streaming session: its connections, its pipeline, and the position
+/// last confirmed to the server.
+struct Session<'s> {
+    ctx: &'s StreamContext,
+    sql: &'s Client,
+    repl: &'s mut ReplicationClient,
+    pipeline: &'s mut Pipeline,
+    sent: &'s mut Lsn,
+}
+
+impl Session<'_> {
+    /// The session's loop, until shutdown or an error: receive, decode,
+    /// hand the change to the pipeline, confirm what it has settled.
+    /// `startup_lsn`: where the stream started this time (what comes before
+    /// it is a replay).
+    async fn stream(self, startup_lsn: Lsn, shutdown: &mut watch::Receiver<bool>) -> Result<(), CdcError> {
+        let Session { ctx, sql, repl, pipeline, sent } = self;
+        let mut decoder = Decoder {
+            cache: RelationCache::new(),
+            txn: None,
+            startup_lsn,
+            handed_until: Arc::clone(&ctx.handed_until),
+            mapped: ctx.parts.settings.mapped.iter().map(|m| (m.clone(), m.published_column())).collect(),
+            resend: pipeline.resend.clone(),
+        };
+        let confirm = Arc::clone(&pipeline.confirm);
+        loop {
+            tokio::select! {
+                ev = repl.recv() => {
+                    let ev = ev?.ok_or_else(|| CdcError::Protocol("replication stream ended".into()))?;
+                    if let Some(lsn) = position(&ev) {
+                        pipeline.progress.saw(lsn);
+                    }
+                    // Handing events on may wait for a lane or the budget:
+                    // shutdown is honoured meanwhile (nothing unsettled is confirmed).
+                    pipeline.progress.set_busy(true);
+                    let went_on = tokio::select! {
+                        r = take(ctx, sql, &mut decoder, pipeline.intake(), ev) => r?,
+                        _ = shutdown.wait_for(|s| *s) => false,
+                    };
+                    if !went_on {
+                        return Ok(());
+                    }
+                    pipeline.progress.set_busy(false);
                 }
-                // Handing events on may wait for a lane or the budget:
-                // shutdown is honoured meanwhile (nothing unsettled is confirmed).
-                pipeline.progress.set_busy(true);
-                let went_on = tokio::select! {
-                    r = take(ctx, sql, &mut decoder, &mut pipeline.intake, ev) => r?,
-                    _ = shutdown.wait_for(|s| *s) => false,
-                };
-                if !went_on {
-                    return Ok(());
+                _ = confirm.notified() => {}
+                r = &mut pipeline.settler => return Err(settler_ended(r)),
+                table = &mut pipeline.readable => return Err(CdcError::Protocol(format!(
+                    "mapped table {} readable again: a new session catches up the rows that waited",
+                    table.unwrap_or_default()
+                ))),
+                _ = shutdown.changed() => {
+                    if *shutdown.borrow() {
+                        return Ok(());
+                    }
                 }
-                pipeline.progress.set_busy(false);
             }
-            _ = confirm.notified() => {}
-            r = &mut *settler => return Err(settler_ended(r)),
-            table = &mut pipeline.readable => return Err(CdcError::Protocol(format!(
-                "mapped table {} readable again: a new session catches up the rows that waited",
-                table.unwrap_or_default()
-            ))),
-            _ = shutdown.changed() => {
-                if *shutdown.borrow() {
-                    return Ok(());
-                }
-            }
+            *sent = confirm_if_advanced(repl, pipeline.intake().confirmable(), *sent, &ctx.parts.metrics);
         }
-        *sent = confirm_if_advanced(repl, pipeline.intake.confirmable(), *sent, &ctx.parts.metrics);
     }
 }
 
