@@ -18,7 +18,7 @@ use crate::publish::kind::Target;
 use crate::publish::Publisher;
 
 use super::intake::Intake;
-use super::lane::{run_lane, LaneConfig, LaneItem};
+use super::lane::{run_lane, LaneConfig, LaneItem, Wiring};
 use super::owed::Owed;
 use super::route::{judge_for, Router};
 use super::settings::Settings;
@@ -113,7 +113,8 @@ async fn send_through_lane(
     let (item_tx, item_rx) = mpsc::channel(items.len());
     let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
     let lane_cfg = LaneConfig::table(Arc::clone(name), target, &settings.lanes, &settings.marking);
-    let lane = tokio::spawn(run_lane(lane_cfg, Arc::clone(publisher), item_rx, settle_tx, Arc::clone(metrics), None));
+    let wiring = Wiring { publisher: Arc::clone(publisher), settle: settle_tx, metrics: Arc::clone(metrics) };
+    let lane = tokio::spawn(run_lane(lane_cfg, wiring, item_rx, None));
     let last = items.len() - 1;
     for (i, item) in items.into_iter().enumerate() {
         // Capacity is the number of items: never waits.

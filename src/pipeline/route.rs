@@ -18,7 +18,7 @@ use crate::db::settled::{self, Replayed};
 use crate::event::{MappedRow, OutboxEvent, PublishedColumn, TableNow};
 use crate::pipeline::budget::{Budget, Permit};
 use crate::pipeline::destinations::{Destination, Resolved};
-use crate::pipeline::lane::{run_lane, Finished, Flow, Input, LaneConfig, LaneItem};
+use crate::pipeline::lane::{run_lane, Finished, Flow, LaneConfig, LaneItem, Streamed, Wiring};
 use crate::pipeline::parts::Parts;
 use crate::pipeline::settle::{seq_param, Due, Outcome, Settlement};
 use crate::pipeline::watermark::{TxnSeq, Watermark};
@@ -263,13 +263,14 @@ fn lane_for(
     drained: Arc<Drained>,
 ) -> (Open, impl std::future::Future<Output = ()> + Send + 'static) {
     let (tx, rx) = mpsc::channel(LANE_CHANNEL);
+    let wiring =
+        Wiring { publisher: Arc::clone(&parts.publisher), settle: settle.clone(), metrics: Arc::clone(&parts.metrics) };
+    let stream = Streamed { state: Arc::clone(&destination.state), finished: Some(Arc::clone(&drained.lane)) };
     let lane = run_lane(
         LaneConfig::streaming(&destination.name, &destination.target, &parts.settings.lanes),
-        Arc::clone(&parts.publisher),
-        Input { rx, finished: Some(Arc::clone(&drained.lane)) },
-        settle.clone(),
-        Arc::clone(&parts.metrics),
-        Some(Arc::clone(&destination.state)),
+        wiring,
+        rx,
+        Some(stream),
     );
     (Open { destination, tx, drained }, lane)
 }

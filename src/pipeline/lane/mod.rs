@@ -14,214 +14,32 @@
 //! returns the lane to streaming when its spool is empty and sends succeed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
-use crate::clock::now_unix_us;
 use crate::metrics::Metrics;
-use crate::pipeline::batch::{full_batch_ready, take_batch, Batchable};
-use crate::pipeline::budget::Permit;
-use crate::pipeline::settings::LaneSettings;
-use crate::pipeline::settle::{Due, Marking, Outcome, Settlement};
-use crate::pipeline::watermark::TxnSeq;
-use crate::policy::concurrency::{Limiter, Signal, Ticket};
+use crate::pipeline::batch::{full_batch_ready, take_batch};
+use crate::pipeline::settle::{Due, Settlement};
 use crate::policy::spool::{stalled, SpoolCause};
-use crate::publish::entry::Entry;
-use crate::publish::kind::Target;
 use crate::publish::limit::BatchSlot;
 use crate::publish::Publisher;
 
+mod ctx;
+mod item;
 mod send;
 mod state;
 
+use ctx::{catching_up, spooling, Ctx, Unsent};
+pub use ctx::{LaneConfig, RetryPolicy};
+pub(crate) use item::ordering_groups;
+pub use item::LaneItem;
 use send::send_until_settled;
 pub use send::{reconcile, CallOutcome, Verdict};
 pub use state::{Flow, LaneState};
-
-/// An entry on its way through a lane.
-pub struct LaneItem {
-    pub entry: Entry,
-    pub txn: Option<TxnSeq>,
-    pub permit: Option<Permit>,
-    pub arrived: Instant,
-    /// The last entry for this lane of what its source hands over at once (a
-    /// transaction's chunk, a table round): an idle lane sends when it has
-    /// that much, not at the first entry while the rest is still arriving.
-    pub chunk_end: bool,
-}
-
-impl LaneItem {
-    /// An entry that ends its chunk (see [`LaneItem::ending_chunk`]).
-    pub fn new(entry: Entry, txn: Option<TxnSeq>, permit: Option<Permit>) -> Self {
-        Self { entry, txn, permit, arrived: Instant::now(), chunk_end: true }
-    }
-
-    /// Whether this entry ends its chunk (`false`: more of it follow).
-    pub fn ending_chunk(mut self, end: bool) -> Self {
-        self.chunk_end = end;
-        self
-    }
-}
-
-/// The FIFO groups of `items`, in order (none on a standard queue).
-pub(crate) fn ordering_groups<'a>(items: impl IntoIterator<Item = &'a LaneItem>) -> Vec<String> {
-    items.into_iter().filter_map(|i| i.entry.ordering_group().map(str::to_string)).collect()
-}
-
-impl Batchable for LaneItem {
-    fn size(&self) -> usize {
-        self.entry.size
-    }
-    fn group(&self) -> Option<&str> {
-        self.entry.ordering_group()
-    }
-}
-
-/// What a lane does with an entry SQS did not take but may take later.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RetryPolicy {
-    /// Keep it and resend it after a backoff (the stream).
-    InMemory,
-    /// Defer it to the table with a time-based backoff (the table path).
-    ToTable,
-}
-
-pub struct LaneConfig {
-    pub name: Arc<str>,
-    pub target: Target,
-    /// Linger, adaptive sending and the cap of the batches in flight (the
-    /// limit under it adapts: [`crate::policy::concurrency`]), as every
-    /// lane has them.
-    pub lanes: LaneSettings,
-    pub retry_base: Duration,
-    pub retry_cap: Duration,
-    pub retry: RetryPolicy,
-}
-
-impl LaneConfig {
-    /// A streaming lane: entries SQS did not take are retried from memory;
-    /// a lane stalled past `lane_stall_timeout` spools.
-    pub fn streaming(name: &str, target: &Target, s: &LaneSettings) -> LaneConfig {
-        LaneConfig {
-            name: Arc::from(name),
-            target: target.clone(),
-            lanes: *s,
-            retry_base: crate::policy::retry::IN_MEMORY_BASE,
-            retry_cap: crate::policy::retry::IN_MEMORY_CAP,
-            retry: RetryPolicy::InMemory,
-        }
-    }
-
-    /// Spool when the oldest unsettled event is older than this: a lane
-    /// that retries in memory (the stream's); a table lane never spools.
-    pub fn stall_timeout(&self) -> Option<Duration> {
-        (self.retry == RetryPolicy::InMemory).then_some(self.lanes.stall_timeout)
-    }
-
-    /// A lane of the table path: entries SQS did not take go back to the
-    /// table with the marking's backoff; it never spools.
-    pub fn table(name: Arc<str>, target: &Target, s: &LaneSettings, marking: &Marking) -> LaneConfig {
-        LaneConfig {
-            name,
-            target: target.clone(),
-            lanes: *s,
-            retry_base: marking.base,
-            retry_cap: marking.max,
-            retry: RetryPolicy::ToTable,
-        }
-    }
-}
-
-pub(crate) struct Ctx {
-    pub(crate) cfg: LaneConfig,
-    pub(crate) publisher: Arc<dyn Publisher>,
-    pub(crate) settle: mpsc::UnboundedSender<Settlement>,
-    pub(crate) metrics: Arc<Metrics>,
-    pub(crate) state: Option<Arc<LaneState>>,
-    /// When a failed send was last logged as a warning (at most every 5 s).
-    pub(crate) last_warn: Mutex<Option<Instant>>,
-    /// The lane's input closed: the session is stopping. Entries waiting to
-    /// be retried in memory are abandoned (unsettled, so the slot replays
-    /// them) instead of holding the shutdown.
-    pub(crate) closing: watch::Sender<bool>,
-    /// How many batches the lane may have in flight now.
-    limiter: Mutex<Limiter>,
-    /// Its batches in flight (sending, or waiting to be sent again): what
-    /// the limit bounds.
-    batches: AtomicUsize,
-}
-
-impl Ctx {
-    fn new(
-        cfg: LaneConfig,
-        publisher: Arc<dyn Publisher>,
-        settle: mpsc::UnboundedSender<Settlement>,
-        metrics: Arc<Metrics>,
-        state: Option<Arc<LaneState>>,
-    ) -> Ctx {
-        // A new session's lane goes on from the limit the last one found.
-        let limiter = match state.as_ref().and_then(|s| s.in_flight_limit()) {
-            Some(last) => Limiter::resume(cfg.lanes.max_in_flight, last),
-            None => Limiter::new(cfg.lanes.max_in_flight),
-        };
-        let ctx = Ctx {
-            cfg,
-            publisher,
-            settle,
-            metrics,
-            state,
-            last_warn: Mutex::new(None),
-            closing: watch::channel(false).0,
-            limiter: Mutex::new(limiter),
-            batches: AtomicUsize::new(0),
-        };
-        ctx.show_limit(ctx.limit());
-        ctx
-    }
-
-    /// Batches the lane may have in flight now.
-    pub(crate) fn limit(&self) -> usize {
-        self.limiter.lock().unwrap().limit()
-    }
-
-    fn show_limit(&self, limit: usize) {
-        let path = match self.cfg.retry {
-            RetryPolicy::InMemory => "stream",
-            RetryPolicy::ToTable => "table",
-        };
-        self.metrics.lane_in_flight_limit.with_label_values(&[&self.cfg.name, path]).set(limit as i64);
-        if let Some(s) = &self.state {
-            s.set_in_flight_limit(limit);
-        }
-    }
-
-    /// A `SendMessageBatch` call of one of the lane's batches starts.
-    pub(crate) fn call_starts(&self) -> Ticket {
-        let others = self.batches.load(Ordering::Relaxed).saturating_sub(1);
-        self.limiter.lock().unwrap().start(others)
-    }
-
-    /// The call `ticket` started ended, saying `signal` about the far end.
-    pub(crate) fn call_ended(&self, ticket: Ticket, signal: Signal) {
-        let mut limiter = self.limiter.lock().unwrap();
-        if limiter.on(ticket, signal) {
-            self.show_limit(limiter.limit());
-        }
-    }
-
-    pub(crate) fn warn_due(&self) -> bool {
-        let mut last = self.last_warn.lock().unwrap();
-        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(5)) {
-            return false;
-        }
-        *last = Some(Instant::now());
-        true
-    }
-}
 
 /// How many entries a lane had taken from its input the last time it held
 /// none (nothing pending, nothing in flight, no group waiting behind one in
@@ -243,51 +61,39 @@ pub(crate) struct Done {
     settled: Unsent,
 }
 
-/// The FIFO groups of a batch's entries that did not end published or DEAD.
-#[derive(Default)]
-pub(crate) struct Unsent {
-    /// Groups with an entry deferred to the table: their later entries must
-    /// follow it there.
-    pub(crate) deferred: Vec<String>,
-    /// Groups with an entry abandoned unsettled (the lane is closing): it is
-    /// read again from the slot, so its group's later entries must not go
-    /// anywhere before it (the table path would send them first).
-    pub(crate) abandoned: Vec<String>,
+/// What a lane sends through and reports to.
+pub struct Wiring {
+    pub publisher: Arc<dyn Publisher>,
+    /// The settler: every entry's outcome goes there.
+    pub settle: mpsc::UnboundedSender<Settlement>,
+    pub metrics: Arc<Metrics>,
 }
 
-impl Unsent {
-    fn extend(&mut self, other: Unsent) {
-        self.deferred.extend(other.deferred);
-        self.abandoned.extend(other.abandoned);
-    }
-}
-
-/// A lane's input: its entries, and (a stream lane) where it says how far it
-/// has finished them ([`Finished`]).
-pub struct Input {
-    pub rx: mpsc::Receiver<LaneItem>,
+/// What a stream's lane has that a table lane has not: its state beside
+/// the stream (spooling, its oldest unsettled entry, its in-flight limit
+/// across sessions), and where it says how far it has finished its input
+/// ([`Finished`]).
+pub struct Streamed {
+    pub state: Arc<LaneState>,
     pub finished: Option<Arc<Finished>>,
 }
 
-impl From<mpsc::Receiver<LaneItem>> for Input {
-    fn from(rx: mpsc::Receiver<LaneItem>) -> Input {
-        Input { rx, finished: None }
+impl From<Arc<LaneState>> for Streamed {
+    fn from(state: Arc<LaneState>) -> Streamed {
+        Streamed { state, finished: None }
     }
 }
 
-/// Run a lane until its input closes and everything in it is settled (or the
-/// task is aborted: what was not settled is read again from the slot).
-pub async fn run_lane(
-    cfg: LaneConfig,
-    publisher: Arc<dyn Publisher>,
-    input: impl Into<Input>,
-    settle: mpsc::UnboundedSender<Settlement>,
-    metrics: Arc<Metrics>,
-    state: Option<Arc<LaneState>>,
-) {
-    let Input { mut rx, finished } = input.into();
+/// Run a lane until its input `rx` closes and everything in it is settled
+/// (or the task is aborted: what was not settled is read again from the
+/// slot). `stream`: a stream's lane; `None`, a table lane.
+pub async fn run_lane(cfg: LaneConfig, wiring: Wiring, mut rx: mpsc::Receiver<LaneItem>, stream: Option<Streamed>) {
+    let (state, finished) = match stream {
+        Some(Streamed { state, finished }) => (Some(state), finished),
+        None => (None, None),
+    };
     let spool_rx = state.as_ref().map(|s| s.subscribe());
-    let ctx = Arc::new(Ctx::new(cfg, publisher, settle, metrics, state));
+    let ctx = Arc::new(Ctx::new(cfg, wiring.publisher, wiring.settle, wiring.metrics, state));
     let mut lane = Lane::new(ctx, spool_rx, finished);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -404,7 +210,7 @@ impl Lane {
                 self.pending.drain(..).partition(|i| i.entry.ordering_group().is_some_and(|g| busy.contains(g)));
             self.pending = wait;
             for item in go {
-                defer(&self.ctx, item, "spooled", Due::Now);
+                self.ctx.defer(item, "spooled", Due::Now);
             }
             if self.pending.is_empty() {
                 self.oldest = None;
@@ -416,7 +222,7 @@ impl Lane {
                 self.pending.drain(..).partition(|i| i.entry.ordering_group().is_none_or(|g| !held.contains(g)));
             self.pending = keep;
             for item in follow {
-                defer(&self.ctx, item, "held behind an earlier entry of its group", Due::Now);
+                self.ctx.defer(item, "held behind an earlier entry of its group", Due::Now);
             }
         }
     }
@@ -586,45 +392,13 @@ fn next_deadline(
     [Some(oldest + linger), last_done.map(|t| t + linger)].into_iter().flatten().filter(|at| *at > now).min()
 }
 
-pub(crate) fn settle(ctx: &Ctx, item: LaneItem, outcome: Outcome) {
-    if matches!(outcome, Outcome::Published) {
-        let lag = (now_unix_us() - item.entry.event.commit_time_us).max(0) as f64 / 1e6;
-        ctx.metrics.commit_to_publish_seconds.observe(lag);
-    }
-    let unmarked = match (&outcome, &ctx.state) {
-        (Outcome::Deferred(..), Some(s)) => Some(s.deferring()),
-        _ => None,
-    };
-    // The settler outlives the lanes; if it is gone the pipeline is stopping
-    // and the row stays NEW, to be read again.
-    let settlement = Settlement::new(Arc::clone(&item.entry.event), item.txn, Arc::clone(&ctx.cfg.name), outcome);
-    let sent = ctx.settle.send(settlement.holding(item.permit, unmarked));
-    if let Err(mpsc::error::SendError(s)) = sent {
-        if let Some(u) = s.unmarked {
-            u.marked();
-        }
-    }
-}
-
-pub(crate) fn defer(ctx: &Ctx, item: LaneItem, why: &str, due: Due) {
-    let text = ctx.state.as_ref().map(|s| s.deferral(why)).unwrap_or_else(|| why.to_string());
-    settle(ctx, item, Outcome::Deferred(text, due));
-}
-
-/// The lane defers what it holds to the table.
-pub(crate) fn spooling(spool: &Option<watch::Receiver<Flow>>) -> bool {
-    spool.as_ref().is_some_and(|r| *r.borrow() == Flow::Spooling)
-}
-
-/// The lane holds what it has, sending nothing, until its spool is drained.
-fn catching_up(spool: &Option<watch::Receiver<Flow>>) -> bool {
-    spool.as_ref().is_some_and(|r| *r.borrow() == Flow::CatchingUp)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::OutboxEvent;
+    use crate::pipeline::settings::LaneSettings;
+    use crate::pipeline::settle::Outcome;
+    use crate::publish::kind::Target;
     use crate::publish::memory::{Fault, MemoryPublisher};
     use crate::publish::offload::{MemoryStore, OffloadTarget, Threshold};
     use crate::publish::CallError;
@@ -678,7 +452,12 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         p.close_gate();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, Some(Arc::clone(&state))));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics },
+            rx,
+            Some(Arc::clone(&state).into()),
+        ));
         for id in 1..=3 {
             tx.send(item(id)).await.unwrap();
         }
@@ -736,7 +515,12 @@ mod tests {
             cfg.target = target.clone();
             let (tx, rx) = mpsc::channel(16);
             let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-            let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, None));
+            let lane = tokio::spawn(run_lane(
+                cfg,
+                Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics },
+                rx,
+                None,
+            ));
             for code in outages {
                 p.push_fault(Fault::FailCall(CallError { code: code.into(), message: "m".into(), sender_fault: true }));
             }
@@ -772,7 +556,12 @@ mod tests {
         cfg.lanes.linger = Duration::from_secs(3600);
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Metrics::new() },
+            rx,
+            None,
+        ));
         for id in 1..=2 {
             tx.send(item(id).ending_chunk(false)).await.unwrap();
             for _ in 0..10 {
@@ -802,7 +591,12 @@ mod tests {
         let (tx, rx) = mpsc::channel(8192);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let cfg = streaming_lane(64, Duration::from_millis(10), Duration::from_millis(20));
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Arc::clone(&metrics) },
+            rx,
+            None,
+        ));
         until("the lane's limit shown", || limit() > 0).await;
         assert_eq!(limit(), 8, "a lane starts at 8");
         for id in 0..4000 {
@@ -837,7 +631,12 @@ mod tests {
         let (tx, rx) = mpsc::channel(8);
         let (settle_tx, _settle_rx) = mpsc::unbounded_channel();
         let cfg = streaming_lane(64, Duration::from_millis(10), Duration::from_millis(20));
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p), rx, settle_tx, Arc::clone(&metrics), Some(state)));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p), settle: settle_tx, metrics: Arc::clone(&metrics) },
+            rx,
+            Some(state.into()),
+        ));
         let limit = || metrics.lane_in_flight_limit.with_label_values(&["orders", "stream"]).get();
         until("the lane's limit shown", || limit() > 0).await;
         assert_eq!(limit(), 40);
@@ -880,7 +679,12 @@ mod tests {
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Arc::clone(&metrics) },
+            rx,
+            None,
+        ));
         let big = "b".repeat(5000);
         let big_item = |id| {
             let ev = OutboxEvent::for_test(id, "orders", &big);
@@ -938,7 +742,12 @@ mod tests {
         let metrics = Metrics::new();
         let (tx, rx) = mpsc::channel(64);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Arc::clone(&metrics), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Arc::clone(&metrics) },
+            rx,
+            None,
+        ));
         let started = Instant::now();
         let big = |id| {
             let ev = OutboxEvent::for_test(id, "orders", &"b".repeat(5000));
@@ -1000,7 +809,12 @@ mod tests {
             cfg.target = queue.clone();
             let (tx, rx) = mpsc::channel(16);
             let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-            let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+            let lane = tokio::spawn(run_lane(
+                cfg,
+                Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Metrics::new() },
+                rx,
+                None,
+            ));
             // Judged for 1,000 bytes; the queue takes 600 by the time it is sent.
             let ev = OutboxEvent::for_test(1, "orders", &"b".repeat(800));
             let entry = queue.prepare(Arc::new(ev)).unwrap();
@@ -1027,7 +841,12 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         let cfg = streaming_lane(2, Duration::from_millis(5), Duration::from_millis(20));
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Metrics::new() },
+            rx,
+            None,
+        ));
         tx.send(item(2)).await.unwrap();
         let s = settle_rx.recv().await.unwrap();
         assert!(matches!(&s.outcome, Outcome::Dead(r) if r.code == DeadCode::SqsRejected), "{:?}", s.outcome);
@@ -1073,7 +892,12 @@ mod tests {
         cfg.target = queue.clone();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Metrics::new() },
+            rx,
+            None,
+        ));
         for (id, group, body) in [(1, "a", "b".repeat(5000)), (2, "a", "small".into()), (3, "b", "small".into())] {
             let mut ev = OutboxEvent::for_test(id, "orders", &body);
             ev.group_key = Some(group.into());
@@ -1115,7 +939,12 @@ mod tests {
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
         p.close_gate();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, Some(Arc::clone(&state))));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics },
+            rx,
+            Some(Arc::clone(&state).into()),
+        ));
         tx.send(fifo_item(1, "g", &queue)).await.unwrap();
         until("g's first entry in flight", || p.calls_started() == 1).await;
         tx.send(fifo_item(2, "g", &queue)).await.unwrap();
@@ -1153,7 +982,12 @@ mod tests {
         cfg.target = queue.clone();
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, Metrics::new(), None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics: Metrics::new() },
+            rx,
+            None,
+        ));
         tx.send(fifo_item(1, "g", &queue)).await.unwrap();
         until("g's first call failed", || p.calls() == 1).await;
         tx.send(fifo_item(2, "g", &queue)).await.unwrap();
@@ -1177,7 +1011,12 @@ mod tests {
         let cfg = streaming_lane(2, Duration::from_secs(5), Duration::from_secs(10));
         let (tx, rx) = mpsc::channel(16);
         let (settle_tx, mut settle_rx) = mpsc::unbounded_channel();
-        let lane = tokio::spawn(run_lane(cfg, Arc::new(p.clone()), rx, settle_tx, metrics, None));
+        let lane = tokio::spawn(run_lane(
+            cfg,
+            Wiring { publisher: Arc::new(p.clone()), settle: settle_tx, metrics },
+            rx,
+            None,
+        ));
         tx.send(item(1)).await.unwrap();
         until("a failed call", || p.calls() >= 1).await;
         drop(tx);

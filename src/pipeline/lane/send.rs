@@ -10,7 +10,9 @@ use std::time::Instant;
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use super::{defer, ordering_groups, settle, spooling, Ctx, Flow, LaneItem, RetryPolicy, Unsent};
+use super::ctx::{spooling, Ctx, RetryPolicy, Unsent};
+use super::item::{ordering_groups, LaneItem};
+use super::state::Flow;
 use crate::metrics::Service;
 use crate::pipeline::settle::{Due, Outcome};
 use crate::policy::concurrency::Signal;
@@ -99,7 +101,7 @@ pub(super) async fn send_until_settled(
         // behind them, for a write's deadline.
         unsent.deferred.extend(ordering_groups(&later));
         for item in later {
-            defer(ctx, item, S3_FAILING, Due::Backoff);
+            ctx.defer(item, S3_FAILING, Due::Backoff);
         }
         Vec::new()
     } else {
@@ -160,7 +162,7 @@ async fn send_retrying(
             unsent.deferred.extend(ordering_groups(&todo));
             for item in todo.drain(..) {
                 // Tried and failed already, or not tried yet.
-                defer(ctx, item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
+                ctx.defer(item, "spooled", if attempt == 0 { Due::Now } else { Due::Backoff });
             }
             break;
         }
@@ -191,7 +193,7 @@ async fn send_retrying(
         };
         for (item, err) in table {
             unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
-            settle(ctx, item, Outcome::Deferred(err, Due::Backoff));
+            ctx.settle(item, Outcome::Deferred(err, Due::Backoff));
         }
         let retry = memory;
         if retry.is_empty() {
@@ -234,7 +236,7 @@ async fn judge_anew(ctx: &Ctx, refused: Vec<(LaneItem, String)>) -> Vec<(LaneIte
     let mut retry = Vec::new();
     for (mut item, err) in refused {
         if item.entry.size <= limit {
-            settle(ctx, item, Outcome::Dead(target.rejected(err)));
+            ctx.settle(item, Outcome::Dead(target.rejected(err)));
             continue;
         }
         match target.prepare(Arc::clone(&item.entry.event)) {
@@ -242,7 +244,7 @@ async fn judge_anew(ctx: &Ctx, refused: Vec<(LaneItem, String)>) -> Vec<(LaneIte
                 item.entry = Entry { delay_seconds: item.entry.delay_seconds, ..entry };
                 retry.push((item, err));
             }
-            Err(reason) => settle(ctx, item, Outcome::Dead(reason)),
+            Err(reason) => ctx.settle(item, Outcome::Dead(reason)),
         }
     }
     retry
@@ -378,9 +380,9 @@ fn apply(ctx: &Ctx, verdicts: impl Iterator<Item = (LaneItem, Verdict)>) -> (Ret
                 if item.entry.delay_seconds.is_some() {
                     ctx.metrics.events_delayed.with_label_values(&[&ctx.cfg.name]).inc();
                 }
-                settle(ctx, item, Outcome::Published)
+                ctx.settle(item, Outcome::Published)
             }
-            Verdict::Dead(reason) => settle(ctx, item, Outcome::Dead(reason)),
+            Verdict::Dead(reason) => ctx.settle(item, Outcome::Dead(reason)),
             Verdict::Retry(err) => {
                 tracing::debug!(event_id = %item.entry.event.event_id, error = %err, "entry failed, will retry");
                 if let Some(s) = &ctx.state {

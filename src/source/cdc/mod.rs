@@ -3,7 +3,7 @@
 //! [`Change`](crate::pipeline::intake::Change), the pipeline's
 //! [`crate::pipeline::intake::Intake`] routes, sends and settles it,
 //! and the session confirms to the server what the intake says is settled
-//! ([`stream`], [`confirm_if_advanced`]).
+//! ([`Session::stream`], [`confirm_if_advanced`]).
 //!
 //! One call of [`run_stream`] is one replication session. Any error ends it
 //! with everything unsettled abandoned: the slot was never confirmed past
