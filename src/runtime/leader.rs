@@ -17,64 +17,74 @@ pub(crate) async fn acquire_leadership(
     metrics: &Metrics,
     stop: &mut watch::Receiver<bool>,
 ) -> Option<tokio_postgres::Client> {
-    let key = format!("outbox_relay_leader:{}", config.slot);
     let poll = (config.takeover_timeout / 10).max(Duration::from_millis(100));
     let mut waiting = false;
-    loop {
-        if *stop.borrow() {
-            return None;
-        }
-        match db.connect().await {
-            Ok(c) => {
-                // Server-side keepalives on the lock's session: a leader
-                // whose host vanished (no FIN, no RST) loses the lock within
-                // about `takeover_timeout`, not the OS's two hours. Ignored
-                // over a Unix socket.
-                if let Err(e) = c.batch_execute(&lock_keepalive(config.takeover_timeout)).await {
-                    tracing::debug!(error = %e, "cannot set the lock session's keepalives");
-                }
-                loop {
-                    match db
-                        .query(
-                            "taking the leader lock",
-                            c.query_one("SELECT pg_try_advisory_lock(hashtextextended($1, 0))", &[&key]),
-                        )
-                        .await
-                    {
-                        Ok(r) if r.get::<_, bool>(0) => {
-                            tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
-                            metrics.set_standby(false);
-                            metrics.is_leader.set(1);
-                            metrics.leader_changes.inc();
-                            return Some(c);
-                        }
-                        Ok(_) => {
-                            metrics.set_standby(true);
-                            if !waiting {
-                                tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
-                                waiting = true;
-                            }
-                        }
-                        Err(e) => {
-                            metrics.set_standby(false);
-                            tracing::warn!(error = %e, "leader lock query failed; reconnecting");
-                            break;
-                        }
-                    }
-                    tokio::select! {
-                        _ = tokio::time::sleep(poll) => {}
-                        _ = stop.wait_for(|s| *s) => return None,
-                    }
-                }
-            }
+    while !*stop.borrow() {
+        let c = match db.connect().await {
+            Ok(c) => c,
             Err(e) => {
                 metrics.set_standby(false);
                 tracing::warn!(error = %e, "cannot connect for the leader lock; retrying");
                 tokio::select! {
-                    _ = tokio::time::sleep(poll.max(Duration::from_secs(1))) => {}
+                    _ = tokio::time::sleep(poll.max(Duration::from_secs(1))) => continue,
                     _ = stop.wait_for(|s| *s) => return None,
                 }
             }
+        };
+        // Server-side keepalives on the lock's session: a leader whose host
+        // vanished (no FIN, no RST) loses the lock within about
+        // `takeover_timeout`, not the OS's two hours. Ignored over a Unix
+        // socket.
+        if let Err(e) = c.batch_execute(&lock_keepalive(config.takeover_timeout)).await {
+            tracing::debug!(error = %e, "cannot set the lock session's keepalives");
+        }
+        match try_lock_until(&c, config, db, metrics, poll, &mut waiting, stop).await {
+            Some(true) => return Some(c),
+            Some(false) => continue,
+            None => return None,
+        }
+    }
+    None
+}
+
+/// Try the slot's lock on `c` every `poll`: `Some(true)` once it is taken,
+/// `Some(false)` when the connection failed (connect again), `None` at
+/// `stop`. `waiting`: the standby was said already.
+async fn try_lock_until(
+    c: &tokio_postgres::Client,
+    config: &Config,
+    db: &Db,
+    metrics: &Metrics,
+    poll: Duration,
+    waiting: &mut bool,
+    stop: &mut watch::Receiver<bool>,
+) -> Option<bool> {
+    let key = format!("outbox_relay_leader:{}", config.slot);
+    loop {
+        let sql = "SELECT pg_try_advisory_lock(hashtextextended($1, 0))";
+        match db.query("taking the leader lock", c.query_one(sql, &[&key])).await {
+            Ok(r) if r.get::<_, bool>(0) => {
+                tracing::info!(slot = %config.slot, "leader: holding the slot's lock; streaming");
+                metrics.set_standby(false);
+                metrics.is_leader.set(1);
+                metrics.leader_changes.inc();
+                return Some(true);
+            }
+            Ok(_) => {
+                metrics.set_standby(true);
+                if !std::mem::replace(waiting, true) {
+                    tracing::info!(slot = %config.slot, "standby: another relay leads this slot; taking over when it goes");
+                }
+            }
+            Err(e) => {
+                metrics.set_standby(false);
+                tracing::warn!(error = %e, "leader lock query failed; reconnecting");
+                return Some(false);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(poll) => {}
+            _ = stop.wait_for(|s| *s) => return None,
         }
     }
 }

@@ -62,22 +62,7 @@ pub async fn run(
     let call_bytes = crate::pipeline::budget::call_bytes(config.max_unsettled_bytes);
     let publisher: Arc<dyn Publisher> = Arc::new(CallLimit::new(publisher, config.max_concurrent_calls, call_bytes));
 
-    // Served from the start: `/healthz` answers while start-up waits on
-    // PostgreSQL or AWS (a probe must not restart a relay for their
-    // outage), `/readyz` says it is starting.
-    let metrics_server = match config.metrics_addr {
-        Some(addr) => {
-            let listener = http::bind(addr)
-                .await
-                .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?;
-            let mut stop = stop_rx.clone();
-            let m = Arc::clone(&metrics);
-            Some(tokio::spawn(http::serve(listener, m, async move {
-                let _ = stop.wait_for(|s| *s).await;
-            })))
-        }
-        None => None,
-    };
+    let metrics_server = serve_metrics(&config, &metrics, &stop_rx).await?;
 
     // Every start-up step has a deadline, and SIGTERM ends start-up at any point.
     let db = Db::of(&config);
@@ -91,37 +76,66 @@ pub async fn run(
         }
         return started.map(|_| ());
     };
-    let Started { mode, sharded, queues, retention, mapped, prepare } = started;
-    let settings = Settings::of(&config, mode, mapped);
-    let watched = monitor::Watched::of(&config, mode);
-    let monitor = tokio::spawn(monitor(watched, db.clone(), Arc::clone(&metrics), stop_rx.clone()));
-    let sweeper = tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(&metrics), stop_rx.clone()));
-    let template = config.destination_template.clone();
-    let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(&metrics));
-    let parts = Arc::new(Parts::new(settings, destinations, publisher, Arc::clone(&metrics)));
-    let rereads = tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop_rx.clone()));
-    let publication = (mode != Mode::Polling).then(|| parts.settings.slot.publication.clone());
-    let tables = tokio::spawn(monitor::watch_mapped_tables(
-        db.clone(),
-        parts.settings.mapped.clone(),
-        publication,
-        Arc::clone(&metrics),
-        stop_rx.clone(),
-    ));
+    let (mode, sharded) = (started.mode, started.sharded);
+    let (parts, beside) = assemble(&config, &db, started, publisher, &metrics, &stop_rx);
     let env = Env { config: &config, db: &db, parts, mode, sharded };
     if mode == Mode::Polling {
         run_polling(&env, &mut stop_rx).await;
     } else {
         run_cdc(&env, &mut stop_rx).await;
     }
-    monitor.abort();
-    sweeper.abort();
-    rereads.abort();
-    tables.abort();
+    beside.iter().for_each(tokio::task::JoinHandle::abort);
     if let Some(s) = metrics_server {
         let _ = s.await;
     }
     Ok(())
+}
+
+/// The metrics server, served from the start: `/healthz` answers while
+/// start-up waits on PostgreSQL or AWS (a probe must not restart a relay
+/// for their outage), `/readyz` says it is starting.
+async fn serve_metrics(
+    config: &Config,
+    metrics: &Arc<Metrics>,
+    stop: &watch::Receiver<bool>,
+) -> Result<Option<tokio::task::JoinHandle<std::io::Result<()>>>, RelayError> {
+    let Some(addr) = config.metrics_addr else { return Ok(None) };
+    let listener = http::bind(addr)
+        .await
+        .map_err(|e| RelayError::Startup(format!("cannot listen on metrics_addr {addr}: {e}")))?;
+    let mut stop = stop.clone();
+    Ok(Some(tokio::spawn(http::serve(listener, Arc::clone(metrics), async move {
+        let _ = stop.wait_for(|s| *s).await;
+    }))))
+}
+
+/// Once start-up is done: the settings, derived once; the pipeline's
+/// parts; and the tasks beside the sources (the monitor, the retention
+/// sweeper, the queue limits' rereads, the mapped tables' watch), returned
+/// to be stopped with the relay.
+fn assemble(
+    config: &Config,
+    db: &Db,
+    started: Started,
+    publisher: Arc<dyn Publisher>,
+    metrics: &Arc<Metrics>,
+    stop: &watch::Receiver<bool>,
+) -> (Arc<Parts>, Vec<tokio::task::JoinHandle<()>>) {
+    let Started { mode, queues, retention, mapped, prepare, .. } = started;
+    let settings = Settings::of(config, mode, mapped);
+    let template = config.destination_template.clone();
+    let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(metrics));
+    let parts = Arc::new(Parts::new(settings, destinations, publisher, Arc::clone(metrics)));
+    let watched = monitor::Watched::of(config, mode);
+    let publication = (mode != Mode::Polling).then(|| parts.settings.slot.publication.clone());
+    let mapped = parts.settings.mapped.clone();
+    let beside = vec![
+        tokio::spawn(monitor(watched, db.clone(), Arc::clone(metrics), stop.clone())),
+        tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(metrics), stop.clone())),
+        tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop.clone())),
+        tokio::spawn(monitor::watch_mapped_tables(db.clone(), mapped, publication, Arc::clone(metrics), stop.clone())),
+    ];
+    (parts, beside)
 }
 
 /// Every [`REREAD_EVERY`], every queue's `MaximumMessageSize` read again.

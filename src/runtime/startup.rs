@@ -12,7 +12,7 @@ use crate::pipeline::budget::Memory;
 use crate::pipeline::destinations::Prepare;
 use crate::pipeline::settings::{LaneSettings, OffloadSettings, SlotSettings};
 use crate::policy::retry::{classify_start_up, StartUpFailure};
-use crate::publish::kind::Kind;
+use crate::publish::kind::{Kind, Target};
 use crate::publish::offload::{ObjectStore, OffloadTarget, S3Store};
 use crate::publish::Publisher;
 
@@ -25,7 +25,7 @@ use super::RelayError;
 pub(crate) struct Started {
     pub(crate) mode: Mode,
     pub(crate) sharded: bool,
-    pub(crate) queues: BTreeMap<String, crate::publish::kind::Target>,
+    pub(crate) queues: BTreeMap<String, Target>,
     pub(crate) retention: Option<Duration>,
     /// Each mapped table's key type and columns, in `settings.mapped`'s order.
     pub(crate) mapped: Vec<Mapping>,
@@ -110,20 +110,7 @@ async fn start_up(
         metrics.mode.with_label_values(&[&m.to_string()]).set(i64::from(m == mode));
     }
     let prepare = prepare_queues(config, store.cloned());
-    let mut queues = BTreeMap::new();
-    for (name, address) in &config.destinations {
-        let kind =
-            Kind::of_address(address).map_err(|why| RelayError::Startup(format!("destination {name:?}: {why}")))?;
-        let info = publisher.describe(kind, address).await.map_err(|e| {
-            RelayError::Startup(format!(
-                "destination {name:?}: {kind} {address} did not answer {} ({e}); check its address, the region/endpoint and the credentials",
-                kind.rules().describe_name()
-            ))
-        })?;
-        let info = prepare(name, info);
-        tracing::info!(destination = %name, %kind, %address, fifo = info.fifo, max_message_size = info.max_message_size(), "destination ready");
-        queues.insert(name.clone(), info);
-    }
+    let queues = describe_destinations(config, publisher, &prepare).await?;
     if mode == Mode::Polling {
         let _ = tokio::time::timeout(config.query_timeout, warn_if_slot_retains_wal(&sql, &config.slot)).await;
     }
@@ -143,17 +130,46 @@ async fn start_up(
         tracing::warn!("the retention sweeper needs DELETE on the outbox table (GRANT DELETE ON outbox TO <role>); PUBLISHED rows are kept");
         retention = None;
     }
-    let mapped = config
-        .mapped
+    let mapped = settled_mappings(&config.mapped, mapped_columns);
+    Ok(Started { mode, sharded, queues, retention, mapped, prepare })
+}
+
+/// Every configured destination as its service describes it, prepared
+/// ([`prepare_queues`]); one that does not answer refuses the start.
+async fn describe_destinations(
+    config: &Config,
+    publisher: &dyn Publisher,
+    prepare: &Prepare,
+) -> Result<BTreeMap<String, Target>, RelayError> {
+    let mut queues = BTreeMap::new();
+    for (name, address) in &config.destinations {
+        let kind =
+            Kind::of_address(address).map_err(|why| RelayError::Startup(format!("destination {name:?}: {why}")))?;
+        let info = publisher.describe(kind, address).await.map_err(|e| {
+            RelayError::Startup(format!(
+                "destination {name:?}: {kind} {address} did not answer {} ({e}); check its address, the region/endpoint and the credentials",
+                kind.rules().describe_name()
+            ))
+        })?;
+        let info = prepare(name, info);
+        tracing::info!(destination = %name, %kind, %address, fifo = info.fifo, max_message_size = info.max_message_size(), "destination ready");
+        queues.insert(name.clone(), info);
+    }
+    Ok(queues)
+}
+
+/// The configured mappings with what start-up read of each table (its oid,
+/// its key's type, which optional columns it has).
+fn settled_mappings(mapped: &[Mapping], found: Vec<crate::source::cdc::mapped::Found>) -> Vec<Mapping> {
+    mapped
         .iter()
-        .zip(mapped_columns)
+        .zip(found)
         .map(|(m, found)| {
             let mut m = m.clone();
             m.settle_columns(found.oid, found.id_type, |c| found.columns.iter().any(|n| n == c));
             m
         })
-        .collect();
-    Ok(Started { mode, sharded, queues, retention, mapped, prepare })
+        .collect()
 }
 
 /// The S3 client, once each configured bucket answered `HeadBucket`.

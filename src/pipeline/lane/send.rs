@@ -182,20 +182,7 @@ async fn send_retrying(
         if retry.is_empty() {
             break;
         }
-        // The table path hands every failure back to the table; a standard
-        // queue's stream lane hands it failed writes to S3, and retries the
-        // rest from memory (a queue's failures are the lane's to wait out
-        // or spool on).
-        let (table, memory): (Retries, Retries) = match ctx.cfg.retry {
-            RetryPolicy::ToTable => (retry, Vec::new()),
-            RetryPolicy::InMemory if s3_to_table(ctx) => retry.into_iter().partition(|(_, err)| s3_failure(err)),
-            RetryPolicy::InMemory => (Vec::new(), retry),
-        };
-        for (item, err) in table {
-            unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
-            ctx.settle(item, Outcome::Deferred(err, Due::Backoff));
-        }
-        let retry = memory;
+        let retry = to_table_or_memory(ctx, retry, &mut unsent);
         if retry.is_empty() {
             break;
         }
@@ -211,6 +198,25 @@ async fn send_retrying(
         attempt = attempt.saturating_add(1);
     }
     unsent
+}
+
+/// Of entries to retry, those the lane hands back to the table are settled
+/// deferred (their groups recorded in `unsent`); the rest, returned, are
+/// retried from memory. The table path hands every failure back to the
+/// table; a standard queue's stream lane hands it failed writes to S3, and
+/// retries the rest (a queue's failures are the lane's to wait out or spool
+/// on).
+fn to_table_or_memory(ctx: &Ctx, retry: Retries, unsent: &mut Unsent) -> Retries {
+    let (table, memory): (Retries, Retries) = match ctx.cfg.retry {
+        RetryPolicy::ToTable => (retry, Vec::new()),
+        RetryPolicy::InMemory if s3_to_table(ctx) => retry.into_iter().partition(|(_, err)| s3_failure(err)),
+        RetryPolicy::InMemory => (Vec::new(), retry),
+    };
+    for (item, err) in table {
+        unsent.deferred.extend(item.entry.ordering_group().map(str::to_string));
+        ctx.settle(item, Outcome::Deferred(err, Due::Backoff));
+    }
+    memory
 }
 
 /// Entries refused as longer than the destination takes ([`Remedy::Reread`]):

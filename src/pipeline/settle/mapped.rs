@@ -32,7 +32,7 @@ pub(super) async fn mark_mapped_published<C: GenericClient>(
         }
     }
     let mut n = 0;
-    for (table, mut rows) in by_table {
+    for (table, rows) in by_table {
         // By its oid: renamed or moved since start-up, it is marked under
         // its name of the day; dropped, its rows have nothing to mark.
         let name = match table.table_now(client).await? {
@@ -49,36 +49,44 @@ pub(super) async fn mark_mapped_published<C: GenericClient>(
                 continue;
             }
         };
-        let mark_sql = table.mark_sql(&name);
-        let started = std::time::Instant::now();
-        let mut waits = 0;
-        loop {
-            let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).collect();
-            let marked: HashSet<String> = client.query(&mark_sql, &[&keys]).await?.iter().map(|r| r.get(0)).collect();
-            n += marked.len() as u64;
-            rows.retain(|(k, _)| !marked.contains(*k));
-            let invisible = not_visible_yet(client, table, &name, &rows).await?;
-            let done: Vec<&str> = rows.iter().map(|(k, _)| *k).filter(|k| !invisible.contains(*k)).collect();
-            if !done.is_empty() {
-                tracing::debug!(table = %table.table, keys = ?done, "mapped rows published already or gone: not marked");
-            }
-            rows.retain(|(k, _)| invisible.contains(*k));
-            if rows.is_empty() {
-                break;
-            }
-            if started.elapsed() > VISIBILITY_DEADLINE {
-                let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).take(5).collect();
-                tracing::warn!(table = %table.table, ?keys, "mapped rows to mark published did not become visible; their published column stays NULL (they may be sent again)");
-                break;
-            }
-            tokio::time::sleep(crate::policy::retry::backoff(
-                waits,
-                Duration::from_millis(1),
-                Duration::from_millis(100),
-            ))
-            .await;
-            waits += 1;
-        }
+        n += mark_visible(client, table, &name, rows).await?;
     }
     Ok(n)
+}
+
+/// Set the published column of `rows` of `table` (named `name` now), and
+/// of those whose transaction is not visible yet once it is (within
+/// [`VISIBILITY_DEADLINE`]); rows set already or gone are left. Returns
+/// the rows set.
+async fn mark_visible<C: GenericClient>(
+    client: &C,
+    table: &PublishedColumn,
+    name: &str,
+    mut rows: Vec<(&str, Option<i64>)>,
+) -> Result<u64, tokio_postgres::Error> {
+    let mark_sql = table.mark_sql(name);
+    let (started, mut waits, mut n) = (std::time::Instant::now(), 0, 0);
+    loop {
+        let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).collect();
+        let marked: HashSet<String> = client.query(&mark_sql, &[&keys]).await?.iter().map(|r| r.get(0)).collect();
+        n += marked.len() as u64;
+        rows.retain(|(k, _)| !marked.contains(*k));
+        let invisible = not_visible_yet(client, table, name, &rows).await?;
+        let done: Vec<&str> = rows.iter().map(|(k, _)| *k).filter(|k| !invisible.contains(*k)).collect();
+        if !done.is_empty() {
+            tracing::debug!(table = %table.table, keys = ?done, "mapped rows published already or gone: not marked");
+        }
+        rows.retain(|(k, _)| invisible.contains(*k));
+        if rows.is_empty() {
+            return Ok(n);
+        }
+        if started.elapsed() > VISIBILITY_DEADLINE {
+            let keys: Vec<&str> = rows.iter().map(|(k, _)| *k).take(5).collect();
+            tracing::warn!(table = %table.table, ?keys, "mapped rows to mark published did not become visible; their published column stays NULL (they may be sent again)");
+            return Ok(n);
+        }
+        let wait = crate::policy::retry::backoff(waits, Duration::from_millis(1), Duration::from_millis(100));
+        tokio::time::sleep(wait).await;
+        waits += 1;
+    }
 }
