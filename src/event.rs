@@ -14,6 +14,9 @@ pub struct OutboxEvent {
     pub commit_time_us: i64,
     /// The `deliver_at` column: when the message may be delivered.
     pub deliver_at: DeliverAt,
+    /// The `replay_of` column: the replay that wrote this row, a copy of a
+    /// row published before ([`crate::ops::replay`]).
+    pub replay_of: Option<i64>,
     /// Where the row came from: what settles it, and where.
     pub origin: Origin,
 }
@@ -347,8 +350,13 @@ macro_rules! deliver_at_micros {
 pub const OUTBOX_COLUMNS: &str = concat!(
     "id, event_id, destination, body, group_key, attributes::text,
     (extract(epoch FROM created_at) * 1000000)::bigint, ",
-    deliver_at_micros!()
+    deliver_at_micros!(),
+    ", replay_of"
 );
+
+/// How many columns [`OUTBOX_COLUMNS`] selects: what a statement selects
+/// after them starts here.
+pub const OUTBOX_COLUMN_COUNT: usize = 9;
 
 /// `deliver_at` as microseconds since the Unix epoch ([`DeliverAt::at`]).
 pub const DELIVER_AT_MICROS: &str = deliver_at_micros!();
@@ -364,6 +372,7 @@ impl OutboxEvent {
             attributes: r.get(5),
             commit_time_us: r.get(6),
             deliver_at: r.get::<_, Option<i64>>(7).map_or(DeliverAt::Unset, DeliverAt::at),
+            replay_of: r.get(8),
             origin: Origin::Own { id: r.get(0), commit: None },
         }
     }
@@ -398,6 +407,7 @@ impl OutboxEvent {
             attributes: None,
             commit_time_us: 0,
             deliver_at: DeliverAt::Unset,
+            replay_of: None,
             origin: Origin::Own { id, commit: None },
         }
     }

@@ -88,6 +88,70 @@ enum Command {
         #[command(subcommand)]
         action: DeadAction,
     },
+    /// Send again what was published (rows kept: published_rows = "keep"),
+    /// by destination, time and event id, to its destination or another.
+    #[command(args_conflicts_with_subcommands = true)]
+    Replay {
+        #[command(subcommand)]
+        action: Option<ReplayAction>,
+        #[command(flatten)]
+        args: ReplayArgs,
+    },
+}
+
+#[derive(clap::Args, Clone, Default)]
+struct ReplayArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Events published to this destination (default: every destination).
+    #[arg(long)]
+    destination: Option<String>,
+    /// Published at or after this time (ISO: 2026-12-07 10:00:00+00).
+    #[arg(long)]
+    since: Option<String>,
+    /// Published before this time (default: now).
+    #[arg(long)]
+    until: Option<String>,
+    /// This event only; repeat for more.
+    #[arg(long = "event-id")]
+    event_ids: Vec<String>,
+    /// Send them to this destination instead of their own.
+    #[arg(long)]
+    to: Option<String>,
+    /// Say how many events and bytes would go, per destination; send nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// At most this many events a second.
+    #[arg(long)]
+    rate: Option<u32>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum ReplayAction {
+    /// Replays, newest first, with their progress.
+    List {
+        #[command(flatten)]
+        common: CommonArgs,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Go on with an interrupted replay (the command killed): from where its
+    /// last copies were written, none twice.
+    Resume {
+        #[command(flatten)]
+        common: CommonArgs,
+        id: i64,
+        #[arg(long)]
+        rate: Option<u32>,
+    },
+    /// Copy nothing more of a replay; what was copied is sent.
+    Cancel {
+        #[command(flatten)]
+        common: CommonArgs,
+        id: i64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -342,6 +406,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Slot { action } => slot_command(action).await,
         Command::Dead { action } => dead_command(action).await,
+        Command::Replay { action, args } => replay_command(action, args).await,
     }
 }
 
@@ -398,6 +463,63 @@ async fn dead_command(action: DeadAction) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `replay`, `replay list|resume|cancel`.
+async fn replay_command(action: Option<ReplayAction>, args: ReplayArgs) -> anyhow::Result<()> {
+    match action {
+        None => {
+            let (config, _, mut client) = connected(&args.common).await?;
+            let mut selection = ops::replay::Selection {
+                destination: args.destination,
+                since: args.since,
+                until: args.until,
+                event_ids: args.event_ids,
+                to: args.to,
+            };
+            let planned = ops::replay::plan(&client, &config, &mut selection).await?;
+            if args.dry_run {
+                return print_answer(args.json, &planned, |p| ops::replay::format_plan(p));
+            }
+            let id = ops::replay::start(&client, &selection, &planned).await?;
+            eprint!("{}", ops::replay::format_plan(&planned));
+            eprintln!("replay {id} started (interrupted, `outbox-relay replay resume {id}` goes on)");
+            copy_replay(&mut client, id, args.rate, args.json).await
+        }
+        Some(ReplayAction::Resume { common, id, rate }) => {
+            let (_, _, mut client) = connected(&common).await?;
+            copy_replay(&mut client, id, rate, false).await
+        }
+        Some(ReplayAction::Cancel { common, id }) => {
+            let (_, _, client) = connected(&common).await?;
+            let r = ops::replay::cancel(&client, id).await?;
+            println!("{}; the copies written are sent, nothing more is copied", ops::replay::format_replay(&r));
+            Ok(())
+        }
+        Some(ReplayAction::List { common, json }) => {
+            let (_, _, client) = connected(&common).await?;
+            let replays = ops::replay::list(&client, None).await?;
+            print_answer(json, &replays, |r| ops::replay::format_replays(r))
+        }
+    }
+}
+
+/// Copy replay `id`'s rows, its progress on stderr at most once a second.
+async fn copy_replay(
+    client: &mut tokio_postgres::Client,
+    id: i64,
+    rate: Option<u32>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut shown = std::time::Instant::now();
+    let progress = |r: &ops::replay::Replay| {
+        if shown.elapsed() >= std::time::Duration::from_secs(1) {
+            eprintln!("replay {}: {}/{} events copied", r.id, r.copied, r.total);
+            shown = std::time::Instant::now();
+        }
+    };
+    let r = ops::replay::run(client, id, rate, progress, || false).await?;
+    print_answer(json, &r, |r| format!("{}\n", ops::replay::format_replay(r)))
 }
 
 /// An operator command's configuration, its database and a connection to it.

@@ -257,6 +257,7 @@ impl Mapping {
             attributes,
             commit_time_us,
             deliver_at,
+            replay_of: None,
             // Not in the relay's table: published from the stream, written
             // there only when it cannot go out now.
             origin: Origin::Mapped {
@@ -327,6 +328,7 @@ impl Mapping {
             attributes: None,
             commit_time_us,
             deliver_at: DeliverAt::Unset,
+            replay_of: None,
             origin: Origin::Mapped {
                 row: MappedRow {
                     published: key.is_some().then(|| published.cloned()).flatten(),

@@ -43,6 +43,7 @@ pub const ALL: &[Migration] = &[
     m(12, "job trace context", Part::Jobs, include_str!("../0012_job_trace.sql")),
     m(13, "FIFO rows in the table keep their commit order", Part::Relay, include_str!("../0013_commit_order.sql")),
     m(14, "mapped tables known by their oid", Part::Relay, include_str!("../0014_sources.sql")),
+    m(15, "replays", Part::Relay, include_str!("../0015_replays.sql")),
 ];
 
 /// The migrations of one part, in order.

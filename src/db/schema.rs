@@ -91,7 +91,7 @@ pub async fn check_outbox_table(client: &Client) -> Result<(), DbError> {
 
 /// The columns later migrations added to the outbox, with the migration
 /// that adds each.
-const LATER_COLUMNS: [(&str, i32); 3] = [("deliver_at", 11), ("commit_lsn", 13), ("commit_seq", 13)];
+const LATER_COLUMNS: [(&str, i32); 4] = [("deliver_at", 11), ("commit_lsn", 13), ("commit_seq", 13), ("replay_of", 15)];
 
 /// Every column the relay reads or writes is there: a table migrated by an
 /// older relay is named with the migration to run, not met by a failing

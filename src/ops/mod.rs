@@ -1,11 +1,12 @@
 //! What operators run beside the relay: `status`, `slot status|create|drop`,
-//! `dead list|redrive`. Each reads or changes the database directly; none
+//! `dead list|redrive`, `replay`. Each reads or changes the database directly; none
 //! needs the relay to be running.
 
 use crate::db;
 use crate::source::cdc::CdcError;
 
 mod dead;
+pub mod replay;
 mod slot;
 mod status;
 

@@ -382,7 +382,7 @@ pub async fn claim_round(
     round.read_bytes = chosen.bytes;
     let rows = if ids.is_empty() { Vec::new() } else { tx.query(&fetch_sql(), &[&ids]).await? };
     // The database's clock, which the claim judged `deliver_at` by.
-    let now_us: i64 = rows.first().map_or(0, |r| r.get(8));
+    let now_us: i64 = rows.first().map_or(0, |r| r.get(crate::event::OUTBOX_COLUMN_COUNT));
     // Each row is dropped once its event is made: a body is held once, not
     // twice (the row's bytes and the event's), while the claim is sent.
     let events: Vec<Arc<OutboxEvent>> = rows.into_iter().map(|r| Arc::new(OutboxEvent::from_row(&r))).collect();

@@ -390,6 +390,7 @@ fn read(id: i64, event_id: &str, commit: u64) -> Arc<OutboxEvent> {
         attributes: None,
         commit_time_us: 0,
         deliver_at: Default::default(),
+        replay_of: None,
         origin: Origin::Own { id, commit: Some(commit) },
     })
 }

@@ -15,6 +15,7 @@ mod invariants;
 mod mapped;
 mod operated;
 mod pipeline;
+mod replay;
 mod routing;
 mod s3;
 mod scale;

@@ -192,7 +192,7 @@ async fn rows_written_before_slot_create_are_delivered() {
 }
 
 /// Run the built binary; returns (status, stdout, stderr).
-fn cli(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+pub(crate) fn cli(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
         .args(args)
         .envs(env.iter().copied())
@@ -398,6 +398,7 @@ fn stream_event(id: i64, event_id: &str, xid: u32) -> Arc<outbox_relay::event::O
         attributes: None,
         commit_time_us: 0,
         deliver_at: Default::default(),
+        replay_of: None,
         origin: outbox_relay::event::Origin::Own { id, commit: Some(commit) },
     })
 }

@@ -97,6 +97,7 @@ pub(super) async fn restore_with<C: GenericClient>(
     let (mut defer, mut errors, mut deliver) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut commits, mut seqs): (Vec<Option<String>>, Vec<Option<i32>>) =
         (Vec::with_capacity(n), Vec::with_capacity(n));
+    let mut replays: Vec<Option<i64>> = Vec::with_capacity(n);
     for s in batch {
         let ev = &s.event;
         let (status, err, d) = columns(&s.outcome);
@@ -113,6 +114,7 @@ pub(super) async fn restore_with<C: GenericClient>(
         deliver.push(ev.deliver_at.micros());
         commits.push(ev.commit_lsn_text());
         seqs.push(seq_param(ev));
+        replays.push(ev.replay_of);
     }
     let (base, max) = (marking.base.as_secs_f64(), marking.max.as_secs_f64());
     let rows = client
@@ -135,6 +137,7 @@ pub(super) async fn restore_with<C: GenericClient>(
                 &commits,
                 &marking.bound_unpositioned,
                 &seqs,
+                &replays,
             ],
         )
         .await?;

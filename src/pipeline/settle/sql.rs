@@ -78,7 +78,8 @@ pub(super) fn restore_sql(own_id: bool) -> String {
     };
     format!(
         "INSERT INTO outbox ({id_col}event_id, destination, body, group_key, attributes, created_at,
-                             status, attempts, next_attempt_at, last_error, deliver_at, commit_lsn, commit_seq)
+                             status, attempts, next_attempt_at, last_error, deliver_at, commit_lsn, commit_seq,
+                             replay_of)
          {overriding}
          SELECT {id_val}u.event_id, u.destination, u.body, u.group_key, u.attributes::jsonb,
                 to_timestamp(u.created_us / 1e6), u.status, CASE WHEN u.defer = 2 THEN 0 ELSE 1 END,
@@ -87,11 +88,11 @@ pub(super) fn restore_sql(own_id: bool) -> String {
                      WHEN u.deliver_us = -{never} THEN '-infinity'::timestamptz
                      ELSE to_timestamp(u.deliver_us / 1e6) END,
                 CASE WHEN u.commit IS NOT NULL THEN u.commit::pg_lsn WHEN $15 THEN pg_current_wal_insert_lsn() END,
-                u.seq
+                u.seq, u.replay_of
            FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::float8[],
-                       $8::text[], $9::int2[], $10::text[], $13::bigint[], $14::text[], $16::int4[])
+                       $8::text[], $9::int2[], $10::text[], $13::bigint[], $14::text[], $16::int4[], $17::bigint[])
                 AS u(id, event_id, destination, body, group_key, attributes, created_us, status, defer, err, deliver_us,
-                     commit, seq)
+                     commit, seq, replay_of)
          {unless}
          ON CONFLICT DO NOTHING
          RETURNING event_id",

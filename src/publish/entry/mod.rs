@@ -95,6 +95,7 @@ pub fn prepare_message(event: Arc<OutboxEvent>, queue: &MessageRules) -> Result<
         Some(json) => parse_attributes(json)?,
         None => Vec::new(),
     };
+    mark_replay(&event, &mut attributes);
     let (size, offload) = sized(&event, queue, &mut attributes)?;
     let (group_id, dedup) = group_and_dedup(&event, queue)?;
     let trace_header = attributes.iter().find(|a| a.name == TRACEPARENT).and_then(|a| xray_trace_header(&a.value));
@@ -110,6 +111,25 @@ pub fn prepare_message(event: Arc<OutboxEvent>, queue: &MessageRules) -> Result<
         delay_seconds: None,
         bus: None,
     })
+}
+
+/// The message attribute a replayed copy carries: the replay's id
+/// ([`crate::ops::replay`]).
+pub const REPLAY_ATTRIBUTE: &str = "outbox-replay";
+
+/// A replayed copy says so ([`REPLAY_ATTRIBUTE`]) when it has room: its
+/// row's attributes leave one for it and one for an S3 pointer's size. A
+/// copy of a row with nine or ten attributes goes without it, as its
+/// original went.
+fn mark_replay(event: &OutboxEvent, attributes: &mut Vec<Attribute>) {
+    let Some(replay) = event.replay_of else { return };
+    if attributes.len() + 2 <= MAX_ATTRIBUTES && !attributes.iter().any(|a| a.name == REPLAY_ATTRIBUTE) {
+        attributes.push(Attribute {
+            name: REPLAY_ATTRIBUTE.into(),
+            data_type: "String".into(),
+            value: replay.to_string(),
+        });
+    }
 }
 
 /// The bytes SQS counts for the message, and its S3 object when the body

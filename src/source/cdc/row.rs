@@ -65,6 +65,8 @@ pub(crate) fn row_from_tuple(
         commit_time_us,
         // Optional: a table migrated before `deliver_at` existed has none.
         deliver_at: text(rel, t, "deliver_at").map_or(DeliverAt::Unset, deliver_at),
+        // Optional too: a table migrated before replays existed has none.
+        replay_of: text(rel, t, "replay_of").and_then(|r| r.parse().ok()),
         origin: Origin::Own { id, commit: Some(commit) },
     })
 }

@@ -1,0 +1,184 @@
+//! `outbox-relay replay`: published events sent again, from the rows kept.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_relay::config::PublishedRows;
+use outbox_relay::ops::replay::{self, ReplayState, Selection};
+use outbox_relay::publish::entry::REPLAY_ATTRIBUTE;
+use outbox_relay::publish::memory::{MemoryPublisher, Sent};
+use testkit::*;
+
+const F: &str = "http://memory.invalid/r1/orders.fifo";
+const S: &str = "http://memory.invalid/r1/audit";
+const FIFO_TOO: &str = "http://memory.invalid/r1/other.fifo";
+
+fn keep(db: &TestDb) -> outbox_relay::config::Config {
+    let mut cfg = config(db, &[("orders.fifo", F), ("audit", S), ("other.fifo", FIFO_TOO)]);
+    cfg.published_rows = PublishedRows::Keep;
+    cfg
+}
+
+/// The replay marker a message carries, if any.
+fn replay_of(s: &Sent) -> Option<String> {
+    s.attributes.iter().find(|a| a.0 == REPLAY_ATTRIBUTE).map(|a| a.2.clone())
+}
+
+/// Bodies sent per group, in order, of the messages `pick` takes.
+fn by_group(sent: &[Sent], pick: impl Fn(&Sent) -> bool) -> HashMap<String, Vec<String>> {
+    let mut groups: HashMap<String, Vec<String>> = HashMap::new();
+    for s in sent.iter().filter(|s| pick(s)) {
+        groups.entry(s.group_id.clone().unwrap_or_default()).or_default().push(s.body.clone());
+    }
+    groups
+}
+
+/// 2,000 events published to a FIFO queue, then lost by the consumer (a
+/// purge): a replay by time range sends each once more, in its group's
+/// order, marked, under a deduplication id of its own; an interrupted
+/// replay resumes without copying an event twice; a replay to another
+/// queue goes there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
+    let db = TestDb::new("replay").await;
+    let p = MemoryPublisher::new();
+    for (url, fifo) in [(F, true), (S, false), (FIFO_TOO, true)] {
+        p.add_queue(url, fifo, 262_144);
+    }
+    let cfg = keep(&db);
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let mut c = db.client().await;
+    let before: String = c.query_one("SELECT now()::text", &[]).await.unwrap().get(0);
+    for t in 0..4 {
+        insert_rows(&c, &format!("t{t}"), "orders.fifo", 500, Some(7)).await;
+    }
+    insert_rows(&c, "other", "audit", 10, None).await;
+    wait_for("2,010 published", Duration::from_secs(60), || async { db.count("status = 'PUBLISHED'").await == 2010 })
+        .await;
+    let originals = p.sent(F);
+    assert_eq!(originals.len(), 2000);
+
+    // A dry run says what would go and writes nothing.
+    let mut sel =
+        Selection { destination: Some("orders.fifo".into()), since: Some(before.clone()), ..Default::default() };
+    let planned = replay::plan(&c, &cfg, &mut sel).await.unwrap();
+    assert_eq!((planned.len(), planned[0].destination.as_str(), planned[0].events), (1, "orders.fifo", 2000));
+    assert!(planned[0].bytes > 0);
+    assert_eq!(db.count("replay_of IS NOT NULL").await, 0);
+
+    // Interrupted after its first transaction (the command killed), then resumed.
+    let id = replay::start(&c, &sel, &planned).await.unwrap();
+    let batches = std::sync::atomic::AtomicUsize::new(0);
+    let once = |_: &replay::Replay| _ = batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let r =
+        replay::run(&mut c, id, None, once, || batches.load(std::sync::atomic::Ordering::Relaxed) >= 1).await.unwrap();
+    assert_eq!((r.state, r.copied), (ReplayState::Running, replay::COPY_BATCH));
+    let r = replay::run(&mut c, id, None, |_| {}, || false).await.unwrap();
+    assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 2000, 2000));
+    assert_eq!(db.count(&format!("replay_of = {id}")).await, 2000, "each event copied once");
+    wait_for("the copies sent", Duration::from_secs(60), || async { p.sent(F).len() == 4000 }).await;
+
+    let sent = p.sent(F);
+    let again: Vec<&Sent> = sent.iter().filter(|s| replay_of(s).is_some()).collect();
+    assert_eq!(again.len(), 2000);
+    assert!(again.iter().all(|s| replay_of(s) == Some(id.to_string())), "each says which replay sent it");
+    let mut bodies: Vec<&str> = again.iter().map(|s| s.body.as_str()).collect();
+    bodies.sort_unstable();
+    bodies.dedup();
+    assert_eq!(bodies.len(), 2000, "every event once more");
+    assert_eq!(
+        by_group(&sent, |s| replay_of(s).is_some()),
+        by_group(&originals, |_| true),
+        "each group again in its commit order"
+    );
+    let original_dedup: std::collections::HashSet<_> = originals.iter().map(|s| s.dedup_id.clone()).collect();
+    assert!(again.iter().all(|s| !original_dedup.contains(&s.dedup_id)), "SQS does not drop them as resends");
+
+    // A later replay of the same range does not select the copies.
+    let mut sel2 = Selection { destination: Some("orders.fifo".into()), since: Some(before), ..Default::default() };
+    assert_eq!(replay::plan(&c, &cfg, &mut sel2).await.unwrap()[0].events, 2000);
+
+    // One event, to another queue, at a rate.
+    let one = originals[17].event_id.clone();
+    let mut to = Selection { event_ids: vec![one.clone()], to: Some("audit".into()), ..Default::default() };
+    let planned = replay::plan(&c, &cfg, &mut to).await.unwrap();
+    assert_eq!((planned[0].destination.as_str(), planned[0].events), ("audit", 1));
+    let id2 = replay::start(&c, &to, &planned).await.unwrap();
+    assert_eq!(replay::run(&mut c, id2, Some(50), |_| {}, || false).await.unwrap().state, ReplayState::Done);
+    wait_for("sent to audit", Duration::from_secs(30), || async { p.sent(S).len() == 11 }).await;
+    let moved = p.sent(S).into_iter().find(|s| replay_of(s).is_some()).unwrap();
+    assert_eq!(moved.body, originals[17].body);
+    assert_eq!(replay::list(&c, None).await.unwrap().len(), 2);
+    relay.stop().await;
+}
+
+/// What a replay cannot do is refused at once, naming the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
+    let db = TestDb::new("replayno").await;
+    let p = MemoryPublisher::new();
+    for (url, fifo) in [(F, true), (S, false), (FIFO_TOO, true)] {
+        p.add_queue(url, fifo, 262_144);
+    }
+    let cfg = keep(&db);
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let mut c = db.client().await;
+    insert_rows(&c, "n", "audit", 5, None).await;
+    wait_for("published", Duration::from_secs(30), || async { db.count("status = 'PUBLISHED'").await == 5 }).await;
+    let refused = |e: outbox_relay::ops::OpsError| e.to_string();
+
+    let mut deleting = cfg.clone();
+    deleting.published_rows = PublishedRows::Delete;
+    let e = refused(replay::plan(&c, &deleting, &mut Selection::default()).await.unwrap_err());
+    assert!(e.contains("published_rows") && e.contains("keep"), "{e}");
+
+    let mut unknown = Selection { destination: Some("nowhere".into()), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut unknown).await.unwrap_err());
+    assert!(e.contains("\"nowhere\" is not configured"), "{e}");
+
+    let mut no_groups =
+        Selection { destination: Some("audit".into()), to: Some("other.fifo".into()), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut no_groups).await.unwrap_err());
+    assert!(e.contains("5 of the selected events have no group key"), "{e}");
+
+    let mut future = Selection { since: Some("2999-01-01 00:00:00+00".into()), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut future).await.unwrap_err());
+    assert!(e.contains("5 published events are kept, published from"), "{e}");
+
+    let mut garbled = Selection { since: Some("yesterday-ish".into()), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut garbled).await.unwrap_err());
+    assert!(e.contains("--since/--until") && e.contains("ISO"), "{e}");
+
+    // From the command line: a dry run as JSON, a refusal as exit code 2.
+    let env = [
+        ("OUTBOX_RELAY_DATABASE_URL", db.url.as_str()),
+        ("OUTBOX_RELAY_SLOT", db.slot.as_str()),
+        ("OUTBOX_RELAY_PUBLISHED_ROWS", "keep"),
+        ("OUTBOX_RELAY_DESTINATIONS_AUDIT", S),
+    ];
+    let (ok, out, err) = crate::table_path::cli(&["replay", "--destination", "audit", "--dry-run", "--json"], &env);
+    assert!(ok, "{err}");
+    let planned: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((planned[0]["destination"].as_str(), planned[0]["events"].as_i64()), (Some("audit"), Some(5)));
+    let (ok, _, err) = crate::table_path::cli(&["replay", "--to", "elsewhere"], &env);
+    assert!(!ok && err.contains("\"elsewhere\" is not configured"), "{err}");
+    let (ok, out, err) = crate::table_path::cli(&["replay", "--destination", "audit"], &env);
+    assert!(ok && out.contains("DONE: 5/5 events copied"), "{out} {err}");
+    let (ok, out, _) = crate::table_path::cli(&["replay", "list"], &env);
+    assert!(ok && out.contains("destination audit"), "{out}");
+
+    // Cancelled: nothing more is copied, and it cannot be resumed.
+    let mut all = Selection::default();
+    let planned = replay::plan(&c, &cfg, &mut all).await.unwrap();
+    let id = replay::start(&c, &all, &planned).await.unwrap();
+    assert_eq!(replay::cancel(&c, id).await.unwrap().state, ReplayState::Cancelled);
+    assert_eq!(replay::run(&mut c, id, None, |_| {}, || false).await.unwrap().copied, 0);
+    let e = refused(replay::cancel(&c, id).await.unwrap_err());
+    assert!(e.contains("CANCELLED"), "{e}");
+    let e = refused(replay::get(&c, 999_999).await.unwrap_err());
+    assert!(e.contains("replay list"), "{e}");
+    relay.stop().await;
+}
