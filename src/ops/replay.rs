@@ -179,7 +179,7 @@ fn fifo(config: &Config, name: &str) -> bool {
 }
 
 /// Where a replay stands (`outbox_replays.state`).
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Serialize, serde::Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ReplayState {
     /// Copying, or interrupted: `replay resume` goes on.
@@ -205,7 +205,7 @@ impl ReplayState {
 }
 
 /// A replay as `outbox_replays` records it.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct Replay {
     pub id: i64,
     pub state: ReplayState,
@@ -380,6 +380,16 @@ pub async fn list(client: &Client, id: Option<i64>) -> Result<Vec<Replay>, OpsEr
             updated_at: r.get(8),
         })
         .collect())
+}
+
+/// The replays still running (copying, or interrupted), for `status`;
+/// none before migration 15.
+pub async fn running(client: &Client) -> Result<Vec<Replay>, OpsError> {
+    let exists: bool = client.query_one("SELECT to_regclass('outbox_replays') IS NOT NULL", &[]).await?.get(0);
+    if !exists {
+        return Ok(Vec::new());
+    }
+    Ok(list(client, None).await?.into_iter().filter(|r| r.state == ReplayState::Running).collect())
 }
 
 /// A plan as text: per destination, the events and bytes.

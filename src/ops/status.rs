@@ -33,6 +33,9 @@ pub struct Status {
     /// Each mapped table (`[[outbox]]`).
     #[serde(default)]
     pub tables: Vec<TableStatus>,
+    /// Replays not finished: copying, or interrupted (`replay resume`).
+    #[serde(default)]
+    pub replays: Vec<super::replay::Replay>,
 }
 
 /// A mapped table as `status` sees it.
@@ -202,8 +205,10 @@ pub async fn status(client: &Client, config: &Config) -> Result<Status, OpsError
     for m in &config.mapped {
         tables.push(table_status(client, m, publication).await?);
     }
+    let replays = super::replay::running(client).await?;
     Ok(Status {
         tables,
+        replays,
         relay,
         format: STATUS_FORMAT,
         mode: config.mode,
@@ -417,7 +422,11 @@ pub fn format_status(s: &Status) -> String {
     if let Some(RelayReached { address, error: Some(e) }) = &s.relay {
         out += &format!("relay at {address}: {e} (failures and bodies through S3 are shown when it answers)\n");
     }
-    out + &format_tables(&s.tables)
+    out += &format_tables(&s.tables);
+    for r in &s.replays {
+        out += &format!("{}\n", super::replay::format_replay(r));
+    }
+    out
 }
 
 /// The mapped tables' lines, if any.

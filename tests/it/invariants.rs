@@ -729,6 +729,9 @@ mod workload {
         /// Big rows DEAD `too_large` once queue `b`'s size limit was
         /// lowered under the relays (the in-process variant).
         too_large: usize,
+        /// Events replayed (`outbox-relay replay`, published rows kept: the
+        /// in-process variant's seeds 1, 5, 9, ...), each sent again.
+        replayed: usize,
         /// Relays started again in the other mode, polling or CDC.
         mode_switches: usize,
         /// What an operator did to the mapped tables ([`operate`]).
@@ -739,8 +742,8 @@ mod workload {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             write!(
                 f,
-                "{} delivered ({} transient, {} from a mapped table, {} to topics, {} to a bus, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused",
-                self.delivered, self.transient, self.mapped, self.topics, self.buses, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns
+                "{} delivered ({} transient, {} from a mapped table, {} to topics, {} to a bus, {} with a deliver_at, {} of them moved, {} messages through S3, {} of 1.5-2.5 MiB), {} DEAD with their reason, {} of them too large for a lowered limit; {} outages, {} relay kills, {} PostgreSQL restarts ({} relays started again after exiting at start-up), {} identity resets, {} throttling bursts, {} switches between CDC and polling, {} operator actions on mapped tables, {} producer transactions refused, {} events replayed",
+                self.delivered, self.transient, self.mapped, self.topics, self.buses, self.delayed, self.moved, self.offloaded, self.huge, self.dead, self.too_large, self.outages, self.restarts, self.pg_restarts, self.supervised, self.resets, self.throttles, self.mode_switches, self.operations, self.failed_txns, self.replayed
             )
         }
     }
@@ -895,7 +898,7 @@ mod workload {
         }
     }
 
-    async fn relays(db: &TestDb, sharded: bool) -> Relays {
+    async fn relays(db: &TestDb, sharded: bool, keep: bool) -> Relays {
         let all: Vec<(&str, &str)> = QUEUES.iter().map(|(d, q, _)| (*d, *q)).collect();
         let mut configs = Vec::new();
         let groups: Vec<Vec<(&str, &str)>> =
@@ -914,6 +917,9 @@ mod workload {
             cfg.lane_idle_timeout = Duration::from_millis(300);
             // Spool drains take turns on two connections.
             cfg.max_table_connections = 2;
+            if keep {
+                cfg.published_rows = PublishedRows::Keep;
+            }
             if !sharded {
                 // Debezium's table beside the relay's own ([`produce_debezium`]).
                 use outbox_relay::mapping::{Mapping, Preset};
@@ -1677,7 +1683,9 @@ mod workload {
             before_slot =
                 produce_topic_payload(&mut c, &mut rng, &format!("s{seed}pre"), &["a", "b"], false).await.unwrap();
         }
-        let mut relays = started_relays(&db, sharded, &p).await;
+        // Published rows kept (replays in the mix) on some unsharded seeds.
+        let keep = seed % 4 == 1;
+        let mut relays = started_relays(&db, sharded, keep, &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
         let mut dests = vec!["a", "b", "f", "s", "sf", "e"];
@@ -1737,6 +1745,7 @@ mod workload {
         let moved = env.moved.lock().unwrap().clone();
         none_early(&p, &committed, &moved, seed);
         fifo_order_kept(&p, &committed, &unseen, seed);
+        replays_only_selected(&p, &committed, seed);
         tally.topics = every_subscriber_has_every_event(&p, seed);
         let on_bus = QUEUES.iter().filter(|(d, _, _)| bus(d)).flat_map(|(_, a, _)| p.sent(a));
         tally.buses = on_bus.map(|s| s.event_id).collect::<HashSet<_>>().len();
@@ -1754,10 +1763,52 @@ mod workload {
         tally
     }
 
+    /// An operator replays what one destination (or every one) published
+    /// in the last few seconds, to completion: the copies, as rows
+    /// committed now (each must be sent, in its group's order). `None`
+    /// when nothing matched.
+    async fn replay_some(
+        c: &mut tokio_postgres::Client,
+        rng: &mut StdRng,
+        config: &outbox_relay::config::Config,
+        dests: &[&str],
+    ) -> Option<Vec<Row>> {
+        use outbox_relay::ops::replay;
+        let destination = rng.random_bool(0.7).then(|| dests[rng.random_range(0..dests.len())].to_string());
+        let since: String = c
+            .query_one("SELECT (now() - make_interval(secs => $1))::text", &[&rng.random_range(0.5..5.0f64)])
+            .await
+            .ok()?
+            .get(0);
+        let mut selection = replay::Selection { destination, since: Some(since), ..Default::default() };
+        let planned = match replay::plan(c, config, &mut selection).await {
+            Ok(p) => p,
+            Err(outbox_relay::ops::OpsError::Refused(why)) if why.contains("no published event") => return None,
+            Err(e) => panic!("replay refused: {e}"),
+        };
+        let id = replay::start(c, &selection, &planned).await.ok()?;
+        let r = replay::run(c, id, None, |_| {}, || false).await.ok()?;
+        assert_eq!((r.copied, r.total), (r.total, planned.iter().map(|p| p.events).sum::<i64>()), "replay {id}");
+        let copies =
+            c.query("SELECT event_id, destination FROM outbox WHERE replay_of = $1 ORDER BY id", &[&id]).await.ok()?;
+        Some(copies.iter().map(|r| (r.get(0), r.get(1), false, None)).collect())
+    }
+
+    /// Every replayed message sent is a copy a replay wrote: no event
+    /// outside a replay's selection was sent again as a replay.
+    fn replays_only_selected(p: &MemoryPublisher, committed: &[Row], seed: u64) {
+        let copies: HashSet<&str> = committed.iter().map(|r| r.0.as_str()).filter(|e| e.contains("/replay-")).collect();
+        for (_, q, _) in QUEUES {
+            for s in p.sent(q).iter().filter(|s| s.event_id.contains("/replay-")) {
+                assert!(copies.contains(s.event_id.as_str()), "seed {seed}: {} sent, not a replay's copy", s.event_id);
+            }
+        }
+    }
+
     /// The relays of [`run`], started, each once its slot exists: transient
     /// rows committed before a slot exists are seen by nothing.
-    async fn started_relays(db: &TestDb, sharded: bool, p: &MemoryPublisher) -> Relays {
-        let mut relays = relays(db, sharded).await;
+    async fn started_relays(db: &TestDb, sharded: bool, keep: bool, p: &MemoryPublisher) -> Relays {
+        let mut relays = relays(db, sharded, keep).await;
         for i in 0..relays.configs.len() {
             relays.start(i, p);
         }
@@ -1866,6 +1917,12 @@ mod workload {
                     match produce_topic_payload(c, rng, tag, &standard, false).await {
                         Some(rows) => return Some(rows),
                         None => tally.failed_txns += 1,
+                    }
+                }
+                12 if relays.configs[0].published_rows == PublishedRows::Keep => {
+                    if let Some(rows) = replay_some(c, rng, &relays.configs[0], dests).await {
+                        tally.replayed += rows.len();
+                        return Some(rows);
                     }
                 }
                 8 if !relays.configs[0].mapped.is_empty() => {

@@ -70,6 +70,8 @@ async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
 
     // Interrupted after its first transaction (the command killed), then resumed.
     let id = replay::start(&c, &sel, &planned).await.unwrap();
+    let shown = outbox_relay::ops::status(&c, &cfg).await.unwrap();
+    assert_eq!((shown.replays.len(), shown.replays[0].total), (1, 2000), "status shows a replay running");
     let batches = std::sync::atomic::AtomicUsize::new(0);
     let once = |_: &replay::Replay| _ = batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let r =
