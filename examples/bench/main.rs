@@ -101,6 +101,10 @@ struct Args {
     /// `PublishBatch` client, with this many messages at each body size.
     #[arg(long)]
     topic_only: Option<usize>,
+    /// Run only a replay of this many published events beside the table
+    /// path's drain of as many fresh rows, at each body size.
+    #[arg(long)]
+    replay_only: Option<usize>,
     /// Run only `--many-destinations` (a queue-URL template) through the SQS
     /// stand-in, at 2 and 20 rows/s each, for this many seconds each.
     #[arg(long)]
@@ -116,6 +120,7 @@ struct Args {
 
 mod hot_queue;
 mod many;
+mod replay;
 mod topic;
 
 fn now_us() -> i64 {
@@ -2180,6 +2185,13 @@ async fn main() {
         let rows = topic::topic_drains(&a, &sqs, n, &[200, 4096]).await;
         topic::print_topics(&rows);
         println!("{}", serde_json::to_string_pretty(&json!({ "topic": rows })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.replay_only {
+        let rows = replay::replay_drains(&a, &sqs, n, &[200, 4096]).await;
+        replay::print_replays(&rows);
+        println!("{}", serde_json::to_string_pretty(&json!({ "replay": rows })).unwrap());
         drop(stack_guard);
         return;
     }
