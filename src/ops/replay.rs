@@ -248,15 +248,15 @@ pub async fn run(
 ) -> Result<Replay, OpsError> {
     let started = Instant::now();
     let mut copied_now = 0i64;
+    let mut replay = get(client, id).await?;
     loop {
-        let replay = get(client, id).await?;
         if replay.state != ReplayState::Running || stop() {
             return Ok(replay);
         }
         let batch = rate.map_or(COPY_BATCH, |r| COPY_BATCH.min(i64::from(r.max(1))));
         let n = copy_batch(client, id, batch).await?;
         copied_now += n;
-        let replay = get(client, id).await?;
+        replay = get(client, id).await?;
         progress(&replay);
         if n == 0 {
             let done = client

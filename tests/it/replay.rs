@@ -14,10 +14,19 @@ const F: &str = "http://memory.invalid/r1/orders.fifo";
 const S: &str = "http://memory.invalid/r1/audit";
 const FIFO_TOO: &str = "http://memory.invalid/r1/other.fifo";
 
-fn keep(db: &TestDb) -> outbox_relay::config::Config {
-    let mut cfg = config(db, &[("orders.fifo", F), ("audit", S), ("other.fifo", FIFO_TOO)]);
+/// A relay keeping its published rows, streaming to the three queues of
+/// the memory publisher.
+async fn keeping(name: &str) -> (TestDb, MemoryPublisher, outbox_relay::config::Config, Running) {
+    let db = TestDb::new(name).await;
+    let p = MemoryPublisher::new();
+    for (url, fifo) in [(F, true), (S, false), (FIFO_TOO, true)] {
+        p.add_queue(url, fifo, 262_144);
+    }
+    let mut cfg = config(&db, &[("orders.fifo", F), ("audit", S), ("other.fifo", FIFO_TOO)]);
     cfg.published_rows = PublishedRows::Keep;
-    cfg
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    (db, p, cfg, relay)
 }
 
 /// The replay marker a message carries, if any.
@@ -41,14 +50,7 @@ fn by_group(sent: &[Sent], pick: impl Fn(&Sent) -> bool) -> HashMap<String, Vec<
 /// queue goes there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
-    let db = TestDb::new("replay").await;
-    let p = MemoryPublisher::new();
-    for (url, fifo) in [(F, true), (S, false), (FIFO_TOO, true)] {
-        p.add_queue(url, fifo, 262_144);
-    }
-    let cfg = keep(&db);
-    let relay = start(cfg.clone(), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let (db, p, cfg, relay) = keeping("replay").await;
     let mut c = db.client().await;
     let before: String = c.query_one("SELECT now()::text", &[]).await.unwrap().get(0);
     for t in 0..4 {
@@ -119,14 +121,7 @@ async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
 /// What a replay cannot do is refused at once, naming the fix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
-    let db = TestDb::new("replayno").await;
-    let p = MemoryPublisher::new();
-    for (url, fifo) in [(F, true), (S, false), (FIFO_TOO, true)] {
-        p.add_queue(url, fifo, 262_144);
-    }
-    let cfg = keep(&db);
-    let relay = start(cfg.clone(), Arc::new(p.clone()));
-    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let (db, _, cfg, relay) = keeping("replayno").await;
     let mut c = db.client().await;
     insert_rows(&c, "n", "audit", 5, None).await;
     wait_for("published", Duration::from_secs(30), || async { db.count("status = 'PUBLISHED'").await == 5 }).await;
