@@ -110,6 +110,9 @@ impl Origin {
 /// has one.
 #[derive(Debug, Clone)]
 pub struct MappedRow {
+    /// The mapped table, `schema.table` as configured (the archive names
+    /// it, for a replay of one table).
+    pub table: std::sync::Arc<str>,
     /// The key column's value, as text.
     pub key: String,
     pub published: Option<std::sync::Arc<PublishedColumn>>,

@@ -202,6 +202,11 @@ impl Mapping {
         all
     }
 
+    /// `schema.table`, as configured.
+    pub fn name(&self) -> Arc<str> {
+        Arc::from(format!("{}.{}", self.schema, self.table))
+    }
+
     /// The event of a row: `col` gives a column's value by name and
     /// `bytea` whether it is a bytea column; `before`, for a row its own
     /// transaction updated, the event as inserted (for values the update
@@ -261,7 +266,7 @@ impl Mapping {
             // Not in the relay's table: published from the stream, written
             // there only when it cannot go out now.
             origin: Origin::Mapped {
-                row: MappedRow { key, published: published.cloned(), unreadable: None },
+                row: MappedRow { table: self.name(), key, published: published.cloned(), unreadable: None },
                 commit: None,
             },
         })
@@ -331,6 +336,7 @@ impl Mapping {
             replay_of: None,
             origin: Origin::Mapped {
                 row: MappedRow {
+                    table: self.name(),
                     published: key.is_some().then(|| published.cloned()).flatten(),
                     key: key.unwrap_or_else(|| fallback.to_string()),
                     unreadable: Some(error.to_string()),

@@ -43,6 +43,10 @@ pub const STREAM_HOLDS_TOTAL: &str = "outbox_relay_stream_holds_total";
 pub const DESTINATION_FAILING_SINCE_SECONDS: &str = "outbox_relay_destination_failing_since_seconds";
 pub const SLOT_ACTIVE: &str = "outbox_relay_slot_active";
 pub const RETENTION_DELETED_TOTAL: &str = "outbox_relay_retention_deleted_total";
+pub const ARCHIVED_EVENTS_TOTAL: &str = "outbox_relay_archived_events_total";
+pub const ARCHIVED_BYTES_TOTAL: &str = "outbox_relay_archived_bytes_total";
+pub const ARCHIVE_FAILURES_TOTAL: &str = "outbox_relay_archive_failures_total";
+pub const ARCHIVE_EXPIRED_SEGMENTS_TOTAL: &str = "outbox_relay_archive_expired_segments_total";
 pub const OFFLOADED_OBJECTS_TOTAL: &str = "outbox_relay_offloaded_objects_total";
 pub const OFFLOADED_BYTES_TOTAL: &str = "outbox_relay_offloaded_bytes_total";
 pub const EVENTS_DELAYED_TOTAL: &str = "outbox_relay_events_delayed_total";
@@ -83,6 +87,10 @@ pub struct Metrics {
     pub slot_recreated: IntCounterVec,
     pub slot_active: IntGauge,
     pub retention_deleted: IntCounter,
+    pub archived_events: IntCounterVec,
+    pub archived_bytes: IntCounter,
+    pub archive_failures: IntCounter,
+    pub archive_expired: IntCounter,
     /// Bodies written to S3 (the message carries a pointer), per destination.
     pub offloaded_objects: IntCounterVec,
     pub offloaded_bytes: IntCounterVec,
@@ -152,6 +160,10 @@ impl Metrics {
             slot_recreated: IntCounterVec::new(Opts::new(SLOT_RECREATED_TOTAL, "Times the replication slot was found dropped or invalidated and created again (with a catch-up from the table), by reason"), &["reason"]).unwrap(),
             slot_active: IntGauge::new(SLOT_ACTIVE, "1 if the configured slot exists and a walsender reads it, 0 if it exists and nobody reads it (it retains WAL), -1 if it does not exist").unwrap(),
             retention_deleted: IntCounter::new(RETENTION_DELETED_TOTAL, "PUBLISHED rows deleted by the retention sweeper").unwrap(),
+            archived_events: IntCounterVec::new(Opts::new(ARCHIVED_EVENTS_TOTAL, "Published events written to the archive (before they were settled)"), &["destination"]).unwrap(),
+            archived_bytes: IntCounter::new(ARCHIVED_BYTES_TOTAL, "Bytes of the archive's segments written to S3 (compressed)").unwrap(),
+            archive_failures: IntCounter::new(ARCHIVE_FAILURES_TOTAL, "Writes of an archive segment that failed (retried; the events stay unsettled meanwhile)").unwrap(),
+            archive_expired: IntCounter::new(ARCHIVE_EXPIRED_SEGMENTS_TOTAL, "Archive segments deleted by the sweep, older than archive.window").unwrap(),
             offloaded_objects: IntCounterVec::new(Opts::new(OFFLOADED_OBJECTS_TOTAL, "Bodies over the threshold written to S3 (their messages carry the extended client's pointer)"), &["destination"]).unwrap(),
             offloaded_bytes: IntCounterVec::new(Opts::new(OFFLOADED_BYTES_TOTAL, "Bytes of the bodies written to S3"), &["destination"]).unwrap(),
             events_delayed: IntCounterVec::new(Opts::new(EVENTS_DELAYED_TOTAL, "Messages sent with DelaySeconds (deliver_at due within 15 minutes, standard queues)"), &["destination"]).unwrap(),
@@ -213,6 +225,10 @@ impl Metrics {
             Box::new(self.slot_recreated.clone()),
             Box::new(self.slot_active.clone()),
             Box::new(self.retention_deleted.clone()),
+            Box::new(self.archived_events.clone()),
+            Box::new(self.archived_bytes.clone()),
+            Box::new(self.archive_failures.clone()),
+            Box::new(self.archive_expired.clone()),
             Box::new(self.offloaded_objects.clone()),
             Box::new(self.offloaded_bytes.clone()),
             Box::new(self.events_delayed.clone()),

@@ -44,6 +44,7 @@ pub const ALL: &[Migration] = &[
     m(13, "FIFO rows in the table keep their commit order", Part::Relay, include_str!("../0013_commit_order.sql")),
     m(14, "mapped tables known by their oid", Part::Relay, include_str!("../0014_sources.sql")),
     m(15, "replays", Part::Relay, include_str!("../0015_replays.sql")),
+    m(16, "replays from the archive", Part::Relay, include_str!("../0016_replay_archive.sql")),
 ];
 
 /// The migrations of one part, in order.
@@ -147,6 +148,7 @@ mod tests {
             (13, 0x64ef79bc3dbb5490),
             (14, 0xe2a8dac5ec1f6917),
             (15, 0x6bea7faba83aa09b),
+            (16, 0x45f97a92c8bda762),
         ];
         let now: Vec<(i32, u64)> = ALL.iter().map(|m| (m.version, fnv1a(m.sql))).collect();
         assert_eq!(now, frozen, "a migration's SQL changed: write a new migration instead");

@@ -206,6 +206,32 @@ pub const S3_MAX_BODY_BYTES: Key = key(
     Some("32MB"),
     "a body over this is DEAD (too_large) even through S3; counts in max_unsettled_bytes",
 );
+pub const ARCHIVE_BUCKET: Key = key(
+    "archive.bucket",
+    Kind::Text,
+    None,
+    "every published event is written to this bucket before it is settled, for `replay`; unset: no archive",
+);
+pub const ARCHIVE_KEY_PREFIX: Key =
+    key("archive.key_prefix", Kind::Text, Some("outbox-archive/"), "the archive's keys start with this");
+pub const ARCHIVE_WINDOW: Key = key(
+    "archive.window",
+    Kind::Duration { min: secs(1), max: secs(3_650 * DAY), off: true },
+    Some("7d"),
+    "segments older than this are deleted by the relay; \"off\" leaves it to a lifecycle rule",
+);
+pub const ARCHIVE_FLUSH_INTERVAL: Key = key(
+    "archive.flush_interval",
+    duration(ms(1), secs(60)),
+    Some("1s"),
+    "the stream's published events are archived together this long (settlement waits as long)",
+);
+pub const ARCHIVE_SEGMENT_BYTES: Key = key(
+    "archive.segment_bytes",
+    Kind::Size { min: 1 << 20, max: 1 << 30 },
+    Some("8MB"),
+    "a destination's segment is written once its bodies reach this, before the interval ends",
+);
 
 /// Every key, in the order of the reference in docs/configuration.md.
 pub const KEYS: &[Key] = &[
@@ -246,6 +272,11 @@ pub const KEYS: &[Key] = &[
     S3_ENDPOINT_URL,
     S3_THRESHOLD,
     S3_MAX_BODY_BYTES,
+    ARCHIVE_BUCKET,
+    ARCHIVE_KEY_PREFIX,
+    ARCHIVE_WINDOW,
+    ARCHIVE_FLUSH_INTERVAL,
+    ARCHIVE_SEGMENT_BYTES,
 ];
 
 /// The key of that name.

@@ -120,7 +120,7 @@ impl FileConfig {
                         file.outbox.push(outbox::Written::from_toml(t, i + 1)?);
                     }
                 }
-                ("sqs" | "sns" | "s3", toml::Value::Table(t)) => {
+                ("sqs" | "sns" | "s3" | "archive", toml::Value::Table(t)) => {
                     for (inner, v) in t {
                         match (k.as_str(), inner.as_str(), v) {
                             ("s3", "buckets", toml::Value::Table(b)) => {
@@ -209,6 +209,9 @@ pub struct Config {
     pub destination_template: Option<AddressTemplate>,
     /// Bodies through S3; `None`: no bucket configured.
     pub s3: Option<S3Config>,
+    /// Every published event archived in S3 (`[archive]`); `None`: no
+    /// bucket configured.
+    pub archive: Option<ArchiveConfig>,
     /// How often a transactional logical message is written so the slot moves
     /// even when this database is quiet.
     pub heartbeat_interval: Duration,
@@ -392,6 +395,7 @@ impl Config {
         check_destinations(&file.destinations, config.destination_template.is_some())?;
         config.tune(&src)?;
         config.s3 = S3Config::resolve(&src, &file)?;
+        config.archive = ArchiveConfig::resolve(&src)?;
         config.mapped = outbox::resolve(&file.outbox, env)?;
         config.destinations = file.destinations;
         Ok(config)
@@ -522,6 +526,39 @@ impl S3Config {
             Some((b, p)) => Some((b, p)),
             None => self.bucket.as_deref().map(|b| (b, self.key_prefix.as_str())),
         }
+    }
+}
+
+/// The archive of what was published (`[archive]`): S3, on `s3.endpoint_url`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArchiveConfig {
+    pub bucket: String,
+    /// Prepended to every key.
+    pub key_prefix: String,
+    pub endpoint_url: Option<String>,
+    /// Segments older than this are deleted by the relay's sweep; `None`:
+    /// the relay deletes none (a lifecycle rule on the bucket does).
+    pub window: Option<Duration>,
+    /// How long the stream's settlements wait to be archived together.
+    pub flush_interval: Duration,
+    /// A destination's segment is written once its bodies reach this many
+    /// bytes, before the interval ends.
+    pub segment_bytes: usize,
+}
+
+impl ArchiveConfig {
+    /// `None` when `archive.bucket` is not set.
+    fn resolve(src: &Sources) -> Result<Option<ArchiveConfig>, ConfigError> {
+        let Some(bucket) = src.get(&keys::ARCHIVE_BUCKET).string()? else { return Ok(None) };
+        check_bucket("archive.bucket", &bucket)?;
+        Ok(Some(ArchiveConfig {
+            bucket,
+            key_prefix: src.get(&keys::ARCHIVE_KEY_PREFIX).string_or_empty(),
+            endpoint_url: src.get(&keys::S3_ENDPOINT_URL).string()?,
+            window: src.get(&keys::ARCHIVE_WINDOW).duration()?,
+            flush_interval: src.get(&keys::ARCHIVE_FLUSH_INTERVAL).required_duration()?,
+            segment_bytes: src.get(&keys::ARCHIVE_SEGMENT_BYTES).size()? as usize,
+        }))
     }
 }
 

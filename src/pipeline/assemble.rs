@@ -1,7 +1,8 @@
 //! The pipeline, assembled in one place from its [`Settings`]. Both sources
 //! use it:
 //! - the stream: the router in front of one lane per destination, every
-//!   lane's settlements to one settler ([`Streaming::start`]);
+//!   lane's settlements to one settler ([`Streaming::start`]), through the
+//!   archiver when there is an archive;
 //! - the table path: one claim's events routed, sent through a lane of
 //!   their own, their settlements marked in the claiming transaction
 //!   ([`publish_claim`]).
@@ -17,6 +18,7 @@ use crate::metrics::Metrics;
 use crate::publish::kind::Target;
 use crate::publish::Publisher;
 
+use super::archive::run_archiver;
 use super::intake::Intake;
 use super::lane::{run_lane, LaneConfig, LaneItem, Wiring};
 use super::owed::Owed;
@@ -47,7 +49,15 @@ impl Streaming {
         watermark: &Arc<Mutex<Watermark>>,
         confirm: &Arc<Notify>,
     ) -> Streaming {
-        let (settle_tx, settle_rx) = mpsc::unbounded_channel();
+        let (mut settle_tx, settle_rx) = mpsc::unbounded_channel();
+        if let Some(archive) = &parts.archive {
+            // Settlements go through the archiver first: nothing is settled
+            // before its event is archived. It ends when the lanes and the
+            // router are gone, and the settler after it.
+            let (tx, rx) = mpsc::unbounded_channel();
+            tokio::spawn(run_archiver(Arc::clone(archive), rx, settle_tx, Arc::clone(&parts.metrics)));
+            settle_tx = tx;
+        }
         let settler = tokio::spawn(run_settler(
             settler_client,
             settle_rx,
@@ -88,6 +98,10 @@ pub async fn publish_claim<C: GenericClient>(
         }
     }
     settled.extend(send_through_lane(settings, name, target, items, &parts.publisher, &parts.metrics).await);
+    if let Some(archive) = &parts.archive {
+        // Archived before the claim commits, or sent again later.
+        archive.keep(&mut settled, &parts.metrics).await;
+    }
     if !settled.is_empty() {
         // Claimed rows are locked FOR UPDATE: their column can be set, or
         // they stay unpublished and the next claim takes them.

@@ -1,6 +1,7 @@
 //! The stages both sources share: route → lane (batch, send, reconcile) →
 //! settle → watermark, within the unsettled budget.
 
+pub mod archive;
 pub mod assemble;
 pub mod batch;
 pub mod budget;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::metrics::Metrics;
 use crate::publish::Publisher;
 
+use super::archive::Archive;
 use super::budget::Budget;
 use super::destinations::Destinations;
 use super::settings::Settings;
@@ -25,6 +26,9 @@ pub struct Parts {
     pub destinations: Destinations,
     pub publisher: Arc<dyn Publisher>,
     pub metrics: Arc<Metrics>,
+    /// Where published events are written before they are settled (`None`:
+    /// no archive).
+    pub archive: Option<Arc<Archive>>,
 }
 
 impl Parts {
@@ -34,6 +38,11 @@ impl Parts {
         publisher: Arc<dyn Publisher>,
         metrics: Arc<Metrics>,
     ) -> Self {
-        Parts { budget: settings.memory.budget(), settings, destinations, publisher, metrics }
+        Parts { budget: settings.memory.budget(), settings, destinations, publisher, metrics, archive: None }
+    }
+
+    /// The same, archiving what it publishes in `archive`.
+    pub fn archiving(self, archive: Option<Arc<Archive>>) -> Self {
+        Parts { archive, ..self }
     }
 }

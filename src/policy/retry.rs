@@ -168,6 +168,17 @@ pub const IN_MEMORY_BASE: Duration = Duration::from_millis(200);
 /// ... doubling to this (a lane stalled longer spools to the table).
 pub const IN_MEMORY_CAP: Duration = Duration::from_secs(10);
 
+/// A table claim's archive segment is tried this many times before its
+/// events are deferred (sent again later) rather than settled unarchived.
+pub const ARCHIVE_CLAIM_TRIES: u32 = 3;
+
+/// The wait before the archive's next try after `failures` failed writes:
+/// the stream's archiver retries for as long as it takes (its events stay
+/// unsettled, the slot unconfirmed), from 200 ms doubling to 10 s.
+pub fn archive_backoff(failures: u32) -> Duration {
+    backoff(failures, IN_MEMORY_BASE, IN_MEMORY_CAP)
+}
+
 /// How long one object's write to S3 may take before it fails (and is
 /// retried like any failed send): half the lane's stall timeout (from 1 s to
 /// 20 s, the SDK's own attempt timeout) plus a second per 4 MiB of body, so a

@@ -45,6 +45,20 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Whether `bucket` exists and may be written (start-up).
     async fn check_bucket(&self, bucket: &str) -> Result<(), CallError>;
+
+    /// Up to `max` keys under `prefix` after `after` (none: from the
+    /// first), in order.
+    async fn list(&self, bucket: &str, prefix: &str, after: Option<&str>, max: usize)
+        -> Result<Vec<String>, CallError>;
+
+    /// The folders right under `prefix` (common prefixes at the next `/`).
+    async fn folders(&self, bucket: &str, prefix: &str) -> Result<Vec<String>, CallError>;
+
+    /// The object `bucket`/`key`.
+    async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, CallError>;
+
+    /// Delete these keys (at most 1,000).
+    async fn delete(&self, bucket: &str, keys: &[String]) -> Result<(), CallError>;
 }
 
 /// When a body goes through S3.
@@ -235,6 +249,83 @@ impl ObjectStore for S3Store {
         self.client.head_bucket().bucket(bucket).send().await.map_err(s3_error)?;
         Ok(())
     }
+
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<String>, CallError> {
+        let mut keys = Vec::new();
+        let mut token = None;
+        while keys.len() < max {
+            let page = (max - keys.len()).min(1_000) as i32;
+            let mut req = self.client.list_objects_v2().bucket(bucket).prefix(prefix).max_keys(page);
+            req = match (&token, after) {
+                (Some(t), _) => req.continuation_token(t),
+                (None, Some(a)) => req.start_after(a),
+                (None, None) => req,
+            };
+            let out = req.send().await.map_err(s3_error)?;
+            keys.extend(out.contents().iter().filter_map(|o| o.key().map(str::to_string)));
+            token = out.next_continuation_token().map(str::to_string);
+            if token.is_none() || out.contents().is_empty() {
+                break;
+            }
+        }
+        keys.truncate(max);
+        Ok(keys)
+    }
+
+    async fn folders(&self, bucket: &str, prefix: &str) -> Result<Vec<String>, CallError> {
+        let mut folders = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut req = self.client.list_objects_v2().bucket(bucket).prefix(prefix).delimiter("/");
+            if let Some(t) = &token {
+                req = req.continuation_token(t);
+            }
+            let out = req.send().await.map_err(s3_error)?;
+            folders.extend(out.common_prefixes().iter().filter_map(|p| p.prefix().map(str::to_string)));
+            token = out.next_continuation_token().map(str::to_string);
+            if token.is_none() {
+                return Ok(folders);
+            }
+        }
+    }
+
+    async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, CallError> {
+        let out = self.client.get_object().bucket(bucket).key(key).send().await.map_err(s3_error)?;
+        let body = out.body.collect().await.map_err(|e| CallError::transport(format!("S3 read of {key}: {e}")))?;
+        Ok(body.into_bytes())
+    }
+
+    async fn delete(&self, bucket: &str, keys: &[String]) -> Result<(), CallError> {
+        use aws_sdk_s3::types::{Delete, ObjectIdentifier};
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let objects = keys
+            .iter()
+            .map(|k| ObjectIdentifier::builder().key(k).build())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| CallError::transport(format!("S3 delete: {e}")))?;
+        let delete = Delete::builder()
+            .set_objects(Some(objects))
+            .quiet(true)
+            .build()
+            .map_err(|e| CallError::transport(format!("S3 delete: {e}")))?;
+        let out = self.client.delete_objects().bucket(bucket).delete(delete).send().await.map_err(s3_error)?;
+        match out.errors().first() {
+            Some(e) => Err(CallError {
+                code: format!("S3.{}", e.code().unwrap_or("delete")),
+                message: format!("{}: {}", e.key().unwrap_or("?"), e.message().unwrap_or("not deleted")),
+                sender_fault: false,
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Objects in memory, with an outage switch: for tests.
@@ -287,6 +378,49 @@ impl ObjectStore for MemoryStore {
     }
 
     async fn check_bucket(&self, _bucket: &str) -> Result<(), CallError> {
+        Ok(())
+    }
+
+    async fn list(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        after: Option<&str>,
+        max: usize,
+    ) -> Result<Vec<String>, CallError> {
+        let objects = self.objects.lock().unwrap();
+        Ok(objects
+            .keys()
+            .filter(|(b, k)| b == bucket && k.starts_with(prefix) && after.is_none_or(|a| k.as_str() > a))
+            .take(max)
+            .map(|(_, k)| k.clone())
+            .collect())
+    }
+
+    async fn folders(&self, bucket: &str, prefix: &str) -> Result<Vec<String>, CallError> {
+        let objects = self.objects.lock().unwrap();
+        let mut folders: Vec<String> = objects
+            .keys()
+            .filter(|(b, k)| b == bucket && k.starts_with(prefix))
+            .filter_map(|(_, k)| k[prefix.len()..].find('/').map(|i| k[..prefix.len() + i + 1].to_string()))
+            .collect();
+        folders.dedup();
+        Ok(folders)
+    }
+
+    async fn get(&self, bucket: &str, key: &str) -> Result<Bytes, CallError> {
+        MemoryStore::get(self, bucket, key).ok_or_else(|| CallError {
+            code: "S3.NoSuchKey".into(),
+            message: format!("no object {key}"),
+            sender_fault: false,
+        })
+    }
+
+    async fn delete(&self, bucket: &str, keys: &[String]) -> Result<(), CallError> {
+        let mut objects = self.objects.lock().unwrap();
+        for k in keys {
+            objects.remove(&(bucket.to_string(), k.clone()));
+        }
         Ok(())
     }
 }

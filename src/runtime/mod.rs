@@ -27,6 +27,7 @@ use crate::config::{Config, Mode};
 use crate::db::pool::Pool;
 use crate::db::{self, Db};
 use crate::metrics::Metrics;
+use crate::pipeline::archive::sweep::run_sweep;
 use crate::pipeline::assemble::Parts;
 use crate::pipeline::destinations::{Destination, Destinations, REREAD_EVERY};
 use crate::pipeline::lane::LaneState;
@@ -111,7 +112,7 @@ async fn serve_metrics(
 
 /// Once start-up is done: the settings, derived once; the pipeline's
 /// parts; and the tasks beside the sources (the monitor, the retention
-/// sweeper, the queue limits' rereads, the mapped tables' watch), returned
+/// sweeper, the archive's sweep, the queue limits' rereads, the mapped tables' watch), returned
 /// to be stopped with the relay.
 fn assemble(
     config: &Config,
@@ -121,20 +122,23 @@ fn assemble(
     metrics: &Arc<Metrics>,
     stop: &watch::Receiver<bool>,
 ) -> (Arc<Parts>, Vec<tokio::task::JoinHandle<()>>) {
-    let Started { mode, queues, retention, mapped, prepare, .. } = started;
+    let Started { mode, queues, retention, mapped, prepare, archive, .. } = started;
     let settings = Settings::of(config, mode, mapped);
     let template = config.destination_template.clone();
     let destinations = Destinations::new(queues, template, prepare, Arc::clone(&publisher), Arc::clone(metrics));
-    let parts = Arc::new(Parts::new(settings, destinations, publisher, Arc::clone(metrics)));
+    let parts = Arc::new(Parts::new(settings, destinations, publisher, Arc::clone(metrics)).archiving(archive.clone()));
     let watched = monitor::Watched::of(config, mode);
     let publication = (mode != Mode::Polling).then(|| parts.settings.slot.publication.clone());
     let mapped = parts.settings.mapped.clone();
-    let beside = vec![
+    let mut beside = vec![
         tokio::spawn(monitor(watched, db.clone(), Arc::clone(metrics), stop.clone())),
         tokio::spawn(sweep_retention(db.clone(), retention, Arc::clone(metrics), stop.clone())),
         tokio::spawn(reread_queue_limits(Arc::clone(&parts), stop.clone())),
         tokio::spawn(monitor::watch_mapped_tables(db.clone(), mapped, publication, Arc::clone(metrics), stop.clone())),
     ];
+    if let Some(archive) = archive {
+        beside.push(tokio::spawn(run_sweep(archive, Arc::clone(metrics), stop.clone())));
+    }
     (parts, beside)
 }
 

@@ -4,10 +4,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{Config, Mode, S3Config};
+use crate::config::{ArchiveConfig, Config, Mode, S3Config};
 use crate::db;
 use crate::mapping::Mapping;
 use crate::metrics::Metrics;
+use crate::pipeline::archive::Archive;
 use crate::pipeline::budget::Memory;
 use crate::pipeline::destinations::Prepare;
 use crate::pipeline::settings::{LaneSettings, OffloadSettings, SlotSettings};
@@ -31,6 +32,8 @@ pub(crate) struct Started {
     pub(crate) mapped: Vec<Mapping>,
     /// How a queue looked up later is prepared, as the configured ones were.
     pub(crate) prepare: Prepare,
+    /// Where published events are archived (`[archive]`).
+    pub(crate) archive: Option<Arc<Archive>>,
 }
 
 /// Why start-up did not finish.
@@ -71,13 +74,17 @@ pub(crate) async fn start_up_until_done(
         Some(s3) => Some(offload_store(config, s3).await?),
         None => None,
     };
+    let archive = match &config.archive {
+        Some(a) => Some(archive(config, a).await?),
+        None => None,
+    };
     loop {
         let attempt = tokio::select! {
             r = start_up(config, db, publisher, store.as_ref(), metrics) => r,
             _ = stop.wait_for(|s| *s) => return Ok(None),
         };
         match attempt {
-            Ok(started) => return Ok(Some(started)),
+            Ok(started) => return Ok(Some(Started { archive, ..started })),
             Err(NotStarted::Refused(e)) => return Err(e),
             Err(NotStarted::ServerWentAway(e)) => {
                 let wait = reconnect.failed();
@@ -131,7 +138,7 @@ async fn start_up(
         retention = None;
     }
     let mapped = settled_mappings(&config.mapped, mapped_columns);
-    Ok(Started { mode, sharded, queues, retention, mapped, prepare })
+    Ok(Started { mode, sharded, queues, retention, mapped, prepare, archive: None })
 }
 
 /// Every configured destination as its service describes it, prepared
@@ -190,6 +197,20 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
         tracing::info!(bucket, "S3 bucket ready for bodies over the threshold");
     }
     Ok(Arc::new(store))
+}
+
+/// The archive's client, once its bucket answered `HeadBucket`.
+async fn archive(config: &Config, a: &ArchiveConfig) -> Result<Arc<Archive>, RelayError> {
+    let role = config.sqs_assume_role_arn.as_deref();
+    let store = S3Store::new(&config.sqs_region, a.endpoint_url.as_deref(), role).await;
+    store.check_bucket(&a.bucket).await.map_err(|e| {
+        RelayError::Startup(format!(
+            "archive: bucket {:?} did not answer HeadBucket ({e}); create it or fix archive.bucket, s3.endpoint_url and the credentials (the relay needs s3:PutObject, s3:ListBucket and, with a window, s3:DeleteObject on it)",
+            a.bucket
+        ))
+    })?;
+    tracing::info!(bucket = %a.bucket, prefix = %a.key_prefix, window = ?a.window, "archiving every published event");
+    Ok(Arc::new(Archive::new(Arc::new(store), a.clone())))
 }
 
 /// How every queue is prepared for sending, configured or looked up on
