@@ -118,6 +118,13 @@ struct ReplayArgs {
     /// Send them to this destination instead of their own.
     #[arg(long)]
     to: Option<String>,
+    /// Events of this mapped table only (schema.table); read from the archive.
+    #[arg(long)]
+    table: Option<String>,
+    /// Read what was published from the table's kept rows or the archive
+    /// (default: the table with published_rows = "keep", else the archive).
+    #[arg(long, value_parser = ["table", "archive"])]
+    from: Option<String>,
     /// Say how many events and bytes would go, per destination; send nothing.
     #[arg(long)]
     dry_run: bool,
@@ -476,6 +483,8 @@ async fn replay_command(action: Option<ReplayAction>, args: ReplayArgs) -> anyho
                 until: args.until,
                 event_ids: args.event_ids,
                 to: args.to,
+                source: args.from.as_deref().and_then(ops::replay::Source::parse),
+                table: args.table,
             };
             let planned = ops::replay::plan(&client, &config, &mut selection).await?;
             if args.dry_run {
@@ -484,11 +493,11 @@ async fn replay_command(action: Option<ReplayAction>, args: ReplayArgs) -> anyho
             let id = ops::replay::start(&client, &selection, &planned).await?;
             eprint!("{}", ops::replay::format_plan(&planned));
             eprintln!("replay {id} started (interrupted, `outbox-relay replay resume {id}` goes on)");
-            copy_replay(&mut client, id, args.rate, args.json).await
+            copy_replay(&mut client, &config, id, args.rate, args.json).await
         }
         Some(ReplayAction::Resume { common, id, rate }) => {
-            let (_, _, mut client) = connected(&common).await?;
-            copy_replay(&mut client, id, rate, false).await
+            let (config, _, mut client) = connected(&common).await?;
+            copy_replay(&mut client, &config, id, rate, false).await
         }
         Some(ReplayAction::Cancel { common, id }) => {
             let (_, _, client) = connected(&common).await?;
@@ -507,6 +516,7 @@ async fn replay_command(action: Option<ReplayAction>, args: ReplayArgs) -> anyho
 /// Copy replay `id`'s rows, its progress on stderr at most once a second.
 async fn copy_replay(
     client: &mut tokio_postgres::Client,
+    config: &outbox_relay::Config,
     id: i64,
     rate: Option<u32>,
     json: bool,
@@ -518,7 +528,7 @@ async fn copy_replay(
             shown = std::time::Instant::now();
         }
     };
-    let r = ops::replay::run(client, id, rate, progress, || false).await?;
+    let r = ops::replay::run(client, config, id, rate, progress, || false).await?;
     print_answer(json, &r, |r| format!("{}\n", ops::replay::format_replay(r)))
 }
 

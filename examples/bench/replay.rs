@@ -70,7 +70,7 @@ async fn replay_drain(a: &Args, sqs: &AwsPublisher, n: usize, size: usize) -> Re
     let mut selection = Selection { destination: Some("d0".into()), ..Default::default() };
     let planned = replay::plan(&c, &cfg, &mut selection).await.unwrap();
     let id = replay::start(&c, &selection, &planned).await.unwrap();
-    let copied = replay::run(&mut c, id, None, |_| {}, || false).await.unwrap();
+    let copied = replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap();
     assert_eq!(copied.copied, n as i64, "every row copied");
     let copy_s = (now_us() as u64 - started_us) as f64 / 1e6;
     let wal = db.current_lsn().await - wal_before;

@@ -305,7 +305,7 @@ async fn an_older_schema_is_migrated_and_old_enqueue_calls_still_work() {
     let overloads = "SELECT count(*) FROM pg_proc WHERE proname = 'outbox_enqueue_job'";
     c.batch_execute("SELECT outbox_enqueue_job('old', '{\"n\": 1}', 'jobs')").await.unwrap();
     let applied = outbox_relay::db::schema::migrate(&mut c).await.unwrap();
-    assert_eq!(applied, vec![11, 12, 13, 14, 15]);
+    assert_eq!(applied, vec![11, 12, 13, 14, 15, 16]);
     assert_eq!(c.query_one(overloads, &[]).await.unwrap().get::<_, i64>(0), 1, "one outbox_enqueue_job");
     c.batch_execute(
         "SELECT outbox_enqueue_job('old', '{\"n\": 2}', 'jobs');

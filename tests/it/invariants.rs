@@ -1787,7 +1787,7 @@ mod workload {
             Err(e) => panic!("replay refused: {e}"),
         };
         let id = replay::start(c, &selection, &planned).await.ok()?;
-        let r = replay::run(c, id, None, |_| {}, || false).await.ok()?;
+        let r = replay::run(c, config, id, None, |_| {}, || false).await.ok()?;
         assert_eq!((r.copied, r.total), (r.total, planned.iter().map(|p| p.events).sum::<i64>()), "replay {id}");
         let copies =
             c.query("SELECT event_id, destination FROM outbox WHERE replay_of = $1 ORDER BY id", &[&id]).await.ok()?;

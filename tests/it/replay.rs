@@ -77,9 +77,9 @@ async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
     let batches = std::sync::atomic::AtomicUsize::new(0);
     let once = |_: &replay::Replay| _ = batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let r =
-        replay::run(&mut c, id, None, once, || batches.load(std::sync::atomic::Ordering::Relaxed) >= 1).await.unwrap();
+        replay::run(&mut c, &cfg, id, None, once, || batches.load(std::sync::atomic::Ordering::Relaxed) >= 1).await.unwrap();
     assert_eq!((r.state, r.copied), (ReplayState::Running, replay::COPY_BATCH));
-    let r = replay::run(&mut c, id, None, |_| {}, || false).await.unwrap();
+    let r = replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap();
     assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 2000, 2000));
     assert_eq!(db.count(&format!("replay_of = {id}")).await, 2000, "each event copied once");
     wait_for("the copies sent", Duration::from_secs(60), || async { p.sent(F).len() == 4000 }).await;
@@ -110,7 +110,7 @@ async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
     let planned = replay::plan(&c, &cfg, &mut to).await.unwrap();
     assert_eq!((planned[0].destination.as_str(), planned[0].events), ("audit", 1));
     let id2 = replay::start(&c, &to, &planned).await.unwrap();
-    assert_eq!(replay::run(&mut c, id2, Some(50), |_| {}, || false).await.unwrap().state, ReplayState::Done);
+    assert_eq!(replay::run(&mut c, &cfg, id2, Some(50), |_| {}, || false).await.unwrap().state, ReplayState::Done);
     wait_for("sent to audit", Duration::from_secs(30), || async { p.sent(S).len() == 11 }).await;
     let moved = p.sent(S).into_iter().find(|s| replay_of(s).is_some()).unwrap();
     assert_eq!(moved.body, originals[17].body);
@@ -172,7 +172,7 @@ async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
     let planned = replay::plan(&c, &cfg, &mut all).await.unwrap();
     let id = replay::start(&c, &all, &planned).await.unwrap();
     assert_eq!(replay::cancel(&c, id).await.unwrap().state, ReplayState::Cancelled);
-    assert_eq!(replay::run(&mut c, id, None, |_| {}, || false).await.unwrap().copied, 0);
+    assert_eq!(replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap().copied, 0);
     let e = refused(replay::cancel(&c, id).await.unwrap_err());
     assert!(e.contains("CANCELLED"), "{e}");
     let e = refused(replay::get(&c, 999_999).await.unwrap_err());

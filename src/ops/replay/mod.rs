@@ -14,6 +14,13 @@
 //! The copies are written in transactions that also move the replay's
 //! cursor (`outbox_replays`): a replay killed at any point resumes where
 //! its last transaction left it, and copies no event twice.
+//!
+//! What the table does not keep (`published_rows = "delete"`, transient
+//! rows, a mapped table's insert-and-delete) is read from the archive
+//! instead ([`archive`]), the same way: `--from archive`, or by default
+//! when the relay deletes what it publishes and an archive is enabled.
+
+pub mod archive;
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +47,42 @@ pub struct Selection {
     pub event_ids: Vec<String>,
     /// Send to this destination instead of each row's own.
     pub to: Option<String>,
+    /// Where the published events are read (fixed by [`plan`]).
+    #[serde(default)]
+    pub source: Option<Source>,
+    /// Events of this mapped table only (`schema.table`; the archive's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub table: Option<String>,
+}
+
+/// Where a replay reads what was published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// The rows the relay's table keeps (`published_rows = "keep"`).
+    Table,
+    /// The archive in S3 (`[archive]`).
+    Archive,
+}
+
+impl Source {
+    pub fn parse(s: &str) -> Option<Source> {
+        match s {
+            "table" => Some(Source::Table),
+            "archive" => Some(Source::Archive),
+            _ => None,
+        }
+    }
+
+    /// Where a selection that does not say reads: the table when it keeps
+    /// what is published, else the archive when there is one.
+    fn default_for(config: &Config) -> Source {
+        if config.published_rows == PublishedRows::Delete && config.archive.is_some() {
+            Source::Archive
+        } else {
+            Source::Table
+        }
+    }
 }
 
 /// What a replay would send, per destination it goes to.
@@ -71,15 +114,24 @@ fn published_literal() -> String {
     format!("'{}'", RowStatus::Published.as_str())
 }
 
-/// Check a selection against what the database keeps and the
-/// configuration, and say what it would send, per destination. The
-/// selection's `until` is fixed here (now, when not given).
+/// Check a selection against what the database (or the archive) keeps and
+/// the configuration, and say what it would send, per destination. The
+/// selection's `until` and `source` are fixed here (now, and the default
+/// source, when not given).
 pub async fn plan(client: &Client, config: &Config, selection: &mut Selection) -> Result<Vec<Planned>, OpsError> {
-    if config.published_rows == PublishedRows::Delete {
+    let source = *selection.source.get_or_insert(Source::default_for(config));
+    if source == Source::Table && config.published_rows == PublishedRows::Delete {
         return Err(OpsError::Refused(
-            "nothing published is kept: published_rows = \"delete\" deletes each row once it is sent. Set \
-             published_rows = \"keep\" (with a retention) to keep what is published for replays; the rows \
-             published before that cannot be sent again"
+            "nothing published is kept in the table: published_rows = \"delete\" deletes each row once it is sent. \
+             Enable the archive ([archive] bucket = \"...\"), or set published_rows = \"keep\" (with a retention), \
+             to keep what is published for replays; what was published before that cannot be sent again"
+                .into(),
+        ));
+    }
+    if source == Source::Table && selection.table.is_some() {
+        return Err(OpsError::Refused(
+            "--table selects a mapped table's events, which the archive keeps: replay --from archive (with \
+             [archive] enabled)"
                 .into(),
         ));
     }
@@ -88,6 +140,32 @@ pub async fn plan(client: &Client, config: &Config, selection: &mut Selection) -
     }
     let now: String = client.query_one("SELECT now()::text", &[]).await?.get(0);
     selection.until.get_or_insert(now);
+    let planned = match source {
+        Source::Table => plan_table(client, selection).await?,
+        Source::Archive => {
+            let archive = archive::open(config).await?;
+            let bounds = archive::Bounds::of(client, selection).await?;
+            let planned = archive::plan(&archive, selection, bounds).await?;
+            if planned.is_empty() {
+                return Err(OpsError::Refused(archive::nothing_selected(&archive, selection).await?));
+            }
+            planned
+        }
+    };
+    if let Some(to) = &selection.to {
+        let without: i64 = planned.iter().map(|p| p.without_group).sum();
+        if fifo(config, to) && without > 0 {
+            return Err(OpsError::Refused(format!(
+                "--to {to}: a FIFO queue needs a group for every message, and {without} of the selected events have \
+                 no group key; replay them to a standard queue, or select only events with a group key"
+            )));
+        }
+    }
+    Ok(planned)
+}
+
+/// What a selection takes of the table's kept rows, per destination.
+async fn plan_table(client: &Client, selection: &Selection) -> Result<Vec<Planned>, OpsError> {
     let json = serde_json::to_string(selection).expect("a selection is JSON");
     let sql = format!(
         "SELECT coalesce($2, o.destination), count(*), coalesce(sum(octet_length(o.body)), 0)::bigint,
@@ -103,20 +181,11 @@ pub async fn plan(client: &Client, config: &Config, selection: &mut Selection) -
     if planned.is_empty() {
         return Err(OpsError::Refused(nothing_selected(client, selection).await?));
     }
-    if let Some(to) = &selection.to {
-        let without: i64 = planned.iter().map(|p| p.without_group).sum();
-        if fifo(config, to) && without > 0 {
-            return Err(OpsError::Refused(format!(
-                "--to {to}: a FIFO queue needs a group for every message, and {without} of the selected events have \
-                 no group key; replay them to a standard queue, or select only events with a group key"
-            )));
-        }
-    }
     Ok(planned)
 }
 
 /// A time PostgreSQL cannot read is the operator's to fix.
-fn bad_time(e: tokio_postgres::Error) -> OpsError {
+pub(crate) fn bad_time(e: tokio_postgres::Error) -> OpsError {
     match e.code() {
         Some(c) if c.code().starts_with("22") => OpsError::Refused(format!(
             "--since/--until: {} (give an ISO time: 2026-12-07 10:00:00+00)",
@@ -241,6 +310,7 @@ pub const COPY_BATCH: i64 = 500;
 /// as it stands.
 pub async fn run(
     client: &mut Client,
+    config: &Config,
     id: i64,
     rate: Option<u32>,
     mut progress: impl FnMut(&Replay),
@@ -249,16 +319,23 @@ pub async fn run(
     let started = Instant::now();
     let mut copied_now = 0i64;
     let mut replay = get(client, id).await?;
+    let mut reading = match replay.selection.source {
+        Some(Source::Archive) => Some((archive::open(config).await?, archive::Reading::default())),
+        _ => None,
+    };
     loop {
         if replay.state != ReplayState::Running || stop() {
             return Ok(replay);
         }
         let batch = rate.map_or(COPY_BATCH, |r| COPY_BATCH.min(i64::from(r.max(1))));
-        let n = copy_batch(client, id, batch).await?;
+        let (n, more) = match &mut reading {
+            None => copy_batch(client, id, batch).await.map(|n| (n, n > 0))?,
+            Some((a, r)) => archive::copy_batch(client, a, r, id, batch).await?,
+        };
         copied_now += n;
         replay = get(client, id).await?;
         progress(&replay);
-        if n == 0 {
+        if !more {
             let done = client
                 .execute(
                     "UPDATE outbox_replays SET state = 'DONE', updated_at = now() WHERE id = $1 AND state = 'RUNNING'",
@@ -435,8 +512,14 @@ pub fn format_replay(r: &Replay) -> String {
     if !s.event_ids.is_empty() {
         what.push(format!("{} event ids", s.event_ids.len()));
     }
+    if let Some(t) = &s.table {
+        what.push(format!("table {t}"));
+    }
     if let Some(t) = &s.to {
         what.push(format!("to {t}"));
+    }
+    if s.source == Some(Source::Archive) {
+        what.push("from the archive".into());
     }
     format!(
         "replay {} {}: {}/{} events copied ({}/{} bytes), started {}, {}",
