@@ -95,7 +95,7 @@ enum Command {
         #[command(subcommand)]
         action: Option<ReplayAction>,
         #[command(flatten)]
-        args: ReplayArgs,
+        args: Box<ReplayArgs>,
     },
 }
 
@@ -413,7 +413,7 @@ async fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Slot { action } => slot_command(action).await,
         Command::Dead { action } => dead_command(action).await,
-        Command::Replay { action, args } => replay_command(action, args).await,
+        Command::Replay { action, args } => replay_command(action, *args).await,
     }
 }
 

@@ -450,7 +450,12 @@ async fn a_write_back_whose_new_id_is_taken_is_written_past_it() {
             .enumerate()
     {
         let mut ev = (*read(0, &format!("public.t:{i}"), 1)).clone();
-        let row = outbox_relay::event::MappedRow { table: std::sync::Arc::from("public.mapped"), key: i.to_string(), published: None, unreadable: None };
+        let row = outbox_relay::event::MappedRow {
+            table: std::sync::Arc::from("public.mapped"),
+            key: i.to_string(),
+            published: None,
+            unreadable: None,
+        };
         ev.origin = Origin::Mapped { row, commit: ev.commit().copied() };
         batch.push(Settlement::new(Arc::new(ev), None, Arc::from("orders"), outcome));
     }

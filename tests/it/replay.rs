@@ -1,11 +1,14 @@
-//! `outbox-relay replay`: published events sent again, from the rows kept.
+//! `outbox-relay replay`: published events sent again, from the rows kept
+//! or from the archive.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_relay::config::PublishedRows;
+use outbox_relay::config::{ArchiveConfig, PublishedRows};
+use outbox_relay::mapping::{Mapping, Preset};
 use outbox_relay::ops::replay::{self, ReplayState, Selection};
+use outbox_relay::pipeline::archive::{decode, sweep::sweep_once};
 use outbox_relay::publish::entry::REPLAY_ATTRIBUTE;
 use outbox_relay::publish::memory::{MemoryPublisher, Sent};
 use testkit::*;
@@ -76,8 +79,9 @@ async fn a_purged_queues_events_are_sent_again_once_in_order_and_marked() {
     assert_eq!((shown.replays.len(), shown.replays[0].total), (1, 2000), "status shows a replay running");
     let batches = std::sync::atomic::AtomicUsize::new(0);
     let once = |_: &replay::Replay| _ = batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let r =
-        replay::run(&mut c, &cfg, id, None, once, || batches.load(std::sync::atomic::Ordering::Relaxed) >= 1).await.unwrap();
+    let r = replay::run(&mut c, &cfg, id, None, once, || batches.load(std::sync::atomic::Ordering::Relaxed) >= 1)
+        .await
+        .unwrap();
     assert_eq!((r.state, r.copied), (ReplayState::Running, replay::COPY_BATCH));
     let r = replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap();
     assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 2000, 2000));
@@ -130,7 +134,13 @@ async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
     let mut deleting = cfg.clone();
     deleting.published_rows = PublishedRows::Delete;
     let e = refused(replay::plan(&c, &deleting, &mut Selection::default()).await.unwrap_err());
-    assert!(e.contains("published_rows") && e.contains("keep"), "{e}");
+    assert!(e.contains("published_rows") && e.contains("keep") && e.contains("[archive]"), "{e}");
+    let mut from_archive = Selection { source: Some(replay::Source::Archive), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut from_archive).await.unwrap_err());
+    assert!(e.contains("no archive is enabled") && e.contains("[archive] bucket"), "{e}");
+    let mut one_table = Selection { table: Some("app.outboxevent".into()), ..Default::default() };
+    let e = refused(replay::plan(&c, &cfg, &mut one_table).await.unwrap_err());
+    assert!(e.contains("--table") && e.contains("--from archive"), "{e}");
 
     let mut unknown = Selection { destination: Some("nowhere".into()), ..Default::default() };
     let e = refused(replay::plan(&c, &cfg, &mut unknown).await.unwrap_err());
@@ -177,5 +187,132 @@ async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
     assert!(e.contains("CANCELLED"), "{e}");
     let e = refused(replay::get(&c, 999_999).await.unwrap_err());
     assert!(e.contains("replay list"), "{e}");
+    relay.stop().await;
+}
+
+const O: &str = "http://memory.invalid/r1/Order";
+
+/// With `published_rows = "delete"`, rows deleted by their own transaction
+/// and a Debezium table's insert-and-delete, the tables keep nothing; the
+/// archive (ministack's S3) has every event settled, and a replay from it
+/// sends each once more, marked and in its group's order, resuming where
+/// it was interrupted; `--table` takes one mapped table's; the window's
+/// sweep deletes what is older, and a replay then says what is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_archive_replays_what_the_tables_deleted() {
+    let db = TestDb::new("replay_arch").await;
+    crate::mapped::debezium_table(&db).await;
+    let p = MemoryPublisher::new();
+    for (url, fifo) in [(F, true), (S, false), (O, false)] {
+        p.add_queue(url, fifo, 262_144);
+    }
+    let bucket = testkit::create_bucket("archive").await;
+    let mut cfg = config(&db, &[("orders.fifo", F), ("audit", S), ("Order", O)]);
+    cfg.mapped = vec![Mapping::preset(Preset::Debezium, "app", "outboxevent")];
+    cfg.archive = Some(ArchiveConfig {
+        bucket: bucket.clone(),
+        key_prefix: "it/".into(),
+        endpoint_url: Some(stack().sqs_url.clone()),
+        window: None,
+        flush_interval: Duration::from_millis(50),
+        segment_bytes: 1 << 20,
+    });
+    let relay = start(cfg.clone(), Arc::new(p.clone()));
+    wait_for("slot created", Duration::from_secs(30), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let mut c = db.client().await;
+    let before: String = c.query_one("SELECT now()::text", &[]).await.unwrap().get(0);
+    for t in 0..3 {
+        insert_rows(&c, &format!("t{t}"), "orders.fifo", 300, Some(7)).await;
+    }
+    c.batch_execute(
+        "BEGIN;
+         INSERT INTO outbox (event_id, destination, body) SELECT 'tr' || i, 'audit', 'tr' || i FROM generate_series(1, 10) i;
+         DELETE FROM outbox WHERE event_id LIKE 'tr%';
+         COMMIT;
+         DO $$ DECLARE eid uuid; BEGIN FOR i IN 1..5 LOOP
+             eid := gen_random_uuid();
+             INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
+             VALUES (eid, 'Order', 'agg' || i, 'OrderShipped', jsonb_build_object('shipped', i));
+             DELETE FROM app.outboxevent WHERE id = eid;
+         END LOOP; END $$;",
+    )
+    .await
+    .unwrap();
+    wait_for("every event published", Duration::from_secs(60), || async {
+        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (900, 10, 5)
+    })
+    .await;
+    wait_for("every row settled, deleted", Duration::from_secs(60), || async { db.count("true").await == 0 }).await;
+    let originals = p.sent(F);
+
+    // Every settled event is in the archive.
+    let archive = replay::archive::open(&cfg).await.unwrap();
+    let keys = archive.store.list(&bucket, "it/", None, 10_000).await.unwrap();
+    let mut archived = std::collections::HashSet::new();
+    for k in &keys {
+        for l in decode(&archive.store.get(&bucket, k).await.unwrap()).unwrap() {
+            archived.insert(l.event_id);
+        }
+    }
+    let sent = [p.sent(F), p.sent(S), p.sent(O)].concat();
+    assert!(sent.iter().all(|s| archived.contains(&s.event_id)), "an event settled but not archived");
+
+    // The archive is where a replay reads when the table keeps nothing.
+    let mut sel = Selection { since: Some(before.clone()), ..Default::default() };
+    let planned = replay::plan(&c, &cfg, &mut sel).await.unwrap();
+    let counts: Vec<(&str, i64)> = planned.iter().map(|p| (p.destination.as_str(), p.events)).collect();
+    assert_eq!(counts, [("Order", 5), ("audit", 10), ("orders.fifo", 900)]);
+    assert_eq!(sel.source, Some(replay::Source::Archive));
+    let id = replay::start(&c, &sel, &planned).await.unwrap();
+    let batches = std::sync::atomic::AtomicUsize::new(0);
+    let once = |_: &replay::Replay| _ = batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let stop = || batches.load(std::sync::atomic::Ordering::Relaxed) >= 2;
+    let r = replay::run(&mut c, &cfg, id, Some(400), once, stop).await.unwrap();
+    assert_eq!(r.state, ReplayState::Running, "interrupted");
+    assert!(r.copied > 0 && r.copied < 915, "{r:?}");
+    let r = replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap();
+    assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 915, 915));
+    wait_for("the copies sent", Duration::from_secs(60), || async {
+        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (1800, 20, 10)
+    })
+    .await;
+    let again = p.sent(F);
+    assert_eq!(
+        by_group(&again, |s| replay_of(s).is_some()),
+        by_group(&originals, |_| true),
+        "each group again in its commit order"
+    );
+    let all = [again, p.sent(S), p.sent(O)].concat();
+    let copies: Vec<&Sent> = all.iter().filter(|s| replay_of(s) == Some(id.to_string())).collect();
+    assert_eq!(copies.len(), 915, "every event once more, each marked");
+    let mut ids: Vec<&str> = copies.iter().map(|s| s.event_id.as_str()).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 915, "none twice");
+
+    // One mapped table's events; from the command line as JSON.
+    let mut one = Selection { table: Some("app.outboxevent".into()), since: Some(before), ..Default::default() };
+    let planned = replay::plan(&c, &cfg, &mut one).await.unwrap();
+    assert_eq!(planned.iter().map(|p| (p.destination.as_str(), p.events)).collect::<Vec<_>>(), [("Order", 5)]);
+    let env = [
+        ("OUTBOX_RELAY_DATABASE_URL", db.url.as_str()),
+        ("OUTBOX_RELAY_SLOT", db.slot.as_str()),
+        ("OUTBOX_RELAY_DESTINATIONS_AUDIT", S),
+        ("OUTBOX_RELAY_ARCHIVE_BUCKET", bucket.as_str()),
+        ("OUTBOX_RELAY_ARCHIVE_KEY_PREFIX", "it/"),
+        ("OUTBOX_RELAY_S3_ENDPOINT_URL", stack().sqs_url.as_str()),
+    ];
+    let args = ["replay", "--destination", "audit", "--dry-run", "--json"];
+    let (ok, out, err) = crate::table_path::cli(&args, &env);
+    assert!(ok, "{err}");
+    let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(shown[0]["events"].as_i64(), Some(10), "{out}");
+
+    // Past its window, the archive holds nothing, and says so.
+    let deleted = sweep_once(&archive, outbox_relay::clock::now_unix_us() + 1).await.unwrap();
+    assert_eq!(deleted, archive.store.list(&bucket, "it/", None, 10_000).await.unwrap().len() + deleted);
+    assert!(deleted >= keys.len(), "{deleted} of {}", keys.len());
+    let e = replay::plan(&c, &cfg, &mut Selection::default()).await.unwrap_err().to_string();
+    assert!(e.contains("the archive holds nothing"), "{e}");
     relay.stop().await;
 }

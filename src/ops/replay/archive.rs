@@ -30,7 +30,8 @@ pub async fn open(config: &Config) -> Result<Archive, OpsError> {
                 .into(),
         ));
     };
-    let store = S3Store::new(&config.sqs_region, a.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
+    let store =
+        S3Store::new(&config.sqs_region, a.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
     Ok(Archive::new(Arc::new(store), a.clone()))
 }
 
@@ -50,8 +51,8 @@ impl Bounds {
     pub async fn of(client: &impl GenericClient, selection: &Selection) -> Result<Bounds, OpsError> {
         let r = client
             .query_one(
-                "SELECT (extract(epoch FROM $1::timestamptz) * 1000000)::bigint,
-                        (extract(epoch FROM $2::timestamptz) * 1000000)::bigint",
+                "SELECT (extract(epoch FROM $1::text::timestamptz) * 1000000)::bigint,
+                        (extract(epoch FROM $2::text::timestamptz) * 1000000)::bigint",
                 &[&selection.since, &selection.until],
             )
             .await
@@ -126,7 +127,8 @@ pub async fn plan(archive: &Archive, selection: &Selection, bounds: Bounds) -> R
                     continue;
                 }
                 let to = selection.to.clone().unwrap_or(line.destination);
-                let p = by.entry(to.clone()).or_insert(Planned { destination: to, events: 0, bytes: 0, without_group: 0 });
+                let p =
+                    by.entry(to.clone()).or_insert(Planned { destination: to, events: 0, bytes: 0, without_group: 0 });
                 p.events += 1;
                 p.bytes += line.body.len() as i64;
                 p.without_group += i64::from(line.group_key.is_none());
@@ -147,7 +149,9 @@ pub async fn nothing_selected(archive: &Archive, selection: &Selection) -> Resul
         Some(us) => format!(
             "no archived event matches: the archive{of} holds events published since {} (archive.window = {window} \
              deletes older ones)",
-            humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_micros(us.max(0) as u64))
+            humantime::format_rfc3339_seconds(
+                std::time::UNIX_EPOCH + std::time::Duration::from_micros(us.max(0) as u64)
+            )
         ),
         None => format!(
             "the archive{of} holds nothing: no event was published since [archive] was set, or archive.window = \

@@ -70,13 +70,13 @@ impl Archive {
         by.into_iter()
             .map(|(destination, lines)| {
                 let n = self.written.fetch_add(1, Ordering::Relaxed);
-                let key = segment::key(
-                    &self.settings.key_prefix,
-                    destination,
-                    now,
-                    &format!("{}-{n:06}", self.writer),
-                );
-                Segment { destination: Arc::clone(destination), key, body: segment::encode(&lines), events: lines.len() }
+                let key = segment::key(&self.settings.key_prefix, destination, now, &format!("{}-{n:06}", self.writer));
+                Segment {
+                    destination: Arc::clone(destination),
+                    key,
+                    body: segment::encode(&lines),
+                    events: lines.len(),
+                }
             })
             .collect()
     }
