@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use outbox_relay::config::PublishedRows;
+use outbox_relay::config::{ArchiveConfig, PublishedRows};
 use outbox_relay::event::{Commit, Origin, OutboxEvent};
 use outbox_relay::pipeline::settle::{mark, Due, Marking, Outcome, Settlement};
 use outbox_relay::policy::dead::{DeadCode, DeadReason};
@@ -903,7 +903,7 @@ mod workload {
         }
     }
 
-    async fn relays(db: &TestDb, sharded: bool, keep: bool) -> Relays {
+    async fn relays(db: &TestDb, sharded: bool, keep: bool, archive: Option<&ArchiveConfig>) -> Relays {
         let all: Vec<(&str, &str)> = QUEUES.iter().map(|(d, q, _)| (*d, *q)).collect();
         let mut configs = Vec::new();
         let groups: Vec<Vec<(&str, &str)>> =
@@ -925,6 +925,7 @@ mod workload {
             if keep {
                 cfg.published_rows = PublishedRows::Keep;
             }
+            cfg.archive = archive.cloned();
             if !sharded {
                 // Debezium's table beside the relay's own ([`produce_debezium`]).
                 use outbox_relay::mapping::{Mapping, Preset};
@@ -1688,9 +1689,15 @@ mod workload {
             before_slot =
                 produce_topic_payload(&mut c, &mut rng, &format!("s{seed}pre"), &["a", "b"], false).await.unwrap();
         }
-        // Published rows kept (replays in the mix) on some unsharded seeds.
+        // Published rows kept (replays in the mix) on some unsharded seeds;
+        // every published event archived in S3 (replays from it in the
+        // mix) on some others, sharded ones included.
         let keep = seed % 4 == 1;
-        let mut relays = started_relays(&db, sharded, keep, &p).await;
+        let archive = match seed % 4 {
+            3 => Some(archive_config(&create_bucket("inv").await, &stack().sqs_url, &mut rng)),
+            _ => None,
+        };
+        let mut relays = started_relays(&db, sharded, keep, archive.as_ref(), &p).await;
         // Shards see only their destinations: an unknown one would wait for
         // a relay that serves it, so only the single relay gets those.
         let mut dests = vec!["a", "b", "f", "s", "sf", "e"];
@@ -1757,6 +1764,10 @@ mod workload {
         tally.moved = moved.len();
         tally.delayed = committed.iter().filter(|r| r.3.is_some()).count();
         slots_confirmed(&db, relays.configs.iter().map(|c| c.slot.as_str()), seed).await;
+        if let Some(a) = &archive {
+            let sent = QUEUES.iter().flat_map(|(_, q, _)| p.sent(q)).map(|s| s.event_id);
+            every_sent_archived(a, sent.collect(), seed).await;
+        }
         for r in relays.running.iter_mut().filter_map(Option::take) {
             r.stop().await;
         }
@@ -1788,15 +1799,82 @@ mod workload {
         let mut selection = replay::Selection { destination, since: Some(since), ..Default::default() };
         let planned = match replay::plan(c, config, &mut selection).await {
             Ok(p) => p,
-            Err(outbox_relay::ops::OpsError::Refused(why)) if why.contains("no published event") => return None,
+            Err(outbox_relay::ops::OpsError::Refused(why))
+                if ["no published event", "no archived event", "holds nothing"].iter().any(|w| why.contains(w)) =>
+            {
+                return None
+            }
             Err(e) => panic!("replay refused: {e}"),
         };
         let id = replay::start(c, &selection, &planned).await.ok()?;
         let r = replay::run(c, config, id, None, |_| {}, || false).await.ok()?;
         assert_eq!((r.copied, r.total), (r.total, planned.iter().map(|p| p.events).sum::<i64>()), "replay {id}");
+        if selection.source == Some(replay::Source::Archive) {
+            // The copies are deleted once sent: what the replay selected is
+            // read from the archive, in the order it copied it.
+            return Some(archived_copies(config, &selection, id).await);
+        }
         let copies =
             c.query("SELECT event_id, destination FROM outbox WHERE replay_of = $1 ORDER BY id", &[&id]).await.ok()?;
         Some(copies.iter().map(|r| (r.get(0), r.get(1), false, None)).collect())
+    }
+
+    /// An archive of the randomized workload: its flush interval drawn.
+    fn archive_config(bucket: &str, endpoint: &str, rng: &mut StdRng) -> ArchiveConfig {
+        ArchiveConfig {
+            bucket: bucket.to_string(),
+            key_prefix: "inv/".into(),
+            endpoint_url: Some(endpoint.to_string()),
+            window: None,
+            flush_interval: Duration::from_millis(rng.random_range(5..300)),
+            segment_bytes: 1 << 20,
+        }
+    }
+
+    /// Every line of the archive, in key order.
+    async fn archived_lines(a: &ArchiveConfig) -> Vec<outbox_relay::pipeline::archive::Line> {
+        use outbox_relay::publish::offload::{ObjectStore, S3Store};
+        let store = S3Store::new("us-east-1", a.endpoint_url.as_deref(), None).await;
+        let mut lines = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let keys = store.list(&a.bucket, &a.key_prefix, after.as_deref(), 1_000).await.unwrap();
+            let Some(last) = keys.last().cloned() else { return lines };
+            for k in &keys {
+                lines.extend(outbox_relay::pipeline::archive::decode(&store.get(&a.bucket, k).await.unwrap()).unwrap());
+            }
+            after = Some(last);
+        }
+    }
+
+    /// The copies replay `id` of `selection` wrote, from the archive: its
+    /// selected lines in key order, each once.
+    async fn archived_copies(
+        config: &outbox_relay::config::Config,
+        selection: &outbox_relay::ops::replay::Selection,
+        id: i64,
+    ) -> Vec<Row> {
+        use outbox_relay::ops::replay::archive::{selects, Bounds};
+        let c = outbox_relay::db::connect(&config.database_url).await.unwrap();
+        let bounds = Bounds::of(&c, selection).await.unwrap();
+        let mut seen = HashSet::new();
+        let lines = archived_lines(config.archive.as_ref().unwrap()).await;
+        lines
+            .into_iter()
+            .filter(|l| selects(selection, bounds, l) && seen.insert(l.event_id.clone()))
+            .map(|l| {
+                let to = selection.to.clone().unwrap_or(l.destination);
+                (format!("{}/replay-{id}", l.event_id), to, false, None)
+            })
+            .collect()
+    }
+
+    /// Every event sent is in the archive once every slot is confirmed: no
+    /// event was settled before it was archived.
+    async fn every_sent_archived(a: &ArchiveConfig, sent: HashSet<String>, seed: u64) {
+        let archived: HashSet<String> = archived_lines(a).await.into_iter().map(|l| l.event_id).collect();
+        let missing: Vec<&String> = sent.iter().filter(|b| !archived.contains(*b)).take(5).collect();
+        assert!(missing.is_empty(), "seed {seed}: sent and settled, not archived, e.g. {missing:?}");
     }
 
     /// Every replayed message sent is a copy a replay wrote: no event
@@ -1812,8 +1890,14 @@ mod workload {
 
     /// The relays of [`run`], started, each once its slot exists: transient
     /// rows committed before a slot exists are seen by nothing.
-    async fn started_relays(db: &TestDb, sharded: bool, keep: bool, p: &MemoryPublisher) -> Relays {
-        let mut relays = relays(db, sharded, keep).await;
+    async fn started_relays(
+        db: &TestDb,
+        sharded: bool,
+        keep: bool,
+        archive: Option<&ArchiveConfig>,
+        p: &MemoryPublisher,
+    ) -> Relays {
+        let mut relays = relays(db, sharded, keep, archive).await;
         for i in 0..relays.configs.len() {
             relays.start(i, p);
         }
@@ -1924,7 +2008,7 @@ mod workload {
                         None => tally.failed_txns += 1,
                     }
                 }
-                12 if relays.configs[0].published_rows == PublishedRows::Keep => {
+                12 if relays.configs[0].published_rows == PublishedRows::Keep || relays.configs[0].archive.is_some() => {
                     if let Some(rows) = replay_some(c, rng, &relays.configs[0], dests).await {
                         tally.replayed += rows.len();
                         return Some(rows);
