@@ -1694,7 +1694,7 @@ mod workload {
         // mix) on some others, sharded ones included.
         let keep = seed % 4 == 1;
         let archive = match seed % 4 {
-            3 => Some(archive_config(&create_bucket("inv").await, &stack().sqs_url, &mut rng)),
+            2 | 3 => Some(archive_config(&create_bucket("inv").await, &stack().sqs_url, &mut rng)),
             _ => None,
         };
         let mut relays = started_relays(&db, sharded, keep, archive.as_ref(), &p).await;
@@ -1790,7 +1790,13 @@ mod workload {
         dests: &[&str],
     ) -> Option<Vec<Row>> {
         use outbox_relay::ops::replay;
-        let destination = rng.random_bool(0.7).then(|| dests[rng.random_range(0..dests.len())].to_string());
+        // One this relay knows (a shard's own), or every one.
+        let known: Vec<&str> = dests
+            .iter()
+            .copied()
+            .filter(|d| config.destinations.contains_key(*d) || config.destination_template.is_some())
+            .collect();
+        let destination = rng.random_bool(0.7).then(|| known[rng.random_range(0..known.len())].to_string());
         let since: String = c
             .query_one("SELECT (now() - make_interval(secs => $1))::text", &[&rng.random_range(0.5..5.0f64)])
             .await
