@@ -5,6 +5,12 @@
 //! selection takes copied into the outbox as the table's rows are. The
 //! cursor is the segment's key and the lines of it examined, moved in the
 //! transaction that wrote their copies.
+//!
+//! A line's time is taken when its segment is made, before it is written:
+//! a segment being written when the plan lists the archive (its events
+//! published within the last flush before `until`) is not counted, and is
+//! copied if the copying finds it, so `copied` can pass `total` by those.
+//! An `until` a few seconds back leaves no such segment.
 
 use std::collections::HashSet;
 use std::sync::Arc;
