@@ -316,3 +316,87 @@ async fn the_archive_replays_what_the_tables_deleted() {
     assert!(e.contains("the archive holds nothing"), "{e}");
     relay.stop().await;
 }
+
+/// End to end on ministack, the relay and the command as processes: 2,000
+/// events to a FIFO queue through a relay that deletes what it publishes
+/// and archives it, the queue purged, then replayed by time range from the
+/// archive: the command killed (SIGKILL) mid-way, the relay killed and
+/// started again, the replay resumed. Every event arrives once more, each
+/// group in its commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_survives_kill_9_of_the_command_and_the_relay() {
+    use testkit::process::{RelayConfig, RelayProcess};
+    // 2,000 here; ministack's FIFO queues take about 370 messages a second
+    // and give fewer back, so 20,000 is a manual run:
+    // OUTBOX_RELAY_REPLAY_KILL_EVENTS=20000.
+    let n: usize = std::env::var("OUTBOX_RELAY_REPLAY_KILL_EVENTS").ok().and_then(|v| v.parse().ok()).unwrap_or(2_000);
+    let db = TestDb::new("replay_kill").await;
+    let sqs = sqs().await;
+    let q = create_queue(&sqs, "replaykill", true, None).await;
+    let bucket = testkit::create_bucket("replaykill").await;
+    let extra = format!(
+        "[archive]\nbucket = \"{bucket}\"\nflush_interval = \"100ms\"\n[s3]\nendpoint_url = \"{}\"",
+        stack().sqs_url
+    );
+    let config = RelayConfig::new(&db, "cdc", &[("orders", &q)], &extra);
+    let mut relay = config.spawn();
+    wait_for("slot created", Duration::from_secs(60), || async { db.confirmed_flush_lsn().await > 0 }).await;
+    let c = db.client().await;
+    let before: String = c.query_one("SELECT now()::text", &[]).await.unwrap().get(0);
+    let started = std::time::Instant::now();
+    for t in 0..4 {
+        insert_rows(&c, &format!("k{t}"), "orders", n / 4, Some(10)).await;
+    }
+    wait_for("every event published and deleted", Duration::from_secs(180), || async { db.count("true").await == 0 })
+        .await;
+    eprintln!("replay_kill: {n} published in {:?}", started.elapsed());
+    sqs.sqs().purge_queue().queue_url(&q).send().await.unwrap();
+
+    let path = config.path.to_str().unwrap().to_string();
+    let command = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_outbox-relay"))
+            .args(args)
+            .args(["--config", &path])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let copied = || async {
+        let r = c.query_opt("SELECT id, copied FROM outbox_replays ORDER BY id DESC LIMIT 1", &[]).await.unwrap();
+        r.map_or((0, 0), |r| (r.get::<_, i64>(0), r.get::<_, i64>(1)))
+    };
+    let rate = (n / 5).to_string();
+    let mut cmd = command(&["replay", "--since", &before, "--rate", &rate]);
+    wait_for("a part copied", Duration::from_secs(60), || async { copied().await.1 >= n as i64 / 5 }).await;
+    cmd.kill().unwrap();
+    cmd.wait().unwrap();
+    relay.kill();
+    let (id, at_kill) = copied().await;
+    assert!(at_kill < n as i64, "killed before the end: {at_kill}");
+    relay = RelayProcess::spawn(&config.path, &[]);
+    let out = command(&["replay", "resume", &id.to_string()]).wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains(&format!("DONE: {n}/{n} events copied")), "{said}");
+
+    eprintln!("replay_kill: replayed in {:?}", started.elapsed());
+    let mut last: HashMap<String, (usize, usize)> = HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    let (mut messages, end) = (0, std::time::Instant::now() + Duration::from_secs(240));
+    while seen.len() < n && std::time::Instant::now() < end {
+        let round = receive_round(&sqs, &q, 1).await.unwrap();
+        messages += round.messages.len();
+        for (body, group) in round.messages {
+            let (tag, i) = body.split_once(':').unwrap();
+            let at = (tag.trim_start_matches('k').parse::<usize>().unwrap(), i.parse::<usize>().unwrap());
+            if seen.insert(body) {
+                let before = last.insert(group.clone().unwrap(), at);
+                assert!(before.is_none_or(|b| b < at), "group {group:?}: {at:?} after {before:?}");
+            }
+        }
+    }
+    eprintln!("replay_kill: {messages} messages received in {:?}", started.elapsed());
+    assert_eq!(seen.len(), n, "every event once more");
+    relay.kill();
+}
