@@ -105,6 +105,10 @@ struct Args {
     /// path's drain of as many fresh rows, at each body size.
     #[arg(long)]
     replay_only: Option<usize>,
+    /// Run only the stream's drain of this many rows with the archive on
+    /// beside the same drain without it, at each body size.
+    #[arg(long)]
+    archive_only: Option<usize>,
     /// Run only `--many-destinations` (a queue-URL template) through the SQS
     /// stand-in, at 2 and 20 rows/s each, for this many seconds each.
     #[arg(long)]
@@ -118,6 +122,7 @@ struct Args {
     serve_standin: Option<u64>,
 }
 
+mod archive;
 mod hot_queue;
 mod many;
 mod replay;
@@ -2185,6 +2190,13 @@ async fn main() {
         let rows = topic::topic_drains(&a, &sqs, n, &[200, 4096]).await;
         topic::print_topics(&rows);
         println!("{}", serde_json::to_string_pretty(&json!({ "topic": rows })).unwrap());
+        drop(stack_guard);
+        return;
+    }
+    if let Some(n) = a.archive_only {
+        let rows = archive::archive_drains(&a, &sqs, n, &[200, 4096]).await;
+        archive::print_archives(&rows);
+        println!("{}", serde_json::to_string_pretty(&json!({ "archive": rows })).unwrap());
         drop(stack_guard);
         return;
     }

@@ -145,3 +145,62 @@ fn line(s: &Settlement, now: i64) -> Line {
         replay_of: e.replay_of,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering as AtomicOrdering;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::event::{DeliverAt, Origin, OutboxEvent};
+    use crate::pipeline::settle::Due;
+    use crate::publish::offload::MemoryStore;
+
+    fn published(id: i64, destination: &str) -> Settlement {
+        let event = OutboxEvent {
+            event_id: format!("e{id}"),
+            destination: destination.into(),
+            body: "b".into(),
+            group_key: None,
+            attributes: None,
+            commit_time_us: 0,
+            deliver_at: DeliverAt::Unset,
+            replay_of: None,
+            origin: Origin::Own { id, commit: None },
+        };
+        Settlement::new(Arc::new(event), None, Arc::from(destination), Outcome::Published)
+    }
+
+    fn archive(store: &Arc<MemoryStore>) -> Archive {
+        let settings = ArchiveConfig {
+            bucket: "b".into(),
+            key_prefix: "a/".into(),
+            endpoint_url: None,
+            window: None,
+            flush_interval: Duration::from_millis(10),
+            segment_bytes: 1 << 20,
+        };
+        Archive::new(Arc::clone(store) as Arc<dyn ObjectStore>, settings)
+    }
+
+    /// A table claim's published events are archived before it commits, a
+    /// segment per destination; when S3 does not take them they are not
+    /// settled as published but left for the table path to send again.
+    #[tokio::test]
+    async fn a_claim_is_archived_or_sent_again_never_settled_unarchived() {
+        let store = Arc::new(MemoryStore::default());
+        let a = archive(&store);
+        let metrics = Metrics::new();
+        let mut batch = vec![published(1, "orders"), published(2, "audit"), published(3, "orders")];
+        a.keep(&mut batch, &metrics).await;
+        assert!(batch.iter().all(|s| matches!(s.outcome, Outcome::Published)));
+        assert_eq!(store.len(), 2, "a segment per destination");
+        assert_eq!(metrics.archived_events.with_label_values(&["orders"]).get(), 2);
+
+        store.down.store(true, AtomicOrdering::Release);
+        let mut batch = vec![published(4, "orders")];
+        a.keep(&mut batch, &metrics).await;
+        assert!(matches!(&batch[0].outcome, Outcome::Deferred(why, Due::Backoff) if why.starts_with("archive: S3.")));
+        assert_eq!(metrics.archive_failures.get(), u64::from(crate::policy::retry::ARCHIVE_CLAIM_TRIES));
+    }
+}

@@ -66,3 +66,44 @@ pub async fn sweep_once(archive: &Archive, cutoff_us: i64) -> Result<usize, Call
     }
     Ok(deleted)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ArchiveConfig;
+    use crate::publish::offload::{MemoryStore, ObjectStore};
+
+    #[tokio::test]
+    async fn segments_past_the_window_go_and_the_rest_stay() {
+        let store = Arc::new(MemoryStore::default());
+        let settings = ArchiveConfig {
+            bucket: "b".into(),
+            key_prefix: "a/".into(),
+            endpoint_url: None,
+            window: Some(Duration::from_secs(60)),
+            flush_interval: Duration::from_millis(10),
+            segment_bytes: 1 << 20,
+        };
+        let archive = Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings);
+        for dest in ["orders", "x/y"] {
+            for t in [10, 20, 30, 40] {
+                let key = super::super::segment::key("a/", dest, t, "w-0");
+                store.put("b", &key, bytes::Bytes::from_static(b"")).await.unwrap();
+            }
+        }
+        store.put("b", "a/other-file", bytes::Bytes::from_static(b"")).await.unwrap();
+        assert_eq!(sweep_once(&archive, 30).await.unwrap(), 4, "10 and 20 of each destination");
+        let left = store.list("b", "a/", None, 100).await.unwrap();
+        assert_eq!(left.len(), 5, "{left:?}");
+        assert!(left.iter().all(|k| !k.contains("00000000000000000010-")));
+        assert_eq!(sweep_once(&archive, 30).await.unwrap(), 0);
+        assert_eq!(sweep_once(&archive, i64::MAX).await.unwrap(), 4, "a key that is not a segment's stays");
+    }
+
+    #[test]
+    fn the_sweep_runs_a_tenth_of_the_window_apart() {
+        assert_eq!(every(Duration::from_secs(7 * 86_400)), Duration::from_secs(3_600));
+        assert_eq!(every(Duration::from_secs(5)), Duration::from_secs(1));
+        assert_eq!(every(Duration::from_secs(600)), Duration::from_secs(60));
+    }
+}
