@@ -193,22 +193,28 @@ async fn a_replay_that_cannot_run_is_refused_with_the_fix() {
 const O: &str = "http://memory.invalid/r1/Order";
 
 /// With `published_rows = "delete"`, rows deleted by their own transaction
-/// and a Debezium table's insert-and-delete, the tables keep nothing; the
+/// and a Debezium table's insert-and-delete, the tables keep nothing (a
+/// topic-payload table keeps its rows, marked); the
 /// archive (ministack's S3) has every event settled, and a replay from it
 /// sends each once more, marked and in its group's order, resuming where
-/// it was interrupted; `--table` takes one mapped table's; the window's
+/// it was interrupted; `--table` takes one mapped table's (Debezium's, the
+/// topic-payload one); the window's
 /// sweep deletes what is older, and a replay then says what is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_archive_replays_what_the_tables_deleted() {
     let db = TestDb::new("replay_arch").await;
     crate::mapped::debezium_table(&db).await;
+    crate::topic_payload::topic_payload_table(&db, true).await;
     let p = MemoryPublisher::new();
     for (url, fifo) in [(F, true), (S, false), (O, false)] {
         p.add_queue(url, fifo, 262_144);
     }
     let bucket = testkit::create_bucket("archive").await;
     let mut cfg = config(&db, &[("orders.fifo", F), ("audit", S), ("Order", O)]);
-    cfg.mapped = vec![Mapping::preset(Preset::Debezium, "app", "outboxevent")];
+    cfg.mapped = vec![
+        Mapping::preset(Preset::Debezium, "app", "outboxevent"),
+        Mapping::preset(Preset::TopicPayload, "public", "outbox_messages"),
+    ];
     cfg.archive = Some(ArchiveConfig {
         bucket: bucket.clone(),
         key_prefix: "it/".into(),
@@ -234,12 +240,13 @@ async fn the_archive_replays_what_the_tables_deleted() {
              INSERT INTO app.outboxevent (id, aggregatetype, aggregateid, type, payload)
              VALUES (eid, 'Order', 'agg' || i, 'OrderShipped', jsonb_build_object('shipped', i));
              DELETE FROM app.outboxevent WHERE id = eid;
-         END LOOP; END $$;",
+         END LOOP; END $$;
+         INSERT INTO outbox_messages (topic, payload) SELECT 'audit', jsonb_build_object('tp', i) FROM generate_series(1, 7) i;",
     )
     .await
     .unwrap();
     wait_for("every event published", Duration::from_secs(60), || async {
-        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (900, 10, 5)
+        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (900, 17, 5)
     })
     .await;
     wait_for("every row settled, deleted", Duration::from_secs(60), || async { db.count("true").await == 0 }).await;
@@ -261,7 +268,7 @@ async fn the_archive_replays_what_the_tables_deleted() {
     let mut sel = Selection { since: Some(before.clone()), ..Default::default() };
     let planned = replay::plan(&c, &cfg, &mut sel).await.unwrap();
     let counts: Vec<(&str, i64)> = planned.iter().map(|p| (p.destination.as_str(), p.events)).collect();
-    assert_eq!(counts, [("Order", 5), ("audit", 10), ("orders.fifo", 900)]);
+    assert_eq!(counts, [("Order", 5), ("audit", 17), ("orders.fifo", 900)]);
     assert_eq!(sel.source, Some(replay::Source::Archive));
     let id = replay::start(&c, &sel, &planned).await.unwrap();
     let batches = std::sync::atomic::AtomicUsize::new(0);
@@ -269,11 +276,11 @@ async fn the_archive_replays_what_the_tables_deleted() {
     let stop = || batches.load(std::sync::atomic::Ordering::Relaxed) >= 2;
     let r = replay::run(&mut c, &cfg, id, Some(400), once, stop).await.unwrap();
     assert_eq!(r.state, ReplayState::Running, "interrupted");
-    assert!(r.copied > 0 && r.copied < 915, "{r:?}");
+    assert!(r.copied > 0 && r.copied < 922, "{r:?}");
     let r = replay::run(&mut c, &cfg, id, None, |_| {}, || false).await.unwrap();
-    assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 915, 915));
+    assert_eq!((r.state, r.copied, r.total), (ReplayState::Done, 922, 922));
     wait_for("the copies sent", Duration::from_secs(60), || async {
-        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (1800, 20, 10)
+        (p.sent(F).len(), p.sent(S).len(), p.sent(O).len()) == (1800, 34, 10)
     })
     .await;
     let again = p.sent(F);
@@ -284,16 +291,19 @@ async fn the_archive_replays_what_the_tables_deleted() {
     );
     let all = [again, p.sent(S), p.sent(O)].concat();
     let copies: Vec<&Sent> = all.iter().filter(|s| replay_of(s) == Some(id.to_string())).collect();
-    assert_eq!(copies.len(), 915, "every event once more, each marked");
+    assert_eq!(copies.len(), 922, "every event once more, each marked");
     let mut ids: Vec<&str> = copies.iter().map(|s| s.event_id.as_str()).collect();
     ids.sort_unstable();
     ids.dedup();
-    assert_eq!(ids.len(), 915, "none twice");
+    assert_eq!(ids.len(), 922, "none twice");
 
     // One mapped table's events; from the command line as JSON.
     let mut one = Selection { table: Some("app.outboxevent".into()), since: Some(before), ..Default::default() };
     let planned = replay::plan(&c, &cfg, &mut one).await.unwrap();
     assert_eq!(planned.iter().map(|p| (p.destination.as_str(), p.events)).collect::<Vec<_>>(), [("Order", 5)]);
+    let mut tp = Selection { table: Some("public.outbox_messages".into()), ..Default::default() };
+    let planned = replay::plan(&c, &cfg, &mut tp).await.unwrap();
+    assert_eq!(planned.iter().map(|p| (p.destination.as_str(), p.events)).collect::<Vec<_>>(), [("audit", 7)]);
     let env = [
         ("OUTBOX_RELAY_DATABASE_URL", db.url.as_str()),
         ("OUTBOX_RELAY_SLOT", db.slot.as_str()),
@@ -306,7 +316,7 @@ async fn the_archive_replays_what_the_tables_deleted() {
     let (ok, out, err) = crate::table_path::cli(&args, &env);
     assert!(ok, "{err}");
     let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(shown[0]["events"].as_i64(), Some(10), "{out}");
+    assert_eq!(shown[0]["events"].as_i64(), Some(17), "{out}");
 
     // Past its window, the archive holds nothing, and says so.
     let deleted = sweep_once(&archive, outbox_relay::clock::now_unix_us() + 1).await.unwrap();
