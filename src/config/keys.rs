@@ -230,7 +230,7 @@ pub const ARCHIVE_SEGMENT_BYTES: Key = key(
     "archive.segment_bytes",
     Kind::Size { min: 1 << 20, max: 1 << 30 },
     Some("8MB"),
-    "a destination's segment is written once its bodies reach this, before the interval ends",
+    "the gathering is archived early once its published bodies reach this, before the interval ends",
 );
 
 /// Every key, in the order of the reference in docs/configuration.md.

@@ -541,7 +541,7 @@ pub struct ArchiveConfig {
     pub window: Option<Duration>,
     /// How long the stream's settlements wait to be archived together.
     pub flush_interval: Duration,
-    /// A destination's segment is written once its bodies reach this many
+    /// A gathering is archived early once its published bodies reach this many
     /// bytes, before the interval ends.
     pub segment_bytes: usize,
 }

@@ -102,13 +102,23 @@ async fn next_keys(
         (Some(_), Some(since)) => Some(after(&scope, since)),
         _ => None,
     };
-    let from = match (cursor, start.as_deref()) {
-        (Some(c), Some(s)) => Some(c.max(s)),
-        (c, s) => c.or(s),
+    let mut from = match (cursor, start) {
+        (Some(c), Some(s)) => Some(c.to_string().max(s)),
+        (c, s) => c.map(str::to_string).or(s),
     };
-    let keys = archive.store.list(&archive.settings.bucket, &scope, from, PAGE).await.map_err(s3)?;
     let since = bounds.since_us.unwrap_or(i64::MIN);
-    Ok(keys.into_iter().filter(|k| written_us(folder_of(k), k).is_some_and(|t| t >= since)).collect())
+    loop {
+        let keys = archive.store.list(&archive.settings.bucket, &scope, from.as_deref(), PAGE).await.map_err(s3)?;
+        let Some(last) = keys.last().cloned() else { return Ok(keys) };
+        let kept: Vec<String> =
+            keys.into_iter().filter(|k| written_us(folder_of(k), k).is_some_and(|t| t >= since)).collect();
+        if !kept.is_empty() {
+            return Ok(kept);
+        }
+        // A page of segments older than `since` (other destinations'
+        // folders, listed from their start): on to the next.
+        from = Some(last);
+    }
 }
 
 /// A segment's lines.
@@ -288,6 +298,35 @@ async fn insert_copies(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ArchiveConfig;
+    use crate::publish::offload::{MemoryStore, ObjectStore};
+
+    /// Listed past pages of segments older than `since` (every
+    /// destination's folder is listed from its start): none is missed.
+    #[tokio::test]
+    async fn keys_after_a_page_of_old_ones_are_found() {
+        let store = Arc::new(MemoryStore::default());
+        let settings = ArchiveConfig {
+            bucket: "b".into(),
+            key_prefix: "a/".into(),
+            endpoint_url: None,
+            window: None,
+            flush_interval: std::time::Duration::from_millis(10),
+            segment_bytes: 1 << 20,
+        };
+        let archive = Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings);
+        let key = |dest: &str, t: i64| format!("{}{t:020}-w.jsonl.gz", folder("a/", dest));
+        for t in 0..(PAGE as i64 + 5) {
+            store.put("b", &key("a", t), bytes::Bytes::new()).await.unwrap();
+        }
+        store.put("b", &key("b", 5_000), bytes::Bytes::new()).await.unwrap();
+        let bounds = Bounds { since_us: Some(4_000), until_us: i64::MAX };
+        let all = Selection::default();
+        assert_eq!(next_keys(&archive, &all, bounds, None).await.unwrap(), [key("b", 5_000)]);
+        assert!(next_keys(&archive, &all, bounds, Some(&key("b", 5_000))).await.unwrap().is_empty());
+        let recent = Bounds { since_us: Some(PAGE as i64), until_us: i64::MAX };
+        assert_eq!(next_keys(&archive, &all, recent, None).await.unwrap().len(), 6);
+    }
 
     fn line(event_id: &str, published_us: i64) -> Line {
         Line {

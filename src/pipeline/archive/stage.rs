@@ -1,5 +1,5 @@
 //! The stream's archiver: between the lanes and the settler. It gathers
-//! settlements for `archive.flush_interval` (or until a destination's
+//! settlements for `archive.flush_interval` (or until their published
 //! bodies reach `archive.segment_bytes`), writes their published events
 //! as one segment per destination, and then hands every settlement of the
 //! gathering on, in the order it came: nothing is settled (and no slot
