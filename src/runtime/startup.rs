@@ -201,16 +201,15 @@ async fn offload_store(config: &Config, s3: &S3Config) -> Result<Arc<dyn ObjectS
 
 /// The archive's client, once its bucket answered `HeadBucket`.
 async fn archive(config: &Config, a: &ArchiveConfig) -> Result<Arc<Archive>, RelayError> {
-    let role = config.sqs_assume_role_arn.as_deref();
-    let store = S3Store::new(&config.sqs_region, a.endpoint_url.as_deref(), role).await;
-    store.check_bucket(&a.bucket).await.map_err(|e| {
+    let archive = Archive::on_s3(config, a).await;
+    archive.store.check_bucket(&a.bucket).await.map_err(|e| {
         RelayError::Startup(format!(
             "archive: bucket {:?} did not answer HeadBucket ({e}); create it or fix archive.bucket, s3.endpoint_url and the credentials (the relay needs s3:PutObject, s3:ListBucket and, with a window, s3:DeleteObject on it)",
             a.bucket
         ))
     })?;
     tracing::info!(bucket = %a.bucket, prefix = %a.key_prefix, window = ?a.window, "archiving every published event");
-    Ok(Arc::new(Archive::new(Arc::new(store), a.clone())))
+    Ok(Arc::new(archive))
 }
 
 /// How every queue is prepared for sending, configured or looked up on

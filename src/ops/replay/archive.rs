@@ -13,13 +13,11 @@
 //! An `until` a few seconds back leaves no such segment.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use tokio_postgres::{Client, GenericClient};
 
 use crate::config::Config;
 use crate::pipeline::archive::{after, decode, folder, written_us, Archive, Line};
-use crate::publish::offload::S3Store;
 use crate::publish::CallError;
 
 use super::{OpsError, Planned, Selection};
@@ -36,9 +34,7 @@ pub async fn open(config: &Config) -> Result<Archive, OpsError> {
                 .into(),
         ));
     };
-    let store =
-        S3Store::new(&config.sqs_region, a.endpoint_url.as_deref(), config.sqs_assume_role_arn.as_deref()).await;
-    Ok(Archive::new(Arc::new(store), a.clone()))
+    Ok(Archive::on_s3(config, a).await)
 }
 
 fn s3(e: CallError) -> OpsError {
@@ -298,7 +294,8 @@ async fn insert_copies(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ArchiveConfig;
+    use std::sync::Arc;
+
     use crate::publish::offload::{MemoryStore, ObjectStore};
 
     /// Listed past pages of segments older than `since` (every
@@ -306,15 +303,7 @@ mod tests {
     #[tokio::test]
     async fn keys_after_a_page_of_old_ones_are_found() {
         let store = Arc::new(MemoryStore::default());
-        let settings = ArchiveConfig {
-            bucket: "b".into(),
-            key_prefix: "a/".into(),
-            endpoint_url: None,
-            window: None,
-            flush_interval: std::time::Duration::from_millis(10),
-            segment_bytes: 1 << 20,
-        };
-        let archive = Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings);
+        let archive = Archive::in_memory(&store);
         let key = |dest: &str, t: i64| format!("{}{t:020}-w.jsonl.gz", folder("a/", dest));
         for t in 0..(PAGE as i64 + 5) {
             store.put("b", &key("a", t), bytes::Bytes::new()).await.unwrap();

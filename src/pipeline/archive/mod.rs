@@ -26,9 +26,10 @@ use bytes::Bytes;
 
 use crate::clock::now_unix_us;
 pub use crate::config::ArchiveConfig;
+use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::pipeline::settle::{Outcome, Settlement};
-use crate::publish::offload::ObjectStore;
+use crate::publish::offload::{ObjectStore, S3Store};
 use crate::publish::CallError;
 
 pub use segment::{after, decode, folder, written_us, Line};
@@ -56,6 +57,28 @@ impl Archive {
     pub fn new(store: Arc<dyn ObjectStore>, settings: ArchiveConfig) -> Archive {
         let writer = format!("{:x}{:08x}", std::process::id(), rand::random::<u32>());
         Archive { store, settings, writer, written: AtomicU64::new(0) }
+    }
+
+    /// The archive `settings` describe, in S3 on the relay's AWS
+    /// configuration (`config`'s region and role).
+    pub async fn on_s3(config: &Config, settings: &ArchiveConfig) -> Archive {
+        let role = config.sqs_assume_role_arn.as_deref();
+        let store = S3Store::new(&config.sqs_region, settings.endpoint_url.as_deref(), role).await;
+        Archive::new(Arc::new(store), settings.clone())
+    }
+
+    /// An archive in memory, its segments in `store`: for tests.
+    #[cfg(test)]
+    pub(crate) fn in_memory(store: &Arc<crate::publish::offload::MemoryStore>) -> Archive {
+        let settings = ArchiveConfig {
+            bucket: "b".into(),
+            key_prefix: "a/".into(),
+            endpoint_url: None,
+            window: None,
+            flush_interval: std::time::Duration::from_millis(20),
+            segment_bytes: 1 << 20,
+        };
+        Archive::new(Arc::clone(store) as Arc<dyn ObjectStore>, settings)
     }
 
     /// The published events of `batch` as one segment per destination (in
@@ -149,38 +172,15 @@ fn line(s: &Settlement, now: i64) -> Line {
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::Ordering as AtomicOrdering;
-    use std::time::Duration;
 
     use super::*;
-    use crate::event::{DeliverAt, Origin, OutboxEvent};
+    use crate::event::OutboxEvent;
     use crate::pipeline::settle::Due;
     use crate::publish::offload::MemoryStore;
 
     fn published(id: i64, destination: &str) -> Settlement {
-        let event = OutboxEvent {
-            event_id: format!("e{id}"),
-            destination: destination.into(),
-            body: "b".into(),
-            group_key: None,
-            attributes: None,
-            commit_time_us: 0,
-            deliver_at: DeliverAt::Unset,
-            replay_of: None,
-            origin: Origin::Own { id, commit: None },
-        };
-        Settlement::new(Arc::new(event), None, Arc::from(destination), Outcome::Published)
-    }
-
-    fn archive(store: &Arc<MemoryStore>) -> Archive {
-        let settings = ArchiveConfig {
-            bucket: "b".into(),
-            key_prefix: "a/".into(),
-            endpoint_url: None,
-            window: None,
-            flush_interval: Duration::from_millis(10),
-            segment_bytes: 1 << 20,
-        };
-        Archive::new(Arc::clone(store) as Arc<dyn ObjectStore>, settings)
+        let event = Arc::new(OutboxEvent::for_test(id, destination, "b"));
+        Settlement::new(event, None, Arc::from(destination), Outcome::Published)
     }
 
     /// A table claim's published events are archived before it commits, a
@@ -189,7 +189,7 @@ mod tests {
     #[tokio::test]
     async fn a_claim_is_archived_or_sent_again_never_settled_unarchived() {
         let store = Arc::new(MemoryStore::default());
-        let a = archive(&store);
+        let a = Archive::in_memory(&store);
         let metrics = Metrics::new();
         let mut batch = vec![published(1, "orders"), published(2, "audit"), published(3, "orders")];
         a.keep(&mut batch, &metrics).await;

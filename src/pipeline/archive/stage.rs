@@ -105,34 +105,13 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::event::{Origin, OutboxEvent};
-    use crate::pipeline::archive::{decode, ArchiveConfig};
+    use crate::event::OutboxEvent;
+    use crate::pipeline::archive::decode;
     use crate::policy::dead::{DeadCode, DeadReason};
     use crate::publish::offload::{MemoryStore, ObjectStore};
 
     fn event(id: i64) -> Arc<OutboxEvent> {
-        Arc::new(OutboxEvent {
-            event_id: format!("e{id}"),
-            destination: "orders".into(),
-            body: format!("body {id}"),
-            group_key: Some("g".into()),
-            attributes: None,
-            commit_time_us: id,
-            deliver_at: crate::event::DeliverAt::Unset,
-            replay_of: None,
-            origin: Origin::Own { id, commit: None },
-        })
-    }
-
-    fn settings() -> ArchiveConfig {
-        ArchiveConfig {
-            bucket: "b".into(),
-            key_prefix: "a/".into(),
-            endpoint_url: None,
-            window: None,
-            flush_interval: Duration::from_millis(20),
-            segment_bytes: 1 << 20,
-        }
+        Arc::new(OutboxEvent::for_test(id, "orders", &format!("body {id}")))
     }
 
     /// Settlements reach the settler only once their segment is written,
@@ -141,7 +120,7 @@ mod tests {
     async fn nothing_is_settled_before_it_is_archived() {
         let store = Arc::new(MemoryStore::default());
         store.down.store(true, Ordering::Release);
-        let archive = Arc::new(Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings()));
+        let archive = Arc::new(Archive::in_memory(&store));
         let (tx, rx) = mpsc::unbounded_channel();
         let (settle_tx, mut settled) = mpsc::unbounded_channel();
         let metrics = Metrics::new();
@@ -168,7 +147,7 @@ mod tests {
         assert_eq!(keys.len(), 1, "{keys:?}");
         let lines = decode(&store.get("b", &keys[0]).unwrap()).unwrap();
         let archived: Vec<&str> = lines.iter().map(|l| l.event_id.as_str()).collect();
-        assert_eq!(archived, ["e1", "e2", "e3"]);
+        assert_eq!(archived, ["e:1", "e:2", "e:3"]);
         drop(tx);
         task.await.unwrap();
     }
@@ -179,7 +158,7 @@ mod tests {
     async fn a_stop_while_the_archive_is_down_settles_nothing() {
         let store = Arc::new(MemoryStore::default());
         store.down.store(true, Ordering::Release);
-        let archive = Arc::new(Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings()));
+        let archive = Arc::new(Archive::in_memory(&store));
         let (tx, rx) = mpsc::unbounded_channel();
         let (settle_tx, mut settled) = mpsc::unbounded_channel();
         let task = tokio::spawn(run_archiver(archive, rx, settle_tx, Metrics::new()));

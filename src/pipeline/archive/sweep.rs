@@ -70,21 +70,12 @@ pub async fn sweep_once(archive: &Archive, cutoff_us: i64) -> Result<usize, Call
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ArchiveConfig;
     use crate::publish::offload::{MemoryStore, ObjectStore};
 
     #[tokio::test]
     async fn segments_past_the_window_go_and_the_rest_stay() {
         let store = Arc::new(MemoryStore::default());
-        let settings = ArchiveConfig {
-            bucket: "b".into(),
-            key_prefix: "a/".into(),
-            endpoint_url: None,
-            window: Some(Duration::from_secs(60)),
-            flush_interval: Duration::from_millis(10),
-            segment_bytes: 1 << 20,
-        };
-        let archive = Archive::new(Arc::clone(&store) as Arc<dyn ObjectStore>, settings);
+        let archive = Archive::in_memory(&store);
         for dest in ["orders", "x/y"] {
             for t in [10, 20, 30, 40] {
                 let key = super::super::segment::key("a/", dest, t, "w-0");
